@@ -1,0 +1,47 @@
+"""radbo: resource-aware federated bilevel optimization on heterogeneous edge devices."""
+
+from radbo.aggregation import CoverageMean, apply_step, coverage_stats, coverage_weighted_mean
+from radbo.algorithms import RABO, RABOState
+from radbo.config import ConfigError, RunConfig, load_config, parse_config
+from radbo.experiment import Experiment, RunResult, build, run
+from radbo.hypergrad import HypergradEstimator, HypergradResult, ImplicitCG, Neumann
+from radbo.masks import StructurePlan, extract, scatter
+from radbo.masks.assigner import SubmodelAssigner
+from radbo.problem import Batch, BilevelProblem, ClientData
+from radbo.simulation import ClientBudget, SequentialBackend, Simulation
+from radbo.tasks import HyperRepresentation
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RABO",
+    "Batch",
+    "BilevelProblem",
+    "ClientBudget",
+    "ClientData",
+    "ConfigError",
+    "CoverageMean",
+    "Experiment",
+    "HyperRepresentation",
+    "HypergradEstimator",
+    "HypergradResult",
+    "ImplicitCG",
+    "Neumann",
+    "RABOState",
+    "RunConfig",
+    "RunResult",
+    "SequentialBackend",
+    "Simulation",
+    "StructurePlan",
+    "SubmodelAssigner",
+    "__version__",
+    "apply_step",
+    "build",
+    "coverage_stats",
+    "coverage_weighted_mean",
+    "extract",
+    "load_config",
+    "parse_config",
+    "run",
+    "scatter",
+]

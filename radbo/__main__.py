@@ -1,0 +1,5 @@
+import sys
+
+from radbo.cli import main
+
+sys.exit(main())

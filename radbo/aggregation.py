@@ -1,0 +1,172 @@
+"""Server-side aggregation of client updates given in submodel coordinates.
+
+The parameter-wise coverage-weighted mean is RABO's server rule (eqs. (6) and (8) of
+``papers/rabo_rafbo.txt``): for every coordinate k of a tensor,
+
+    mean_k = sum_{i in N_k} w_i * u_{i,k} / sum_{i in N_k} w_i,
+
+where N_k is the set of clients whose mask holds k. Coordinates no client holds have no
+mean; :func:`apply_step` leaves them unchanged (Alg. 1, lines 15-16 and 28-29).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from radbo.typing import IndexSet, Params
+
+
+@dataclass(frozen=True)
+class CoverageMean:
+    """Result of :func:`coverage_weighted_mean`, everything in full-model coordinates.
+
+    Attributes:
+        mean: per tensor, the weighted mean over the clients holding each coordinate (zero
+            where nobody holds it).
+        weight: per tensor, the summed weights ``sum_{i in N_k} w_i`` (zero where nobody holds it).
+        count: per tensor, the number of clients holding each coordinate, ``C^k = |N_k|`` (int64).
+    """
+
+    mean: Params
+    weight: Params
+    count: Params
+
+    def covered(self, name: str) -> Tensor:
+        """Boolean tensor: True where at least one client held the coordinate."""
+        return self.count[name] > 0
+
+
+def _kept_view(index: tuple[Tensor | None, ...], shape: torch.Size) -> tuple[Tensor | slice, ...]:
+    """Advanced-indexing key selecting the Cartesian product of the per-dimension index sets.
+
+    Written by hand because the index sets are radbo's own structured-mask format: each
+    dimension either keeps everything (``None``) or a sorted index list.
+    """
+    if len(index) != len(shape):
+        raise ValueError(f"index set has {len(index)} dimensions, tensor has {len(shape)}")
+    lists = [
+        torch.arange(n) if idx is None else idx.to(torch.long)
+        for idx, n in zip(index, shape, strict=True)
+    ]
+    if not lists:
+        return ()
+    return tuple(torch.meshgrid(*lists, indexing="ij"))
+
+
+def coverage_weighted_mean(
+    updates: Sequence[Params],
+    index_sets: Sequence[IndexSet],
+    shapes: Mapping[str, torch.Size],
+    weights: Sequence[float] | None = None,
+) -> CoverageMean:
+    """Parameter-wise coverage-weighted mean of client updates (RABO eqs. (6), (8)).
+
+    Args:
+        updates: one dict per client, tensors in that client's submodel coordinates. Only the
+            names in ``shapes`` are aggregated; every client must send all of them.
+        index_sets: one per client; ``index_sets[i][name]`` maps update ``name`` of client i
+            to full-model coordinates (see :data:`radbo.typing.IndexSet`).
+        shapes: full-model shape of each aggregated tensor.
+        weights: one non-negative weight per client (default: all 1, as in the paper).
+
+    Returns:
+        :class:`CoverageMean` with mean, summed weights and client counts per coordinate.
+
+    Example (two clients, one holding only the first coordinate):
+        >>> import torch
+        >>> u = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0])}]
+        >>> idx = [{"w": (None,)}, {"w": (torch.tensor([0]),)}]
+        >>> agg = coverage_weighted_mean(u, idx, {"w": torch.Size([2])})
+        >>> agg.mean["w"].tolist(), agg.count["w"].tolist()
+        ([2.0, 2.0], [2, 1])
+    """
+    if len(updates) != len(index_sets):
+        raise ValueError(f"got {len(updates)} updates but {len(index_sets)} index sets")
+    if weights is None:
+        weights = [1.0] * len(updates)
+    if len(weights) != len(updates):
+        raise ValueError(f"got {len(updates)} updates but {len(weights)} weights")
+    if any(w < 0 for w in weights):
+        raise ValueError(f"aggregation weights must be non-negative, got {list(weights)}")
+    mean: Params = {}
+    weight_sum: Params = {}
+    count: Params = {}
+    for name, shape in shapes.items():
+        num = torch.zeros(shape, dtype=torch.float64)
+        den = torch.zeros(shape, dtype=torch.float64)
+        cnt = torch.zeros(shape, dtype=torch.int64)
+        for update, index_set, w in zip(updates, index_sets, weights, strict=True):
+            if name not in update:
+                raise ValueError(f"client update is missing tensor {name!r}")
+            key = _kept_view(index_set.get(name, (None,) * len(shape)), shape)
+            sub = update[name]
+            expected = num[key].shape
+            if sub.shape != expected:
+                raise ValueError(
+                    f"client update {name!r} has shape {tuple(sub.shape)}, "
+                    f"its index set selects {tuple(expected)}"
+                )
+            num[key] += w * sub.detach().to(torch.float64)
+            den[key] += w
+            cnt[key] += 1
+        dtype = updates[0][name].dtype if updates else torch.float32
+        held = den > 0
+        mean[name] = torch.where(held, num / den.clamp_min(1e-300), 0.0).to(dtype)
+        weight_sum[name] = den.to(dtype)
+        count[name] = cnt
+    return CoverageMean(mean=mean, weight=weight_sum, count=count)
+
+
+def apply_step(params: Params, agg: CoverageMean, lr: float) -> Params:
+    """``p_k <- p_k - lr * mean_k`` on covered coordinates; uncovered ones stay unchanged."""
+    out: Params = {}
+    for name, value in params.items():
+        if name not in agg.mean:
+            out[name] = value
+            continue
+        out[name] = torch.where(agg.covered(name), value - lr * agg.mean[name], value)
+    return out
+
+
+def apply_mean(params: Params, agg: CoverageMean) -> Params:
+    """Replace covered coordinates by the mean (used for BatchNorm running statistics)."""
+    out: Params = {}
+    for name, value in params.items():
+        if name not in agg.mean or not value.is_floating_point():
+            out[name] = value
+            continue
+        out[name] = torch.where(agg.covered(name), agg.mean[name], value)
+    return out
+
+
+@dataclass(frozen=True)
+class CoverageStats:
+    """Coverage of one variable block in one round (RABO Definition 3, Table I).
+
+    Attributes:
+        min_coverage: ``C* = min_k C^k`` over the coordinates trained this round (0 if none).
+        untrained_fraction: fraction of the block's coordinates no sampled client held.
+        histogram: ``histogram[c]`` = number of coordinates held by exactly c clients.
+    """
+
+    min_coverage: int
+    untrained_fraction: float
+    histogram: list[int]
+
+
+def coverage_stats(count: Mapping[str, Tensor], names: Sequence[str]) -> CoverageStats:
+    """Summarise per-coordinate client counts over the tensors ``names``."""
+    if not names:
+        return CoverageStats(min_coverage=0, untrained_fraction=0.0, histogram=[])
+    flat = torch.cat([count[n].reshape(-1) for n in names])
+    trained = flat[flat > 0]
+    min_cov = int(trained.min()) if trained.numel() else 0
+    return CoverageStats(
+        min_coverage=min_cov,
+        untrained_fraction=float((flat == 0).sum()) / flat.numel(),
+        histogram=torch.bincount(flat).tolist(),
+    )

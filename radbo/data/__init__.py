@@ -1,0 +1,47 @@
+"""Data sets, client partitions and file readers for radbo (all offline).
+
+* :mod:`radbo.data.datasets` -- the :class:`Dataset` container, :func:`load_digits`
+  (scikit-learn's bundled digits, the embedded default), loaders for MNIST (IDX),
+  CIFAR-10 (binary) and Omniglot (PNG folders) from a local directory, and a
+  stratified :func:`train_test_split`.
+* :mod:`radbo.data.partition` -- iid, shards, Dirichlet and FedMSA q-dominant
+  client partitions, :func:`split_indices` and :func:`label_histogram`.
+* :mod:`radbo.data.readers` -- validating readers of the raw file formats.
+"""
+
+from radbo.data.datasets import (
+    Dataset,
+    load_cifar10,
+    load_digits,
+    load_mnist,
+    load_omniglot,
+    train_test_split,
+)
+from radbo.data.partition import (
+    label_histogram,
+    partition_dirichlet,
+    partition_iid,
+    partition_q_dominant,
+    partition_shards,
+    split_indices,
+)
+from radbo.data.readers import read_cifar10, read_idx, read_mnist, read_omniglot
+
+__all__ = [
+    "Dataset",
+    "label_histogram",
+    "load_cifar10",
+    "load_digits",
+    "load_mnist",
+    "load_omniglot",
+    "partition_dirichlet",
+    "partition_iid",
+    "partition_q_dominant",
+    "partition_shards",
+    "read_cifar10",
+    "read_idx",
+    "read_mnist",
+    "read_omniglot",
+    "split_indices",
+    "train_test_split",
+]

@@ -1,0 +1,350 @@
+"""Split a data set's sample indices over federated clients.
+
+Every partition function takes the label vector of the whole data set and a
+``torch.Generator`` and returns one sorted ``int64`` index tensor per client. The
+parts are disjoint, together cover every index, no part is empty, and the result
+is a deterministic function of the labels, the arguments and the generator's
+state (the generator is advanced; nothing global is seeded). Impossible requests
+(more clients than samples, ``alpha <= 0``, ``classes_per_client`` out of range,
+...) raise :class:`ValueError` with a sentence naming the argument.
+
+Schemes:
+
+* :func:`partition_iid` -- uniform random split into near-equal parts.
+* :func:`partition_shards` -- the "pathological non-iid" split of FedAvg
+  (McMahan et al., 2017, Sec. 3) used by FedNest/FedMBO: sort by label, cut into
+  shards, give each client ``classes_per_client`` shards.
+* :func:`partition_dirichlet` -- per class, client proportions drawn from
+  ``Dir(alpha)`` (Hsu et al., 2019, "Measuring the effects of non-identical data
+  distribution").
+* :func:`partition_q_dominant` -- FedMSA's heterogeneity-level-``q`` split
+  (Tarzanagh et al., FedMSA, Sec. 4 "Loss function tuning", ``papers/fedmsa.txt``).
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "partition_iid",
+    "partition_shards",
+    "partition_dirichlet",
+    "partition_q_dominant",
+    "split_indices",
+    "label_histogram",
+]
+
+
+def _check_labels(labels: Tensor, where: str) -> Tensor:
+    """Return ``labels`` as a 1-D CPU ``int64`` tensor, or raise a clear error."""
+    if not isinstance(labels, Tensor):
+        raise ValueError(f"{where}: labels must be a torch.Tensor, got {type(labels).__name__}.")
+    if labels.ndim != 1 or labels.dtype.is_floating_point or labels.dtype.is_complex:
+        raise ValueError(
+            f"{where}: labels must be a 1-D integer tensor, got dtype {labels.dtype} and shape "
+            f"{tuple(labels.shape)}."
+        )
+    return labels.detach().to(device="cpu", dtype=torch.int64)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and np.isfinite(float(value))
+
+
+def _check_num_clients(num_clients: int, num_samples: int, where: str) -> int:
+    """Validate ``num_clients`` against the number of samples and return it as an ``int``."""
+    if not _is_int(num_clients) or num_clients < 1:
+        raise ValueError(f"{where}: num_clients must be a positive int, got {num_clients!r}.")
+    if num_clients > num_samples:
+        raise ValueError(
+            f"{where}: cannot give {num_clients} clients at least one sample each from "
+            f"{num_samples} samples; use at most {num_samples} clients."
+        )
+    return int(num_clients)
+
+
+def _check_generator(generator: torch.Generator, where: str) -> None:
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(
+            f"{where}: generator must be a torch.Generator (e.g. "
+            f"torch.Generator().manual_seed(0)), got {type(generator).__name__}."
+        )
+
+
+def _sorted_parts(parts: list[Tensor]) -> list[Tensor]:
+    return [torch.sort(p.to(torch.int64)).values for p in parts]
+
+
+def _equal_sizes(total: int, num_parts: int) -> list[int]:
+    """Sizes of ``num_parts`` near-equal parts of ``total``; the first ones get the extra."""
+    base, extra = divmod(total, num_parts)
+    return [base + (1 if i < extra else 0) for i in range(num_parts)]
+
+
+def partition_iid(labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+    """Uniform random split into ``num_clients`` parts whose sizes differ by at most one.
+
+    The first ``N mod num_clients`` clients hold one extra sample.
+
+    Example:
+        >>> parts = partition_iid(torch.arange(10) % 2, 3, torch.Generator().manual_seed(0))
+        >>> [len(p) for p in parts], sorted(torch.cat(parts).tolist()) == list(range(10))
+        ([4, 3, 3], True)
+    """
+    where = "partition_iid"
+    labels = _check_labels(labels, where)
+    num_clients = _check_num_clients(num_clients, labels.numel(), where)
+    _check_generator(generator, where)
+    order = torch.randperm(labels.numel(), generator=generator)
+    return _sorted_parts(list(torch.split(order, _equal_sizes(labels.numel(), num_clients))))
+
+
+def partition_shards(
+    labels: Tensor, num_clients: int, classes_per_client: int, generator: torch.Generator
+) -> list[Tensor]:
+    """FedAvg's shard split: each client receives ``classes_per_client`` label-sorted shards.
+
+    Following McMahan et al. (2017, Sec. 3) as used by FedNest and FedMBO: the
+    samples are sorted by label (class order and the order inside a class are
+    drawn at random from ``generator``), cut into
+    ``S = num_clients * classes_per_client`` contiguous shards of near-equal size,
+    and client ``k`` gets shards ``pi(k), pi(k) + num_clients, pi(k) + 2 num_clients, ...``
+    for a random permutation ``pi`` of the clients. Striding by ``num_clients``
+    (instead of FedAvg's unconstrained random assignment) guarantees that a
+    client's shards come from different classes: when every class holds the same
+    number of samples and that number is a multiple of the shard size, every
+    client sees exactly ``classes_per_client`` distinct labels.
+
+    Raises:
+        ValueError: ``classes_per_client`` is not in ``[1, number of classes]`` or
+            there are fewer samples than shards.
+    """
+    where = "partition_shards"
+    labels = _check_labels(labels, where)
+    num_clients = _check_num_clients(num_clients, labels.numel(), where)
+    _check_generator(generator, where)
+    classes = torch.unique(labels)
+    if not _is_int(classes_per_client) or not 1 <= classes_per_client <= classes.numel():
+        raise ValueError(
+            f"{where}: classes_per_client must be an int in [1, {classes.numel()}] (the number "
+            f"of distinct labels), got {classes_per_client!r}."
+        )
+    num_shards = num_clients * int(classes_per_client)
+    if num_shards > labels.numel():
+        raise ValueError(
+            f"{where}: {num_clients} clients x {classes_per_client} classes_per_client = "
+            f"{num_shards} shards, more than the {labels.numel()} samples; lower either."
+        )
+    # Random class order and random order within a class, then a stable sort by class.
+    class_rank = torch.empty(int(classes.max()) - int(classes.min()) + 1, dtype=torch.int64)
+    class_rank[classes - classes.min()] = torch.randperm(classes.numel(), generator=generator)
+    shuffled = torch.randperm(labels.numel(), generator=generator)
+    ranks = class_rank[labels[shuffled] - classes.min()]
+    order = shuffled[torch.argsort(ranks, stable=True)]
+    shards = torch.split(order, _equal_sizes(labels.numel(), num_shards))
+    client_of = torch.randperm(num_clients, generator=generator)
+    parts: list[list[Tensor]] = [[] for _ in range(num_clients)]
+    for s, shard in enumerate(shards):
+        parts[int(client_of[s % num_clients])].append(shard)
+    return _sorted_parts([torch.cat(p) for p in parts])
+
+
+def _torch_seeded_numpy(generator: torch.Generator) -> np.random.Generator:
+    """A numpy Generator whose seed is drawn from (and advances) ``generator``."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64))
+    return np.random.default_rng(seed)
+
+
+def partition_dirichlet(
+    labels: Tensor,
+    num_clients: int,
+    alpha: float,
+    generator: torch.Generator,
+    *,
+    min_size: int = 1,
+) -> list[Tensor]:
+    """Dirichlet label-skew split (Hsu et al., 2019), as in FedNest's non-iid experiments.
+
+    For every class ``c`` independently, proportions ``p_c ~ Dir(alpha * 1)`` over
+    the clients are drawn and the class's samples (in random order) are cut at
+    ``floor(N_c * cumsum(p_c))``. Small ``alpha`` concentrates each class on few
+    clients; large ``alpha`` approaches an iid split. The Dirichlet draws use a
+    numpy ``Generator`` seeded from ``generator`` (numpy handles tiny ``alpha``
+    stably), so the result is reproducible from the torch generator.
+
+    Minimum size rule: a client left with fewer than ``min_size`` samples (default
+    1: nobody is empty) receives samples moved one at a time from the currently
+    largest client (lowest index on ties), the moved sample drawn uniformly from
+    that client with ``generator``. This always terminates and changes the draw
+    only where it would violate the minimum.
+
+    Raises:
+        ValueError: ``alpha`` is not a positive finite number, ``min_size < 1``, or
+            ``num_clients * min_size`` exceeds the number of samples.
+    """
+    where = "partition_dirichlet"
+    labels = _check_labels(labels, where)
+    num_clients = _check_num_clients(num_clients, labels.numel(), where)
+    _check_generator(generator, where)
+    if not (_is_real(alpha) and alpha > 0):
+        raise ValueError(
+            f"{where}: alpha must be a positive finite number (small = skewed, large = near "
+            f"iid), got {alpha!r}."
+        )
+    if not _is_int(min_size) or min_size < 1:
+        raise ValueError(
+            f"{where}: min_size must be an int >= 1 (no client may be empty), got {min_size!r}."
+        )
+    min_size = int(min_size)
+    if num_clients * min_size > labels.numel():
+        raise ValueError(
+            f"{where}: {num_clients} clients x min_size {min_size} = "
+            f"{num_clients * min_size} samples needed, but there are only {labels.numel()}."
+        )
+    rng = _torch_seeded_numpy(generator)
+    buckets: list[list[Tensor]] = [[] for _ in range(num_clients)]
+    for cls in torch.unique(labels).tolist():
+        members = torch.nonzero(labels == cls).flatten()
+        members = members[torch.randperm(members.numel(), generator=generator)]
+        proportions = rng.dirichlet(np.full(num_clients, float(alpha)))
+        cuts = np.floor(np.cumsum(proportions) * members.numel()).astype(np.int64)
+        cuts = np.clip(cuts, 0, members.numel())
+        cuts[-1] = members.numel()
+        sizes = np.diff(np.concatenate([[0], cuts])).tolist()
+        for client, chunk in enumerate(torch.split(members, sizes)):
+            buckets[client].append(chunk)
+    parts = [torch.cat(b) for b in buckets]
+    sizes_now = [p.numel() for p in parts]
+    while min(sizes_now) < min_size:
+        needy = sizes_now.index(min(sizes_now))
+        donor = sizes_now.index(max(sizes_now))
+        pick = int(torch.randint(sizes_now[donor], (1,), generator=generator))
+        moved = parts[donor][pick : pick + 1]
+        parts[donor] = torch.cat([parts[donor][:pick], parts[donor][pick + 1 :]])
+        parts[needy] = torch.cat([parts[needy], moved])
+        sizes_now[donor] -= 1
+        sizes_now[needy] += 1
+    return _sorted_parts(parts)
+
+
+def partition_q_dominant(
+    labels: Tensor, num_clients: int, q: float, generator: torch.Generator
+) -> list[Tensor]:
+    """FedMSA's split with heterogeneity level ``q`` (``papers/fedmsa.txt``, Sec. 4).
+
+    FedMSA (following Murata & Suzuki, 2021) gives every client the same number of
+    samples ``N / C``; client ``i`` first takes ``q x 100 %`` of its data from class
+    ``i`` (all of class ``i`` if it is too small), then the gap is filled by sampling
+    uniformly from the remaining samples of all classes; they then split each of
+    the ``C`` clients into smaller clients. Here the same rule is applied directly
+    to ``num_clients`` clients: client ``i``'s dominant class is the
+    ``(i mod C)``-th smallest label; client sizes are near-equal (the first
+    ``N mod num_clients`` get one extra); client ``i`` takes ``round(q * size_i)``
+    random samples of its dominant class (a class shared by several clients and
+    too small for all requests is shared as evenly as possible); the remaining
+    samples, shuffled, fill every client up to its size.
+
+    Because the fill is drawn from all classes (as in FedMSA), the dominant class's
+    share is ``q + (1 - q) * share of that class among the leftovers``, about
+    ``q + (1 - q) / C`` on balanced data: ``q = 0`` is an iid split and ``q = 1`` gives
+    each client only its dominant class when classes are balanced and
+    ``num_clients`` is a multiple of ``C``.
+
+    Raises:
+        ValueError: ``q`` is not in ``[0, 1]`` or there are more clients than samples.
+    """
+    where = "partition_q_dominant"
+    labels = _check_labels(labels, where)
+    num_clients = _check_num_clients(num_clients, labels.numel(), where)
+    _check_generator(generator, where)
+    if not (_is_real(q) and 0.0 <= q <= 1.0):
+        raise ValueError(f"{where}: q must be a number in [0, 1], got {q!r}.")
+    classes = torch.unique(labels).tolist()
+    sizes = _equal_sizes(labels.numel(), num_clients)
+    requests = [round(q * s) for s in sizes]
+    taken: list[Tensor] = [torch.empty(0, dtype=torch.int64) for _ in range(num_clients)]
+    leftovers: list[Tensor] = []
+    for c, cls in enumerate(classes):
+        members = torch.nonzero(labels == cls).flatten()
+        members = members[torch.randperm(members.numel(), generator=generator)]
+        clients = list(range(c, num_clients, len(classes)))
+        wanted = [requests[i] for i in clients]
+        if sum(wanted) > members.numel():
+            shares = _equal_sizes(members.numel(), len(clients))
+            wanted = [min(w, s) for w, s in zip(wanted, shares, strict=True)]
+        start = 0
+        for client, count in zip(clients, wanted, strict=True):
+            taken[client] = members[start : start + count]
+            start += count
+        leftovers.append(members[start:])
+    pool = torch.cat(leftovers)
+    pool = pool[torch.randperm(pool.numel(), generator=generator)]
+    gaps = [size - part.numel() for size, part in zip(sizes, taken, strict=True)]
+    fills = torch.split(pool, gaps)
+    return _sorted_parts([torch.cat([t, f]) for t, f in zip(taken, fills, strict=True)])
+
+
+def split_indices(
+    indices: Tensor, fraction: float, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Randomly split one client's indices into two disjoint sorted parts.
+
+    The first part holds ``round(fraction * n)`` of the ``n`` indices, clamped to
+    ``[1, n - 1]`` when ``n >= 2`` so that both parts are non-empty (e.g. inner/train
+    and outer/validation data of a bilevel client). With ``n <= 1`` the lone index
+    (if any) goes to the first part when ``fraction >= 0.5``.
+
+    Example:
+        >>> a, b = split_indices(torch.arange(10), 0.7, torch.Generator().manual_seed(0))
+        >>> len(a), len(b), sorted(torch.cat([a, b]).tolist()) == list(range(10))
+        (7, 3, True)
+
+    Raises:
+        ValueError: ``indices`` is not a 1-D integer tensor or ``fraction`` is not in
+            ``(0, 1)``.
+    """
+    where = "split_indices"
+    indices = _check_labels(indices, where)
+    _check_generator(generator, where)
+    if not (_is_real(fraction) and 0.0 < fraction < 1.0):
+        raise ValueError(f"{where}: fraction must lie strictly between 0 and 1, got {fraction!r}.")
+    n = indices.numel()
+    first = round(fraction * n)
+    if n >= 2:
+        first = min(max(first, 1), n - 1)
+    shuffled = indices[torch.randperm(n, generator=generator)]
+    return torch.sort(shuffled[:first]).values, torch.sort(shuffled[first:]).values
+
+
+def label_histogram(labels: Tensor, parts: list[Tensor], num_classes: int) -> Tensor:
+    """Per-client label counts: an ``int64`` tensor of shape ``(len(parts), num_classes)``.
+
+    Example:
+        >>> label_histogram(torch.tensor([0, 1, 1, 2]), [torch.tensor([0, 1]),
+        ...                 torch.tensor([2, 3])], 3).tolist()
+        [[1, 1, 0], [0, 1, 1]]
+
+    Raises:
+        ValueError: a label lies outside ``[0, num_classes)``.
+    """
+    labels = _check_labels(labels, "label_histogram")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f"label_histogram: labels must lie in [0, {num_classes}), found values in "
+            f"[{int(labels.min())}, {int(labels.max())}]; pass the data set's num_classes."
+        )
+    rows = [
+        torch.bincount(labels[p.to(device="cpu", dtype=torch.int64)], minlength=num_classes)
+        for p in parts
+    ]
+    if not rows:
+        return torch.zeros(0, num_classes, dtype=torch.int64)
+    return torch.stack(rows)

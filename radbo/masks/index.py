@@ -1,0 +1,144 @@
+"""Pure functions on index sets: extraction, scatter back, dense masks, counts.
+
+An :data:`~radbo.typing.IndexSet` maps a tensor name to one entry per dimension: a sorted
+``LongTensor`` of kept indices, or ``None`` when the whole dimension is kept. The kept
+coordinates are the Cartesian product of the entries (structured masks), so a submodel tensor is
+``full[k]`` restricted to that product and every function here is a sequence of
+``index_select`` / ``index_copy`` calls — exact, no arithmetic on values.
+
+>>> import torch
+>>> full = {"w": torch.arange(12.0).reshape(3, 4)}
+>>> idx = {"w": (torch.tensor([0, 2]), None)}
+>>> extract(full, idx)["w"].tolist()
+[[0.0, 1.0, 2.0, 3.0], [8.0, 9.0, 10.0, 11.0]]
+>>> torch.equal(scatter(extract(full, idx), idx, full)["w"], full["w"])
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from radbo.typing import IndexSet, Params
+
+__all__ = ["dense_mask", "extract", "index_set_numel", "restrict", "scatter"]
+
+
+def _entry(index_set: IndexSet, key: str, ndim: int) -> tuple[Tensor | None, ...]:
+    try:
+        entry = index_set[key]
+    except KeyError:
+        raise ValueError(
+            f"index set has no entry for tensor {key!r}; build it with "
+            "StructurePlan.index_sets, which covers every tensor of the state dict"
+        ) from None
+    if len(entry) != ndim:
+        raise ValueError(
+            f"index set entry for {key!r} has {len(entry)} dimensions but the tensor has {ndim}"
+        )
+    return entry
+
+
+def _select(tensor: Tensor, entry: tuple[Tensor | None, ...]) -> Tensor:
+    out = tensor
+    for dim, idx in enumerate(entry):
+        if idx is not None:
+            out = out.index_select(dim, idx.to(out.device))
+    return out
+
+
+def extract(full: Params, index_set: IndexSet) -> Params:
+    """Restrict every tensor of ``full`` to its kept coordinates.
+
+    Returns a new dict with the keys of ``full`` (``index_set`` may have more keys);
+    ``sub[k]`` is ``full[k]`` restricted to the Cartesian product of ``index_set[k]``. The
+    result never aliases ``full``: a tensor with no pruned dimension is cloned.
+    """
+    out: Params = {}
+    for key, tensor in full.items():
+        entry = _entry(index_set, key, tensor.ndim)
+        sub = _select(tensor, entry)
+        out[key] = tensor.clone() if sub is tensor else sub
+    return out
+
+
+def _put(target: Tensor, values: Tensor, entry: tuple[Tensor | None, ...], start: int) -> Tensor:
+    """``target`` with ``values`` written at the product ``entry[start:]`` (dims >= start)."""
+    for dim in range(start, len(entry)):
+        idx = entry[dim]
+        if idx is not None:
+            idx = idx.to(target.device)
+            inner = _put(target.index_select(dim, idx), values, entry, dim + 1)
+            return target.index_copy(dim, idx, inner)
+    return values.to(dtype=target.dtype)
+
+
+def scatter(sub: Params, index_set: IndexSet, base: Params) -> Params:
+    """Write submodel tensors back into full coordinates.
+
+    Returns a new dict with the keys of ``base``: copies of ``base`` whose kept positions (per
+    ``index_set``) are overwritten by ``sub``. Keys of ``base`` absent from ``sub`` are copied
+    unchanged; ``base`` is not mutated.
+    """
+    unknown = sorted(set(sub) - set(base))
+    if unknown:
+        raise ValueError(f"submodel tensors {unknown} have no counterpart in the base state")
+    out: Params = {}
+    for key, tensor in base.items():
+        if key not in sub:
+            out[key] = tensor.clone()
+            continue
+        entry = _entry(index_set, key, tensor.ndim)
+        expected = tuple(
+            tensor.shape[d] if idx is None else int(idx.numel()) for d, idx in enumerate(entry)
+        )
+        if tuple(sub[key].shape) != expected:
+            raise ValueError(
+                f"submodel tensor {key!r} has shape {tuple(sub[key].shape)} but the index set "
+                f"keeps {expected}"
+            )
+        if all(idx is None for idx in entry):
+            out[key] = sub[key].to(dtype=tensor.dtype, device=tensor.device, copy=True)
+        else:
+            out[key] = _put(tensor, sub[key].to(tensor.device), entry, 0)
+    return out
+
+
+def dense_mask(index_set: IndexSet, shapes: Mapping[str, torch.Size]) -> Params:
+    """Boolean masks in full coordinates, ``True`` where kept, one per name in ``shapes``."""
+    out: Params = {}
+    for key, shape in shapes.items():
+        entry = _entry(index_set, key, len(shape))
+        mask = torch.ones((), dtype=torch.bool)
+        for dim, idx in enumerate(entry):
+            axis = torch.ones(shape[dim], dtype=torch.bool)
+            if idx is not None:
+                axis = torch.zeros(shape[dim], dtype=torch.bool)
+                axis[idx.cpu()] = True
+            mask = mask.unsqueeze(-1) & axis
+        out[key] = mask.reshape(shape)
+    return out
+
+
+def index_set_numel(index_set: IndexSet, shapes: Mapping[str, torch.Size]) -> dict[str, int]:
+    """Number of kept elements of every tensor named in ``shapes``."""
+    out: dict[str, int] = {}
+    for key, shape in shapes.items():
+        entry = _entry(index_set, key, len(shape))
+        out[key] = math.prod(
+            shape[d] if idx is None else int(idx.numel()) for d, idx in enumerate(entry)
+        )
+    return out
+
+
+def restrict(index_set: IndexSet, names: Iterable[str]) -> IndexSet:
+    """The sub-dict of ``index_set`` for ``names`` (e.g. only the inner variables y)."""
+    names = list(names)
+    missing = [n for n in names if n not in index_set]
+    if missing:
+        raise ValueError(f"index set has no entry for tensors {missing}")
+    return {n: index_set[n] for n in names}

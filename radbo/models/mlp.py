@@ -1,0 +1,41 @@
+"""Multi-layer perceptron for hyper-representation: hidden layers are x, the output layer is y."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from radbo.models.base import BilevelModel
+
+
+class MLP(BilevelModel):
+    """``in -> hidden[0] -> ... -> hidden[-1] -> classes`` with ReLU, flattening its input.
+
+    The hidden layers (the representation) are the outer variables x; the output layer
+    ``head`` is the inner variable y. ``MLP(784, [200], 10)`` is the FedNest/FedMSA
+    hyper-representation network on MNIST; ``MLP(64, [128], 10)`` fits scikit-learn's digits.
+    """
+
+    inner_modules = ("head",)
+    output_layers = ("head",)
+
+    def __init__(self, in_features: int = 64, hidden: Sequence[int] = (128,), classes: int = 10):
+        super().__init__()
+        if in_features < 1 or classes < 1 or any(h < 1 for h in hidden):
+            raise ValueError(
+                f"MLP sizes must be positive, got in_features={in_features}, "
+                f"hidden={list(hidden)}, classes={classes}"
+            )
+        self.input_shape = (in_features,)
+        layers: list[nn.Module] = []
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(torch.flatten(x, 1)))

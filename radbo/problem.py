@@ -1,0 +1,101 @@
+"""Bilevel problems: per-client inner loss g_i and outer loss f_i over parameter dicts.
+
+A problem is evaluated functionally (``torch.func.functional_call``) on a module whose
+parameters are split into outer variables x and inner variables y (see
+:class:`radbo.models.BilevelModel`). The module may be the full model or a physically smaller
+submodel: only tensor shapes must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from radbo.typing import BilevelLoss, Params
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One minibatch: model inputs and integer class targets."""
+
+    inputs: Tensor
+    targets: Tensor
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """Indices of one client's samples in the training set.
+
+    ``inner`` feeds the inner loss g_i (training split), ``outer`` the outer loss f_i
+    (validation split), as in the hyper-representation setups of the papers.
+    """
+
+    inner: Tensor
+    outer: Tensor
+
+    def __post_init__(self) -> None:
+        if self.inner.numel() == 0 or self.outer.numel() == 0:
+            raise ValueError(
+                f"a client needs at least one inner and one outer sample, got "
+                f"{self.inner.numel()} inner and {self.outer.numel()} outer"
+            )
+
+
+def sample_batch(
+    features: Tensor, labels: Tensor, indices: Tensor, batch_size: int, generator: torch.Generator
+) -> Batch:
+    """Draw ``min(batch_size, len(indices))`` samples without replacement using ``generator``."""
+    n = indices.numel()
+    pick = torch.randperm(n, generator=generator)[: min(batch_size, n)]
+    chosen = indices[pick]
+    return Batch(features[chosen], labels[chosen])
+
+
+class BilevelProblem(Protocol):
+    """Per-client losses of a bilevel problem.
+
+    ``inner_loss`` is g_i(x, y; batch) (strongly convex in y where the theory needs it) and
+    ``outer_loss`` is f_i(x, y; batch). ``buffers`` are non-trainable tensors of the module
+    (BatchNorm running statistics), updated in place in training mode.
+    """
+
+    def inner_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor: ...
+
+    def outer_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor: ...
+
+
+def forward(module: nn.Module, x: Params, y: Params, buffers: Params, inputs: Tensor) -> Tensor:
+    """Evaluate ``module`` with parameters ``x | y`` and ``buffers`` (functional, no mutation
+    of the module; buffers are updated in place when the module is in training mode)."""
+    return functional_call(module, {**x, **y, **buffers}, (inputs,), strict=True)
+
+
+def bind_losses(
+    problem: BilevelProblem,
+    module: nn.Module,
+    buffers: Params,
+    inner_batch: Batch,
+    outer_batch: Batch,
+) -> tuple[BilevelLoss, BilevelLoss]:
+    """Close the losses over module, buffers and batches: returns ``(outer(x, y), inner(x, y))``.
+
+    The returned closures run on a private copy of ``buffers`` so that the many evaluations
+    a hypergradient estimator makes do not move BatchNorm running statistics.
+    """
+    scratch = {k: v.clone() for k, v in buffers.items()}
+
+    def outer(x: Params, y: Params) -> Tensor:
+        return problem.outer_loss(module, x, y, scratch, outer_batch)
+
+    def inner(x: Params, y: Params) -> Tensor:
+        return problem.inner_loss(module, x, y, scratch, inner_batch)
+
+    return outer, inner

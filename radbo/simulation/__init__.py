@@ -1,0 +1,33 @@
+"""The simulation engine and its backends."""
+
+from radbo.simulation.engine import (
+    Algorithm,
+    Backend,
+    ClientBudget,
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    CostRecord,
+    MaskAssigner,
+    Phase,
+    RoundRecord,
+    SequentialBackend,
+    Simulation,
+    derive_seed,
+)
+
+__all__ = [
+    "Algorithm",
+    "Backend",
+    "ClientBudget",
+    "ClientResult",
+    "ClientRuntime",
+    "ClientTask",
+    "CostRecord",
+    "MaskAssigner",
+    "Phase",
+    "RoundRecord",
+    "SequentialBackend",
+    "Simulation",
+    "derive_seed",
+]

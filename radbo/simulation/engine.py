@@ -1,0 +1,341 @@
+"""The simulation engine: the one loop over clients in radbo.
+
+An algorithm is a list of :class:`Phase` objects (pure functions plus a name). For each round
+the engine samples clients, asks the mask assigner for each client's submodel, and for every
+phase (1) builds one :class:`ClientTask` per sampled client from the server state, (2) hands
+the tasks to a :class:`Backend` that runs the client function on each (sequentially here;
+batched and Flower backends plug in through the same interface) and (3) lets the phase's
+server function fold the results into the new state. A client function sees only its task
+(the tensors it receives, its data indices, its generator seed and its budget) and the
+read-only :class:`ClientRuntime`; it keeps no hidden state, so any backend can run it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from radbo.problem import BilevelProblem, ClientData
+from radbo.typing import IndexSet, Params
+
+State = TypeVar("State")
+
+
+@dataclass(frozen=True)
+class ClientBudget:
+    """What one client can afford this round: capacity ratio r in (0, 1] and local steps."""
+
+    capacity: float = 1.0
+    local_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.capacity <= 1:
+            raise ValueError(f"ClientBudget.capacity must be in (0, 1], got {self.capacity}")
+        if self.local_steps < 1:
+            raise ValueError(f"ClientBudget.local_steps must be >= 1, got {self.local_steps}")
+
+
+@dataclass(frozen=True)
+class CostRecord:
+    """Work one client did in one phase, and what crossed the (simulated) wire.
+
+    ``n_grad`` counts first-order gradient evaluations, ``n_hvp`` second-order products
+    (Hessian- or Jacobian-vector), ``samples`` the examples forwarded, ``bytes_down`` /
+    ``bytes_up`` the payload tensors received / sent (numel x element size).
+    """
+
+    n_grad: int = 0
+    n_hvp: int = 0
+    samples: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+@dataclass(frozen=True)
+class ClientTask:
+    """Everything one client receives for one phase of one round."""
+
+    client: int
+    round: int
+    phase: str
+    params: Params
+    index_set: IndexSet
+    data: ClientData
+    seed: int
+    budget: ClientBudget
+
+    def generator(self) -> torch.Generator:
+        """A fresh generator seeded for this (client, round, phase)."""
+        return torch.Generator().manual_seed(self.seed)
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """A client's reply: an update in submodel coordinates, its cost and scalar metrics."""
+
+    client: int
+    update: Params
+    cost: CostRecord
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClientRuntime:
+    """Read-only context shared by all client functions: problem, training data and the
+    factory of submodel skeletons (modules whose tensor shapes match an index set).
+
+    Skeletons are cached by shape: ``functional_call`` supplies every parameter and buffer, so
+    clients whose submodels have the same shapes share one module.
+    """
+
+    problem: BilevelProblem
+    features: Tensor
+    labels: Tensor
+    model: nn.Module
+    build_submodel: Callable[[IndexSet], nn.Module] | None = None
+    _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
+
+    def module_for(self, index_set: IndexSet) -> nn.Module:
+        """A module in training mode whose tensor shapes are those selected by ``index_set``."""
+        if all(i is None for idx in index_set.values() for i in idx):
+            key: tuple = ("dense",)
+        else:
+            key = tuple(
+                (n, tuple(-1 if i is None else i.numel() for i in idx))
+                for n, idx in sorted(index_set.items())
+            )
+        module = self._cache.get(key)
+        if module is None:
+            if key == ("dense",):
+                module = copy.deepcopy(self.model)
+            elif self.build_submodel is None:
+                raise ValueError("a submodel was requested but no mask structure is configured")
+            else:
+                module = self.build_submodel(index_set)
+            module.train()
+            self._cache[key] = module
+        return module
+
+
+@dataclass(frozen=True)
+class Phase(Generic[State]):
+    """One communication round trip of an algorithm.
+
+    ``broadcast(state, index_set) -> params`` builds what the server sends one client (in
+    submodel coordinates); ``client(runtime, task) -> ClientResult`` is the client's local
+    work; ``server(state, results, index_sets, weights) -> (state, metrics)`` aggregates.
+    """
+
+    name: str
+    broadcast: Callable[[State, IndexSet], Params]
+    client: Callable[[ClientRuntime, ClientTask], ClientResult]
+    server: Callable[
+        [State, Sequence[ClientResult], Sequence[IndexSet], Sequence[float]],
+        tuple[State, dict[str, float]],
+    ]
+
+
+class Algorithm(Protocol[State]):
+    """A federated bilevel algorithm: initial state, phases, and the full model state."""
+
+    name: str
+
+    def init(self, x: Params, y: Params, buffers: Params) -> State: ...
+
+    def phases(self) -> Sequence[Phase[State]]: ...
+
+    def model_state(self, state: State) -> Params: ...
+
+
+class Backend(Protocol):
+    """Runs a client function on a list of tasks, returning results in task order."""
+
+    def map(
+        self, fn: Callable[[ClientTask], ClientResult], tasks: Sequence[ClientTask]
+    ) -> list[ClientResult]: ...
+
+
+class SequentialBackend:
+    """Runs clients one after another in this process: radbo's reference backend."""
+
+    def map(
+        self, fn: Callable[[ClientTask], ClientResult], tasks: Sequence[ClientTask]
+    ) -> list[ClientResult]:
+        return [fn(task) for task in tasks]
+
+
+class MaskAssigner(Protocol):
+    """Chooses each sampled client's submodel (index sets in full-model coordinates)."""
+
+    def prepare(self, model_state: Params, round: int) -> None: ...
+
+    def assign(
+        self, budget: ClientBudget, client: int, round: int, generator: torch.Generator
+    ) -> IndexSet: ...
+
+
+def derive_seed(*words: int) -> int:
+    """A 63-bit seed derived from integers (run seed, round, phase, client) by NumPy's
+    SeedSequence, so that streams of different clients and rounds are independent."""
+    return int(np.random.SeedSequence([int(w) for w in words]).generate_state(1, np.uint64)[0]) >> 1
+
+
+def full_index_set(shapes: Mapping[str, torch.Size]) -> IndexSet:
+    """Index set keeping every coordinate of every tensor."""
+    return {n: (None,) * len(s) for n, s in shapes.items()}
+
+
+def payload_bytes(params: Mapping[str, Tensor]) -> int:
+    """Bytes of the tensors in ``params`` (numel x element size)."""
+    return sum(t.numel() * t.element_size() for t in params.values())
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round: sampled clients, phase metrics, costs, evaluation."""
+
+    round: int
+    clients: list[int]
+    metrics: dict[str, float]
+    cost: dict[str, int]
+    communication_rounds: int
+    wall_time_s: float
+    evaluation: dict[str, float] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "round": self.round,
+            "clients": self.clients,
+            "communication_rounds": self.communication_rounds,
+            "wall_time_s": self.wall_time_s,
+            **self.metrics,
+            **{f"cost_{k}": v for k, v in self.cost.items()},
+        }
+        if self.evaluation is not None:
+            out.update({f"test_{k}": v for k, v in self.evaluation.items()})
+        return out
+
+
+@dataclass
+class Simulation(Generic[State]):
+    """Drives an algorithm over a simulated fleet.
+
+    Attributes:
+        algorithm: the algorithm (state + phases).
+        runtime: read-only client context.
+        clients: one :class:`ClientData` per client.
+        budgets: one :class:`ClientBudget` per client.
+        shapes: full-model shape of every tensor (x, y and buffers).
+        masks: the mask assigner, or ``None`` for full models everywhere.
+        backend: runs the client functions (default: sequential).
+        seed: run seed; every random choice derives from it.
+        clients_per_round: how many clients are sampled (without replacement) per round.
+        weights: per-client aggregation weights (default uniform).
+        evaluate: ``model_state -> metrics`` called every ``eval_every`` rounds and at the end.
+    """
+
+    algorithm: Algorithm[State]
+    runtime: ClientRuntime
+    clients: Sequence[ClientData]
+    budgets: Sequence[ClientBudget]
+    shapes: Mapping[str, torch.Size]
+    masks: MaskAssigner | None = None
+    backend: Backend = field(default_factory=SequentialBackend)
+    seed: int = 0
+    clients_per_round: int | None = None
+    weights: Sequence[float] | None = None
+    evaluate: Callable[[Params], dict[str, float]] | None = None
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        n = len(self.clients)
+        if n == 0:
+            raise ValueError("a simulation needs at least one client")
+        if len(self.budgets) != n:
+            raise ValueError(f"got {n} clients but {len(self.budgets)} budgets")
+        if self.weights is not None and len(self.weights) != n:
+            raise ValueError(f"got {n} clients but {len(self.weights)} weights")
+        k = self.clients_per_round
+        if k is not None and not 1 <= k <= n:
+            raise ValueError(f"clients_per_round must be in [1, {n}], got {k}")
+        if self.eval_every < 1:
+            raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
+
+    def _generator(self, *words: int) -> torch.Generator:
+        return torch.Generator().manual_seed(derive_seed(self.seed, *words))
+
+    def sample_clients(self, round: int) -> list[int]:
+        """Clients taking part in ``round`` (sorted), drawn without replacement."""
+        n = len(self.clients)
+        k = n if self.clients_per_round is None else self.clients_per_round
+        if k == n:
+            return list(range(n))
+        gen = self._generator(round, 0x5A3F)
+        return sorted(torch.randperm(n, generator=gen)[:k].tolist())
+
+    def step(self, state: State, round: int) -> tuple[State, RoundRecord]:
+        """Run one round from ``state``; returns the new state and the round's record."""
+        start = time.perf_counter()
+        sampled = self.sample_clients(round)
+        budgets = [self.budgets[c] for c in sampled]
+        if self.masks is None:
+            index_sets = [full_index_set(self.shapes) for _ in sampled]
+        else:
+            self.masks.prepare(self.algorithm.model_state(state), round)
+            index_sets = [
+                self.masks.assign(b, c, round, self._generator(round, 0x3A5C, c))
+                for c, b in zip(sampled, budgets, strict=True)
+            ]
+        weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
+        metrics: dict[str, float] = {}
+        cost = {"n_grad": 0, "n_hvp": 0, "samples": 0, "bytes_down": 0, "bytes_up": 0}
+        phases = self.algorithm.phases()
+        for p, phase in enumerate(phases):
+            tasks = [
+                ClientTask(
+                    client=c,
+                    round=round,
+                    phase=phase.name,
+                    params=phase.broadcast(state, idx),
+                    index_set=idx,
+                    data=self.clients[c],
+                    seed=derive_seed(self.seed, round, p + 1, c),
+                    budget=b,
+                )
+                for c, idx, b in zip(sampled, index_sets, budgets, strict=True)
+            ]
+            results = self.backend.map(functools.partial(phase.client, self.runtime), tasks)
+            for r in results:
+                for k in cost:
+                    cost[k] += int(getattr(r.cost, k))
+            state, phase_metrics = phase.server(state, results, index_sets, weights)
+            metrics.update(phase_metrics)
+        record = RoundRecord(
+            round=round,
+            clients=sampled,
+            metrics=metrics,
+            cost=cost,
+            communication_rounds=len(phases),
+            wall_time_s=time.perf_counter() - start,
+        )
+        return state, record
+
+    def iterate(
+        self, state: State, rounds: int, start_round: int = 0
+    ) -> Iterator[tuple[State, RoundRecord]]:
+        """Yield ``(state, record)`` after each round; evaluates every ``eval_every`` rounds
+        and after the last one."""
+        for q in range(start_round, start_round + rounds):
+            state, record = self.step(state, q)
+            last = q == start_round + rounds - 1
+            if self.evaluate is not None and ((q + 1) % self.eval_every == 0 or last):
+                record.evaluation = self.evaluate(self.algorithm.model_state(state))
+            yield state, record

@@ -1,0 +1,45 @@
+"""Hyper-representation learning: the backbone is x, the classification head is y.
+
+    min_x  sum_i f_i(x, y*(x)),  f_i = CE on client i's validation split,
+    y*(x) = argmin_y sum_i g_i(x, y),  g_i = CE on client i's training split + (mu/2)||y||^2.
+
+This is the hyper-representation problem of FedNest/FedMSA (``papers/fedmsa.txt``) and of the
+RABO paper's experiments (``papers/rabo_rafbo.txt``, Sec. V-A). The L2 term makes g strongly
+convex in y for a linear head (CE is convex in the head's weights), which the implicit
+hypergradient (RABO eq. (7)) needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from radbo.problem import Batch, forward
+from radbo.typing import Params
+
+
+@dataclass(frozen=True)
+class HyperRepresentation:
+    """Cross-entropy losses with an L2 penalty ``inner_l2/2 * ||y||^2`` on the inner loss."""
+
+    inner_l2: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if not self.inner_l2 >= 0:
+            raise ValueError(f"HyperRepresentation.inner_l2 must be >= 0, got {self.inner_l2}")
+
+    def inner_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor:
+        logits = forward(module, x, y, buffers, batch.inputs)
+        loss = F.cross_entropy(logits, batch.targets)
+        if self.inner_l2:
+            loss = loss + 0.5 * self.inner_l2 * sum((t * t).sum() for t in y.values())
+        return loss
+
+    def outer_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor:
+        return F.cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)

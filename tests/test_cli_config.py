@@ -1,0 +1,132 @@
+"""Config validation and the `radbo run` command line."""
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from radbo.cli import main
+from radbo.config import ConfigError, RunConfig, load_config, parse_config
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+
+
+def test_demo_config_is_valid_and_matches_the_issue():
+    cfg = load_config(DEMO)
+
+    assert cfg.fleet.num_clients == 10
+    assert sorted(set(cfg.fleet.capacities)) == [0.25, 0.5, 1.0]
+    assert cfg.partition.kind == "dirichlet" and cfg.partition.alpha == 0.5
+    assert cfg.data.name == "digits"
+
+
+def test_defaults_are_valid():
+    assert RunConfig().algorithm.name == "rabo"
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected"),
+    [
+        (
+            {"algorithm": {"inner_lr": -1.0}},
+            "config error: algorithm.inner_lr = -1.0: Input should be greater than 0",
+        ),
+        (
+            {"algorithm": {"inner_lrr": 0.1}},
+            "config error: algorithm.inner_lrr = 0.1: unknown field",
+        ),
+        (
+            {"mask": {"policy": "magic"}},
+            "config error: mask.policy = 'magic': Input should be 'importance', 'leading' or 'none'",
+        ),
+        (
+            {"fleet": {"capacities": [1.5]}},
+            "config error: fleet.capacities.0 = 1.5: Input should be less than or equal to 1",
+        ),
+        (
+            {"partition": {"kind": "zipf"}},
+            "config error: partition = {...}: Input tag 'zipf' found using 'kind' does not match any of the expected tags",
+        ),
+        ({"rounds": 0}, "config error: rounds = 0: Input should be greater than or equal to 1"),
+        (
+            {"fleet": {"num_clients": 3, "clients_per_round": 5}},
+            "clients_per_round = 5 exceeds num_clients = 3",
+        ),
+    ],
+)
+def test_bad_values_give_one_line_naming_field_value_and_allowed(patch, expected):
+    data = tomllib.loads(DEMO.read_text())
+    for key, value in patch.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
+
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+
+    message = str(err.value)
+    assert expected in message
+    assert len(message.splitlines()) == 1
+
+
+def test_cli_bad_key_exits_2_with_one_clear_line(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(DEMO.read_text().replace("inner_steps = 10", "inner_stepz = 10"))
+
+    code = main(["run", str(path), "--quiet"])
+
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert (
+        err
+        == "config error: algorithm.inner_stepz = 10: unknown field (check the spelling; see the README for the allowed keys)"
+    )
+
+
+def test_cli_missing_file_and_bad_toml_exit_2(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3")
+    assert main(["run", str(bad)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_cli_run_writes_results_and_plot(tmp_path):
+    out = tmp_path / "run"
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radbo",
+            "run",
+            str(DEMO),
+            "--rounds",
+            "2",
+            "--output-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert "final test accuracy" in proc.stdout
+    assert "radbo" in proc.stderr  # the progress bar
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["rounds"]) == 2
+    row = results["rounds"][-1]
+    for key in (
+        "test_accuracy",
+        "inner_loss",
+        "outer_loss",
+        "coverage_x_min",
+        "coverage_y_min",
+        "untrained_fraction_x",
+    ):
+        assert key in row
+    assert results["config"]["rounds"] == 2
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
