@@ -3,7 +3,9 @@
 from radbo.aggregation import CoverageMean, apply_step, coverage_stats, coverage_weighted_mean
 from radbo.algorithms import RABO, RABOState
 from radbo.config import ConfigError, RunConfig, load_config, parse_config
-from radbo.experiment import Experiment, RunResult, build, run
+from radbo.cost import LedgerEntry
+from radbo.devices import BudgetPlanner, DeviceProfile, Fleet, load_catalog, probe_host
+from radbo.experiment import Experiment, RunResult, build, fleet_table, run
 from radbo.hypergrad import HypergradEstimator, HypergradResult, ImplicitCG, Neumann
 from radbo.masks import StructurePlan, extract, scatter
 from radbo.masks.assigner import SubmodelAssigner
@@ -16,6 +18,10 @@ __version__ = "0.1.0"
 __all__ = [
     "RABO",
     "Batch",
+    "BudgetPlanner",
+    "DeviceProfile",
+    "Fleet",
+    "LedgerEntry",
     "BilevelProblem",
     "ClientBudget",
     "ClientData",
@@ -40,6 +46,9 @@ __all__ = [
     "coverage_stats",
     "coverage_weighted_mean",
     "extract",
+    "fleet_table",
+    "load_catalog",
+    "probe_host",
     "load_config",
     "parse_config",
     "run",

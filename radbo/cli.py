@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from radbo.config import ConfigError, load_config
+from radbo.devices.budget import DeviceTooSmallError
 
 EXIT_CONFIG = 2
 
@@ -22,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int, help="override the number of rounds")
     run.add_argument("--seed", type=int, help="override the run seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    fleet = sub.add_parser("fleet", help="show the fleet of a config: devices, r, tau, memory fit")
+    fleet.add_argument("config", help="path to the TOML run configuration")
+    fleet.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -37,9 +41,70 @@ def _run(args: argparse.Namespace) -> int:
     final = result.final
     print(f"final test accuracy: {final.get('test_accuracy', float('nan')):.4f}")
     print(f"final test loss:     {final.get('test_loss', float('nan')):.4f}")
-    print(f"communication rounds: {result.totals.get('communication_rounds', 0)}")
+    totals = result.totals
+    print(f"communication rounds: {int(totals.get('communication_rounds', 0))}")
+    print(
+        f"compute: {totals.get('flops', 0) / 1e9:.3f} GFLOP   "
+        f"bytes: {totals.get('bytes', 0) / 1e6:.3f} MB   "
+        f"simulated time: {totals.get('sim_time_s', 0):.1f} s"
+    )
+    if result.savings is not None and result.baseline is not None:
+        sv = result.savings
+        base_acc = result.baseline.final.get("test_accuracy", float("nan"))
+        print(
+            f"vs full-model FedMBO-style baseline (test accuracy {base_acc:.4f}): "
+            f"compute {sv['compute_fraction']:.1%}, bytes {sv['bytes_fraction']:.1%}, "
+            f"simulated time {sv['time_fraction']:.1%}"
+        )
     print(f"results: {result.output_dir / 'results.json'}")
     print(f"plot:    {result.output_dir / 'accuracy.png'}")
+    return 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    import json
+
+    from radbo.experiment import fleet_table
+
+    rows = fleet_table(load_config(args.config))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    columns = [
+        ("client", "{:>6}"),
+        ("device", "{:<24.24}"),
+        ("tier", "{:<10}"),
+        ("capacity", "{:>6.4g}"),
+        ("budget_capacity", "{:>6.4g}"),
+        ("local_steps", "{:>5}"),
+        ("memory_mb", "{:>9.3f}"),
+        ("device_memory_mb", "{:>10.1f}"),
+        ("memory_fits", "{!s:>5}"),
+        ("availability", "{:>6.2f}"),
+        ("round_time_s", "{:>9.3f}"),
+    ]
+    titles = {
+        "client": "client",
+        "device": "device",
+        "tier": "tier",
+        "capacity": "r",
+        "budget_capacity": "r_mem",
+        "local_steps": "tau",
+        "memory_mb": "mem MB",
+        "device_memory_mb": "dev MB",
+        "memory_fits": "fits",
+        "availability": "avail",
+        "round_time_s": "round s",
+    }
+    present = [(k, f) for k, f in columns if k in rows[0]]
+    widths = [len(f.format(rows[0][k])) for k, f in present]
+    head = [
+        titles[k].ljust(w) if "<" in f else titles[k].rjust(w)
+        for (k, f), w in zip(present, widths, strict=True)
+    ]
+    print("  ".join(head))
+    for row in rows:
+        print("  ".join(f.format(row[k]) for k, f in present))
     return 0
 
 
@@ -49,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
-    except ConfigError as err:
+        if args.command == "fleet":
+            return _fleet(args)
+    except (ConfigError, DeviceTooSmallError) as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG
     return 1  # pragma: no cover

@@ -78,24 +78,67 @@ class HyperRepresentationTask(_Strict):
 
 
 # -- fleet and masks ------------------------------------------------------------------------
+class TraceConfig(_Strict):
+    """A FedScale-style trace file: ``{client id: {computation: ms/sample, communication: kbit/s}}``
+    in JSON or TOML. ``flops_per_sample`` converts ms/sample to FLOP/s."""
+
+    path: str
+    flops_per_sample: float = Field(gt=0)
+    memory_bytes: int = Field(gt=0)
+    availability: float = Field(1.0, ge=0, le=1)
+
+
 class FleetConfig(_Strict):
-    """Clients and their capacities. ``capacities`` is cycled over clients: client i gets
-    ``capacities[i % len(capacities)]``."""
+    """Clients, their devices and what each can afford.
+
+    Devices come from one source at most: ``devices`` (a tier mix of catalog ids -> weights,
+    assigned by the run seed), ``file`` (a fleet file, TOML or JSON) or ``trace``. Without one,
+    clients have no device profile (no availability draws, no simulated clock).
+
+    ``capacities`` fixes each client's capacity ratio r: a list is cycled over clients (client
+    i gets ``capacities[i % len]``), a table maps device tiers to r (``{laptop = 1.0,
+    phone-low = 0.25}``; needs devices). Without it r comes from the device's memory budget
+    (the largest of ``capacity_levels`` whose training memory fits), or is 1 without devices.
+    ``local_steps = "budget"`` sets each client's local steps from the round deadline.
+    """
 
     num_clients: int = Field(10, ge=1)
-    capacities: list[Annotated[float, Field(gt=0, le=1)]] = Field(
-        default_factory=lambda: [1.0], min_length=1
-    )
+    capacities: (
+        list[Annotated[float, Field(gt=0, le=1)]]
+        | dict[str, Annotated[float, Field(gt=0, le=1)]]
+        | None
+    ) = Field(None, min_length=1)
     clients_per_round: int | None = Field(None, ge=1)
+    devices: dict[str, Annotated[float, Field(ge=0)]] | None = None
+    file: str | None = None
+    trace: TraceConfig | None = None
+    deadline_s: float = Field(60.0, gt=0)
+    capacity_levels: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625], min_length=1
+    )
+    local_steps: Literal["fixed", "budget"] = "fixed"
 
     @model_validator(mode="after")
-    def _check_sample(self) -> FleetConfig:
+    def _check(self) -> FleetConfig:
         if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
             raise ValueError(
                 f"clients_per_round = {self.clients_per_round} exceeds num_clients = "
                 f"{self.num_clients}"
             )
+        sources = [k for k in ("devices", "file", "trace") if getattr(self, k) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"give at most one device source, got {' and '.join(sources)}")
+        if self.devices is not None and not any(w > 0 for w in self.devices.values()):
+            raise ValueError("devices needs at least one device with a positive weight")
+        if isinstance(self.capacities, dict) and not sources:
+            raise ValueError("capacities by device tier needs devices, file or trace")
+        if self.local_steps == "budget" and not sources:
+            raise ValueError('local_steps = "budget" needs devices, file or trace')
         return self
+
+    @property
+    def has_devices(self) -> bool:
+        return any(getattr(self, k) is not None for k in ("devices", "file", "trace"))
 
 
 class MaskConfig(_Strict):
@@ -143,6 +186,16 @@ class RABOConfig(_Strict):
 AlgorithmConfig = Annotated[RABOConfig, Field(discriminator="name")]
 
 
+class BaselineConfig(_Strict):
+    """The full-model reference run a savings report compares with: every client trains the
+    full model (capacity 1, no masks) with a FedMBO-style truncated Neumann hypergradient, on
+    the same fleet, data, seed and number of rounds."""
+
+    enabled: bool = False
+    terms: int = Field(10, ge=1, description="Neumann terms")
+    eta: float = Field(0.1, gt=0, description="Neumann step")
+
+
 class RunConfig(_Strict):
     """A whole run: what ``radbo run CONFIG.toml`` reads."""
 
@@ -158,33 +211,74 @@ class RunConfig(_Strict):
     mask: MaskConfig = Field(default_factory=MaskConfig)
     algorithm: AlgorithmConfig = Field(default_factory=RABOConfig)
     estimator: EstimatorConfig = Field(default_factory=CGEstimator)
+    baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tags(cls, data: Any) -> Any:
+        # A section given without its tag key means the default kind, as when it is absent.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for section, key, default in _DEFAULT_TAGS:
+            value = data.get(section)
+            if isinstance(value, dict) and key not in value:
+                data[section] = {key: default, **value}
+        return data
 
 
-def _location(loc: tuple[Any, ...]) -> str:
-    # pydantic puts the discriminator tag in the location of union members; drop it.
-    parts = [str(p) for p in loc if not (isinstance(p, str) and p in _TAGS)]
-    return ".".join(parts) or "<root>"
+_DEFAULT_TAGS = (
+    ("partition", "kind", "dirichlet"),
+    ("model", "name", "mlp"),
+    ("algorithm", "name", "rabo"),
+    ("estimator", "name", "cg"),
+)
 
 
 _TAGS = {
     "iid", "shards", "dirichlet", "mlp", "cnn", "cg", "neumann", "rabo",
 }  # fmt: skip
+_TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    # pydantic puts discriminator tags and union member types ("list[...]") in the location
+    # of union members; drop both.
+    parts = [
+        str(p)
+        for p in loc
+        if not (isinstance(p, str) and (p in _TAGS or "[" in p or p.startswith("function-")))
+    ]
+    return ".".join(parts) or "<root>"
 
 
 def format_validation_error(error: ValidationError) -> str:
-    """One line per problem: ``config error: FIELD = VALUE: what is allowed``."""
-    lines = []
+    """One line per problem: ``config error: FIELD = VALUE: what is allowed``.
+
+    For a field that accepts several types (a union), errors saying "not this type" are
+    dropped when another member reports a real problem, and merged into one line otherwise.
+    """
+    rows = []
     for e in error.errors():
-        where = _location(tuple(e["loc"]))
-        value = e.get("input")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see the README for the allowed keys)"
-        if isinstance(value, dict):
-            value_text = "{...}"
+        rows.append((_location(tuple(e["loc"])), e.get("input"), msg, e["type"] in _TYPE_ERRORS))
+    specific = [where for where, _, _, is_type in rows if not is_type]
+    problems: dict[tuple[str, int], tuple[Any, list[str]]] = {}
+    for i, (where, value, msg, is_type) in enumerate(rows):
+        if is_type:
+            if any(o == where or o.startswith(where + ".") for o in specific):
+                continue
+            key = (where, -1)  # type errors of one field share a line
         else:
-            value_text = repr(value)
-        lines.append(f"config error: {where} = {value_text}: {msg}")
+            key = (where, i)
+        problems.setdefault(key, (value, []))[1].append(msg)
+    lines = []
+    for (where, _), (value, msgs) in problems.items():
+        value_text = "{...}" if isinstance(value, dict) else repr(value)
+        rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
+        lines.append(f"config error: {where} = {value_text}: " + " or ".join([msgs[0], *rest]))
     return "\n".join(lines)
 
 

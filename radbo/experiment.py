@@ -24,6 +24,7 @@ from radbo.algorithms.rabo import RABO
 from radbo.config import (
     CGEstimator,
     CNNModel,
+    ConfigError,
     DirichletPartition,
     IIDPartition,
     MLPModel,
@@ -31,6 +32,7 @@ from radbo.config import (
     RunConfig,
     ShardsPartition,
 )
+from radbo.cost import as_dicts, savings, totals, totals_by_tier
 from radbo.data import (
     Dataset,
     load_digits,
@@ -40,6 +42,8 @@ from radbo.data import (
     split_indices,
     train_test_split,
 )
+from radbo.devices import Fleet
+from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
 from radbo.hypergrad import HypergradEstimator, ImplicitCG, Neumann
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.masks.policies import ImportancePolicy, LeadingPolicy
@@ -57,7 +61,7 @@ from radbo.tasks import HyperRepresentation
 from radbo.typing import Params
 
 # Stream identifiers for derive_seed: each random choice of a run has its own stream.
-_SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT = 11, 12, 13, 14
+_SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT, _FLEET = 11, 12, 13, 14, 15
 
 
 @dataclass
@@ -71,18 +75,36 @@ class Experiment:
     train: Dataset
     test: Dataset
     clients: list[ClientData]
+    fleet: Fleet | None = None
+    device_budgets: list[Budget] | None = None
+    planner: BudgetPlanner | None = None
 
 
 @dataclass
 class RunResult:
-    """Outcome of :func:`run`: per-round records, the final evaluation and the final state."""
+    """Outcome of :func:`run`.
+
+    Attributes:
+        rounds: per-round metrics (``RoundRecord.as_dict``).
+        final: the last evaluation (``test_accuracy``, ``test_loss``).
+        state: the final algorithm state.
+        totals: run totals (FLOPs, bytes, simulated time, communication rounds, ...).
+        totals_by_tier: the same counters per device tier.
+        ledger: one row per client, phase and round.
+        baseline: the paired full-model run's result (when ``baseline.enabled``).
+        savings: this run's compute, bytes and simulated time as fractions of the baseline's.
+    """
 
     config: RunConfig
     rounds: list[dict[str, Any]]
     final: dict[str, float]
     state: Any
     output_dir: Path | None = None
-    totals: dict[str, int] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+    totals_by_tier: dict[str, dict[str, float]] = field(default_factory=dict)
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    baseline: RunResult | None = None
+    savings: dict[str, float] | None = None
 
 
 def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -> BilevelModel:
@@ -147,6 +169,46 @@ def make_evaluator(
     return evaluate
 
 
+def build_fleet(config: RunConfig) -> Fleet | None:
+    """The configured device fleet (tier mix, fleet file or trace), or ``None``."""
+    fc = config.fleet
+    try:
+        if fc.devices is not None:
+            seed = derive_seed(config.seed, _FLEET)
+            fleet = Fleet.from_tiers(fc.devices, fc.num_clients, seed)
+        elif fc.file is not None:
+            fleet = Fleet.from_file(fc.file)
+        elif fc.trace is not None:
+            fleet = Fleet.from_trace(
+                fc.trace.path,
+                flops_per_sample=fc.trace.flops_per_sample,
+                memory_bytes=fc.trace.memory_bytes,
+                availability=fc.trace.availability,
+            )
+        else:
+            return None
+    except ValueError as err:  # includes ProfileError: bad device ids, fleet or trace files
+        source = next(k for k in ("devices", "file", "trace") if getattr(fc, k) is not None)
+        raise ConfigError(f"config error: fleet.{source}: {err}") from None
+    if len(fleet) != fc.num_clients:
+        raise ConfigError(
+            f"config error: fleet.num_clients = {fc.num_clients}: the fleet has "
+            f"{len(fleet)} devices; make them equal"
+        )
+    return fleet
+
+
+def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) -> BudgetPlanner:
+    """Memory / FLOP / bytes model of the configured model at each capacity level."""
+    return BudgetPlanner(
+        plan,
+        config.algorithm.batch_size,
+        levels=tuple(config.fleet.capacity_levels),
+        hypergradient="implicit",
+        inner_names=model.inner_param_names(),
+    )
+
+
 def build(config: RunConfig) -> Experiment:
     """Build data, model, fleet, masks, algorithm and the simulation for ``config``."""
     is_cnn = isinstance(config.model, CNNModel)
@@ -167,10 +229,20 @@ def build(config: RunConfig) -> Experiment:
     buffer_names = [n for n in state if n not in set(outer_names) | set(inner_names)]
     shapes = {n: t.shape for n, t in state.items()}
 
+    fleet = build_fleet(config)
+    masked = config.mask.policy != "none"
     plan: StructurePlan | None = None
-    assigner: SubmodelAssigner | None = None
-    if config.mask.policy != "none":
+    if masked or fleet is not None:
         plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
+    device_budgets: list[Budget] | None = None
+    planner: BudgetPlanner | None = None
+    if fleet is not None and plan is not None:
+        planner = budget_planner(config, model, plan)
+        device_budgets = [
+            planner.budget(p, config.fleet.deadline_s, allow_oversize=True) for p in fleet
+        ]
+    assigner: SubmodelAssigner | None = None
+    if masked and plan is not None:
         policy = ImportancePolicy() if config.mask.policy == "importance" else LeadingPolicy()
         assigner = SubmodelAssigner(
             plan, policy, outer_names, mask_x=config.mask.mask_x, mask_y=config.mask.mask_y
@@ -188,12 +260,9 @@ def build(config: RunConfig) -> Experiment:
         outer_batch_size=algo_cfg.outer_batch_size,
         estimator=build_estimator(config),
         max_hypergrad_norm=algo_cfg.max_hypergrad_norm,
+        use_budget_steps=config.fleet.local_steps == "budget",
     )
-    caps = config.fleet.capacities
-    budgets = [
-        ClientBudget(capacity=caps[i % len(caps)], local_steps=algo_cfg.inner_steps)
-        for i in range(config.fleet.num_clients)
-    ]
+    budgets = client_budgets(config, fleet, device_budgets)
     weights = None
     if algo_cfg.weighting == "data_size":
         weights = [float(c.inner.numel()) for c in clients]
@@ -216,13 +285,100 @@ def build(config: RunConfig) -> Experiment:
         weights=weights,
         evaluate=make_evaluator(model, test, outer_names, inner_names),
         eval_every=config.eval_every,
+        profiles=None if fleet is None else list(fleet),
     )
     initial = algorithm.init(
         {n: state[n] for n in outer_names},
         {n: state[n] for n in inner_names},
         {n: state[n] for n in buffer_names},
     )
-    return Experiment(config, model, simulation, initial, train, test, clients)
+    return Experiment(
+        config, model, simulation, initial, train, test, clients, fleet, device_budgets, planner
+    )
+
+
+def client_budgets(
+    config: RunConfig, fleet: Fleet | None, device_budgets: list[Budget] | None
+) -> list[ClientBudget]:
+    """Capacity and local steps of every client: explicit ``fleet.capacities`` first (cycled
+    list, or by device tier), then the device's memory budget (masked runs only), else the full
+    model."""
+    fc, steps = config.fleet, config.algorithm.inner_steps
+    caps = fc.capacities
+    tiers = None if fleet is None else fleet.tiers()
+    if isinstance(caps, dict) and tiers is not None:
+        missing = sorted(set(tiers) - set(caps))
+        if missing:
+            raise ConfigError(
+                f"config error: fleet.capacities = {caps}: no capacity for device tier(s) "
+                f"{missing}; add them (tiers in this fleet: {sorted(set(tiers))})"
+            )
+    out = []
+    for i in range(fc.num_clients):
+        device = None if device_budgets is None else device_budgets[i]
+        if isinstance(caps, dict) and tiers is not None:
+            capacity = caps[tiers[i]]
+        elif isinstance(caps, list):
+            capacity = caps[i % len(caps)]
+        elif device is not None and config.mask.policy != "none":
+            if not device.memory_fits:
+                raise DeviceTooSmallError(
+                    f"client {i}: device cannot train even the smallest submodel "
+                    f"(r = {device.capacity:g} needs {device.memory.total} bytes); "
+                    "remove it from the fleet, add smaller capacity_levels or use a smaller model"
+                )
+            capacity = device.capacity
+        else:
+            capacity = 1.0
+        local = device.local_steps if device is not None and fc.local_steps == "budget" else steps
+        out.append(ClientBudget(capacity=capacity, local_steps=local))
+    return out
+
+
+def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
+    """Per client: device, tier, capacity r and local steps τ as the run will use them, the
+    r the device's memory budget would allow, training memory at r against the device's
+    memory, availability and the expected round time at (r, τ) (what ``radbo fleet`` prints).
+    """
+    exp = build(config)
+    rows = []
+    for i, budget in enumerate(exp.simulation.budgets):
+        row: dict[str, Any] = {
+            "client": i,
+            "device": "-",
+            "tier": "-",
+            "capacity": budget.capacity,
+            "local_steps": budget.local_steps,
+        }
+        if exp.fleet is not None and exp.device_budgets is not None and exp.planner is not None:
+            profile = exp.fleet[i]
+            actual = exp.planner.at(profile, budget.capacity, budget.local_steps)
+            row.update(
+                device=profile.name,
+                tier=profile.tier or profile.name,
+                budget_capacity=exp.device_budgets[i].capacity,
+                memory_mb=actual.memory.total / 1e6,
+                device_memory_mb=profile.memory_bytes / 1e6,
+                memory_fits=actual.memory_fits,
+                availability=profile.availability,
+                round_time_s=actual.round_time_s,
+            )
+        rows.append(row)
+    return rows
+
+
+def baseline_config(config: RunConfig) -> RunConfig:
+    """The paired full-model FedMBO-style run of ``config`` (see :class:`BaselineConfig`)."""
+    data = config.model_dump()
+    data["mask"] = {**data["mask"], "policy": "none"}
+    data["fleet"] = {**data["fleet"], "capacities": [1.0], "local_steps": "fixed"}
+    data["estimator"] = {
+        "name": "neumann",
+        "terms": config.baseline.terms,
+        "eta": config.baseline.eta,
+    }
+    data["baseline"] = {"enabled": False}
+    return RunConfig.model_validate(data)
 
 
 def run(
@@ -232,16 +388,31 @@ def run(
     output_dir: str | Path | None = None,
     save: bool = True,
 ) -> RunResult:
-    """Run ``config`` end to end; with ``save`` writes ``results.json`` and ``accuracy.png``
-    to ``output_dir`` (default ``config.output_dir``)."""
+    """Run ``config`` end to end (and its full-model baseline when ``baseline.enabled``).
+
+    With ``save`` writes ``results.json``, ``ledger.json`` and ``accuracy.png`` to
+    ``output_dir`` (default ``config.output_dir``).
+    """
+    result = _run_once(config, progress=progress, desc="radbo")
+    if config.baseline.enabled:
+        base = _run_once(baseline_config(config), progress=progress, desc="baseline")
+        result.baseline = base
+        result.savings = savings(result.totals, base.totals)
+    if save:
+        out = Path(output_dir if output_dir is not None else config.output_dir)
+        save_results(result, out)
+        result.output_dir = out
+    return result
+
+
+def _run_once(config: RunConfig, *, progress: bool, desc: str) -> RunResult:
     exp = build(config)
-    state = exp.initial_state
-    iterator = exp.simulation.iterate(exp.initial_state, config.rounds)
     records: list[RoundRecord] = []
-    bar = tqdm(total=config.rounds, desc="radbo", unit="round", disable=not progress)
+    bar = tqdm(total=config.rounds, desc=desc, unit="round", disable=not progress)
     last_eval: dict[str, float] = {}
+    state = exp.initial_state
     try:
-        for state, record in iterator:  # noqa: B007 (the last state is the result)
+        for state, record in exp.simulation.iterate(exp.initial_state, config.rounds):  # noqa: B007
             records.append(record)
             if record.evaluation is not None:
                 last_eval = record.evaluation
@@ -252,19 +423,24 @@ def run(
             bar.set_postfix(postfix)
     finally:
         bar.close()
-    rows = [r.as_dict() for r in records]
-    totals: dict[str, int] = {}
-    for r in records:
-        for k, v in r.cost.items():
-            totals[k] = totals.get(k, 0) + v
-    totals["communication_rounds"] = sum(r.communication_rounds for r in records)
-    final = {f"test_{k}": v for k, v in last_eval.items()}
-    result = RunResult(config=config, rounds=rows, final=final, state=state, totals=totals)
-    if save:
-        out = Path(output_dir if output_dir is not None else config.output_dir)
-        save_results(result, out)
-        result.output_dir = out
-    return result
+    entries = [e for r in records for e in r.ledger]
+    run_totals = totals(entries)
+    run_totals["communication_rounds"] = sum(r.communication_rounds for r in records)
+    run_totals["sim_time_s"] = records[-1].clock_s if records else 0.0
+    run_totals["client_rounds"] = sum(len(r.clients) for r in records)
+    run_totals["unavailable_client_rounds"] = sum(len(r.unavailable) for r in records)
+    run_totals["empty_rounds"] = sum(1 for r in records if not r.clients)
+    meter = exp.simulation.flop_meter
+    run_totals["flop_measurements"] = 0 if meter is None else meter.measurements
+    return RunResult(
+        config=config,
+        rounds=[r.as_dict() for r in records],
+        final={f"test_{k}": v for k, v in last_eval.items()},
+        state=state,
+        totals=run_totals,
+        totals_by_tier=totals_by_tier(entries),
+        ledger=as_dicts(entries),
+    )
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -280,16 +456,27 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def _summary(result: RunResult) -> dict[str, Any]:
+    return {"final": result.final, "totals": result.totals, "totals_by_tier": result.totals_by_tier}
+
+
 def save_results(result: RunResult, out: Path) -> None:
-    """``results.json`` (config, per-round metrics, totals, final) and ``accuracy.png``."""
-    payload = {
+    """``results.json`` (config, final, totals, totals per tier, per-round metrics, baseline
+    and savings), ``ledger.json`` (one row per client, phase and round) and ``accuracy.png``."""
+    payload: dict[str, Any] = {
         "radbo_version": _version(),
         "config": result.config.model_dump(mode="json"),
-        "final": result.final,
-        "totals": result.totals,
+        **_summary(result),
         "rounds": result.rounds,
     }
+    if result.baseline is not None:
+        payload["baseline"] = {
+            "config": result.baseline.config.model_dump(mode="json"),
+            **_summary(result.baseline),
+        }
+        payload["savings"] = result.savings
     atomic_write_text(out / "results.json", json.dumps(payload, indent=2, allow_nan=True))
+    atomic_write_text(out / "ledger.json", json.dumps(result.ledger, allow_nan=True))
     from radbo.report import plot_accuracy
 
     plot_accuracy(result.rounds, out / "accuracy.png", title=f"{result.config.algorithm.name}")

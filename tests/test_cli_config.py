@@ -18,7 +18,7 @@ def test_demo_config_is_valid_and_matches_the_issue():
     cfg = load_config(DEMO)
 
     assert cfg.fleet.num_clients == 10
-    assert sorted(set(cfg.fleet.capacities)) == [0.25, 0.5, 1.0]
+    assert sorted(set(cfg.fleet.capacities.values())) == [0.25, 0.5, 1.0]
     assert cfg.partition.kind == "dirichlet" and cfg.partition.alpha == 0.5
     assert cfg.data.name == "digits"
 
@@ -45,6 +45,18 @@ def test_defaults_are_valid():
         (
             {"fleet": {"capacities": [1.5]}},
             "config error: fleet.capacities.0 = 1.5: Input should be less than or equal to 1",
+        ),
+        (
+            {"fleet": {"capacities": {"laptop": 0.0}}},
+            "config error: fleet.capacities.laptop = 0.0: Input should be greater than 0",
+        ),
+        (
+            {"fleet": {"capacities": "half"}},
+            "config error: fleet.capacities = 'half': Input should be a valid list or a valid dictionary",
+        ),
+        (
+            {"fleet": {"devices": {"laptop_cpu": 1.0}, "file": "f.toml"}},
+            "config error: fleet = {...}: Value error, give at most one device source, got devices and file",
         ),
         (
             {"partition": {"kind": "zipf"}},
@@ -130,3 +142,21 @@ def test_cli_run_writes_results_and_plot(tmp_path):
         assert key in row
     assert results["config"]["rounds"] == 2
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_section_without_its_tag_takes_the_default_kind():
+    cfg = parse_config({"algorithm": {"inner_lr": 0.3}, "estimator": {"max_iter": 3}})
+
+    assert cfg.algorithm.name == "rabo" and cfg.algorithm.inner_lr == 0.3
+    assert cfg.estimator.name == "cg" and cfg.estimator.max_iter == 3
+
+
+def test_unknown_device_id_is_a_config_error(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(DEMO.read_text().replace("raspberry_pi_4 = 0.3", "raspberry_pi_44 = 0.3"))
+
+    assert main(["fleet", str(path)]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith("config error: fleet.devices:")
+    assert "raspberry_pi_44" in err

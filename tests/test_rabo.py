@@ -1,8 +1,5 @@
 """RABO end to end: equivalences, coverage, determinism, the demo's accuracy."""
 
-import tomllib
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -10,23 +7,7 @@ from radbo.config import RunConfig, parse_config
 from radbo.experiment import build, run
 from radbo.problem import sample_batch
 from radbo.simulation.engine import ClientTask, full_index_set
-
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
-
-
-def demo_dict() -> dict:
-    return tomllib.loads(DEMO.read_text())
-
-
-def small_config(**overrides) -> RunConfig:
-    data = demo_dict()
-    data.update(rounds=4, eval_every=2)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and key not in ("model", "estimator"):
-            data[key] = {**data.get(key, {}), **value}
-        else:
-            data[key] = value
-    return parse_config(data)
+from tests.configs import demo_dict, small_config
 
 
 def states(config: RunConfig) -> list:
@@ -96,7 +77,9 @@ def test_one_client_server_step_reproduces_local_descent():
         yv = {k: v.requires_grad_(True) for k, v in y.items()}
         loss = sim.runtime.problem.inner_loss(module, state.x, yv, state.buffers, batch)
         grads = torch.autograd.grad(loss, list(yv.values()))
-        y = {k: (v - algo.inner_lr * g).detach() for (k, v), g in zip(yv.items(), grads)}
+        y = {
+            k: (v - algo.inner_lr * g).detach() for (k, v), g in zip(yv.items(), grads, strict=True)
+        }
     for k in y:
         assert torch.allclose(new_state.y[k], y[k], atol=1e-6)
         # and it went downhill on the inner loss from y_0
@@ -166,12 +149,15 @@ def test_demo_reaches_accuracy():
 
     assert result.final["test_accuracy"] >= 0.85
     assert result.totals["communication_rounds"] == 2 * result.config.rounds
+    assert 0 < result.savings["compute_fraction"] < 1
+    assert 0 < result.savings["bytes_fraction"] < 1
 
 
 def test_demo_needs_clipping():
     """Without the documented hypergradient clipping the non-iid demo diverges."""
     data = demo_dict()
     data["algorithm"] = {**data["algorithm"], "max_hypergrad_norm": None}
+    data["baseline"] = {"enabled": False}
 
     result = run(parse_config(data), progress=False, save=False)
 

@@ -37,6 +37,7 @@ from radbo.aggregation import (
     coverage_stats,
     coverage_weighted_mean,
 )
+from radbo.cost import tensor_bytes
 from radbo.hypergrad import HypergradEstimator, ImplicitCG
 from radbo.masks.index import extract
 from radbo.problem import bind_losses, sample_batch
@@ -46,7 +47,6 @@ from radbo.simulation.engine import (
     ClientTask,
     CostRecord,
     Phase,
-    payload_bytes,
 )
 from radbo.typing import IndexSet, Params
 
@@ -168,8 +168,8 @@ class RABO:
             cost=CostRecord(
                 n_grad=steps,
                 samples=samples,
-                bytes_down=payload_bytes(task.params),
-                bytes_up=payload_bytes(update),
+                bytes_down=tensor_bytes(task.params),
+                bytes_up=tensor_bytes(update),
             ),
             metrics={"inner_loss": loss_value},
         )
@@ -234,8 +234,8 @@ class RABO:
                 n_grad=result.n_grad,
                 n_hvp=result.n_hvp,
                 samples=inner_batch.targets.numel() + outer_batch.targets.numel(),
-                bytes_down=payload_bytes(sent),
-                bytes_up=payload_bytes(grad),
+                bytes_down=tensor_bytes(sent),
+                bytes_up=tensor_bytes(grad),
             ),
             metrics={"outer_loss": outer_value, "hypergrad_norm": norm},
         )

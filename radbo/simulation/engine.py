@@ -16,13 +16,22 @@ import copy
 import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from radbo.cost import (
+    FlopMeter,
+    LedgerEntry,
+    index_metadata_bytes,
+    phase_times,
+    round_time,
+    shape_signature,
+    totals,
+)
 from radbo.problem import BilevelProblem, ClientData
 from radbo.typing import IndexSet, Params
 
@@ -49,7 +58,8 @@ class CostRecord:
 
     ``n_grad`` counts first-order gradient evaluations, ``n_hvp`` second-order products
     (Hessian- or Jacobian-vector), ``samples`` the examples forwarded, ``bytes_down`` /
-    ``bytes_up`` the payload tensors received / sent (numel x element size).
+    ``bytes_up`` the payload tensors received / sent (numel x element size). ``flops`` is
+    filled in by the engine's :class:`~radbo.cost.FlopMeter` (measured, not modelled).
     """
 
     n_grad: int = 0
@@ -57,6 +67,7 @@ class CostRecord:
     samples: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,34 @@ class SequentialBackend:
         return [fn(task) for task in tasks]
 
 
+def run_measured(
+    fn: Callable[[ClientRuntime, ClientTask], ClientResult],
+    runtime: ClientRuntime,
+    meter: FlopMeter | None,
+    task: ClientTask,
+) -> ClientResult:
+    """Run a client function and attach its measured FLOPs (cached per distinct workload).
+
+    The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
+    local steps): FLOPs of these models are linear in the batch, so equal counts on equal
+    shapes mean equal work.
+    """
+    result = fn(runtime, task)
+    if meter is None:
+        return result
+    c = result.cost
+    key = (
+        task.phase,
+        shape_signature(task.params),
+        c.n_grad,
+        c.n_hvp,
+        c.samples,
+        task.budget.local_steps,
+    )
+    flops = meter.flops(key, lambda: fn(runtime, task))
+    return replace(result, cost=replace(c, flops=flops))
+
+
 class MaskAssigner(Protocol):
     """Chooses each sampled client's submodel (index sets in full-model coordinates)."""
 
@@ -193,35 +232,53 @@ def full_index_set(shapes: Mapping[str, torch.Size]) -> IndexSet:
     return {n: (None,) * len(s) for n, s in shapes.items()}
 
 
-def payload_bytes(params: Mapping[str, Tensor]) -> int:
-    """Bytes of the tensors in ``params`` (numel x element size)."""
-    return sum(t.numel() * t.element_size() for t in params.values())
-
-
 @dataclass
 class RoundRecord:
-    """What happened in one round: sampled clients, phase metrics, costs, evaluation."""
+    """What happened in one round: sampled and unavailable clients, phase metrics, the cost
+    ledger (one entry per client and phase), simulated round time and virtual clock."""
 
     round: int
     clients: list[int]
     metrics: dict[str, float]
-    cost: dict[str, int]
+    ledger: list[LedgerEntry]
     communication_rounds: int
     wall_time_s: float
+    round_time_s: float = 0.0
+    clock_s: float = 0.0
+    unavailable: list[int] = field(default_factory=list)
     evaluation: dict[str, float] | None = None
+
+    @property
+    def cost(self) -> dict[str, float]:
+        """Counters summed over the round's ledger."""
+        return totals(self.ledger)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "round": self.round,
             "clients": self.clients,
+            "unavailable": self.unavailable,
             "communication_rounds": self.communication_rounds,
             "wall_time_s": self.wall_time_s,
+            "sim_round_time_s": self.round_time_s,
+            "sim_clock_s": self.clock_s,
             **self.metrics,
             **{f"cost_{k}": v for k, v in self.cost.items()},
         }
         if self.evaluation is not None:
             out.update({f"test_{k}": v for k, v in self.evaluation.items()})
         return out
+
+
+class DeviceLike(Protocol):
+    """What the engine reads from a device profile (:class:`radbo.devices.DeviceProfile`)."""
+
+    name: str
+    tier: str
+    compute_flops: float
+    uplink_bps: float
+    downlink_bps: float
+    availability: float
 
 
 @dataclass
@@ -237,9 +294,13 @@ class Simulation(Generic[State]):
         masks: the mask assigner, or ``None`` for full models everywhere.
         backend: runs the client functions (default: sequential).
         seed: run seed; every random choice derives from it.
-        clients_per_round: how many clients are sampled (without replacement) per round.
+        clients_per_round: how many available clients are sampled (without replacement) per
+            round (default: all available).
         weights: per-client aggregation weights (default uniform).
         evaluate: ``model_state -> metrics`` called every ``eval_every`` rounds and at the end.
+        profiles: one device profile per client; gives availability draws, the tier of each
+            ledger entry and simulated time (``None``: always available, no clock).
+        flop_meter: measures FLOPs per distinct workload (``None``: FLOPs are not counted).
     """
 
     algorithm: Algorithm[State]
@@ -254,6 +315,8 @@ class Simulation(Generic[State]):
     weights: Sequence[float] | None = None
     evaluate: Callable[[Params], dict[str, float]] | None = None
     eval_every: int = 1
+    profiles: Sequence[DeviceLike] | None = None
+    flop_meter: FlopMeter | None = field(default_factory=FlopMeter)
 
     def __post_init__(self) -> None:
         n = len(self.clients)
@@ -263,6 +326,8 @@ class Simulation(Generic[State]):
             raise ValueError(f"got {n} clients but {len(self.budgets)} budgets")
         if self.weights is not None and len(self.weights) != n:
             raise ValueError(f"got {n} clients but {len(self.weights)} weights")
+        if self.profiles is not None and len(self.profiles) != n:
+            raise ValueError(f"got {n} clients but {len(self.profiles)} device profiles")
         k = self.clients_per_round
         if k is not None and not 1 <= k <= n:
             raise ValueError(f"clients_per_round must be in [1, {n}], got {k}")
@@ -272,19 +337,67 @@ class Simulation(Generic[State]):
     def _generator(self, *words: int) -> torch.Generator:
         return torch.Generator().manual_seed(derive_seed(self.seed, *words))
 
-    def sample_clients(self, round: int) -> list[int]:
-        """Clients taking part in ``round`` (sorted), drawn without replacement."""
+    def available_clients(self, round: int) -> list[int]:
+        """Clients available in ``round``: one Bernoulli(availability) draw per client."""
         n = len(self.clients)
-        k = n if self.clients_per_round is None else self.clients_per_round
-        if k == n:
+        if self.profiles is None:
             return list(range(n))
-        gen = self._generator(round, 0x5A3F)
-        return sorted(torch.randperm(n, generator=gen)[:k].tolist())
+        draws = torch.rand(n, generator=self._generator(round, 0xA7A1), dtype=torch.float64)
+        return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
 
-    def step(self, state: State, round: int) -> tuple[State, RoundRecord]:
-        """Run one round from ``state``; returns the new state and the round's record."""
+    def sample_clients(self, round: int) -> list[int]:
+        """Clients taking part in ``round`` (sorted): available ones, then drawn without
+        replacement down to ``clients_per_round``."""
+        available = self.available_clients(round)
+        k = len(available) if self.clients_per_round is None else self.clients_per_round
+        if k >= len(available):
+            return available
+        pick = torch.randperm(len(available), generator=self._generator(round, 0x5A3F))[:k]
+        return sorted(available[i] for i in pick.tolist())
+
+    def _entry(self, round: int, phase: str, result: ClientResult, extra_down: int) -> LedgerEntry:
+        c = result.cost
+        profile = None if self.profiles is None else self.profiles[result.client]
+        bytes_down = c.bytes_down + extra_down
+        compute_s, comm_s = phase_times(c.flops, bytes_down, c.bytes_up, profile)
+        tier = "" if profile is None else (profile.tier or profile.name)
+        return LedgerEntry(
+            round=round,
+            phase=phase,
+            client=result.client,
+            tier=tier,
+            flops=c.flops,
+            n_grad=c.n_grad,
+            n_hvp=c.n_hvp,
+            samples=c.samples,
+            bytes_down=bytes_down,
+            bytes_up=c.bytes_up,
+            compute_s=compute_s,
+            comm_s=comm_s,
+        )
+
+    def step(self, state: State, round: int, clock_s: float = 0.0) -> tuple[State, RoundRecord]:
+        """Run one round from ``state``; returns the new state and the round's record.
+
+        A round where no client is available leaves the state unchanged (and is recorded).
+        """
         start = time.perf_counter()
         sampled = self.sample_clients(round)
+        available = set(self.available_clients(round))
+        unavailable = [c for c in range(len(self.clients)) if c not in available]
+        phases = self.algorithm.phases()
+        if not sampled:
+            record = RoundRecord(
+                round=round,
+                clients=[],
+                metrics={},
+                ledger=[],
+                communication_rounds=0,
+                wall_time_s=time.perf_counter() - start,
+                clock_s=clock_s,
+                unavailable=unavailable,
+            )
+            return state, record
         budgets = [self.budgets[c] for c in sampled]
         if self.masks is None:
             index_sets = [full_index_set(self.shapes) for _ in sampled]
@@ -294,10 +407,10 @@ class Simulation(Generic[State]):
                 self.masks.assign(b, c, round, self._generator(round, 0x3A5C, c))
                 for c, b in zip(sampled, budgets, strict=True)
             ]
+        metadata = [index_metadata_bytes(idx) for idx in index_sets]
         weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
         metrics: dict[str, float] = {}
-        cost = {"n_grad": 0, "n_hvp": 0, "samples": 0, "bytes_down": 0, "bytes_up": 0}
-        phases = self.algorithm.phases()
+        ledger: list[LedgerEntry] = []
         for p, phase in enumerate(phases):
             tasks = [
                 ClientTask(
@@ -312,29 +425,36 @@ class Simulation(Generic[State]):
                 )
                 for c, idx, b in zip(sampled, index_sets, budgets, strict=True)
             ]
-            results = self.backend.map(functools.partial(phase.client, self.runtime), tasks)
-            for r in results:
-                for k in cost:
-                    cost[k] += int(getattr(r.cost, k))
+            client_fn = functools.partial(run_measured, phase.client, self.runtime, self.flop_meter)
+            results = self.backend.map(client_fn, tasks)
+            ledger += [
+                self._entry(round, phase.name, r, meta if p == 0 else 0)
+                for r, meta in zip(results, metadata, strict=True)
+            ]
             state, phase_metrics = phase.server(state, results, index_sets, weights)
             metrics.update(phase_metrics)
+        duration = round_time(ledger)
         record = RoundRecord(
             round=round,
             clients=sampled,
             metrics=metrics,
-            cost=cost,
+            ledger=ledger,
             communication_rounds=len(phases),
             wall_time_s=time.perf_counter() - start,
+            round_time_s=duration,
+            clock_s=clock_s + duration,
+            unavailable=unavailable,
         )
         return state, record
 
     def iterate(
-        self, state: State, rounds: int, start_round: int = 0
+        self, state: State, rounds: int, start_round: int = 0, clock_s: float = 0.0
     ) -> Iterator[tuple[State, RoundRecord]]:
         """Yield ``(state, record)`` after each round; evaluates every ``eval_every`` rounds
-        and after the last one."""
+        and after the last one. ``clock_s`` is the virtual clock at the start."""
         for q in range(start_round, start_round + rounds):
-            state, record = self.step(state, q)
+            state, record = self.step(state, q, clock_s)
+            clock_s = record.clock_s
             last = q == start_round + rounds - 1
             if self.evaluate is not None and ((q + 1) % self.eval_every == 0 or last):
                 record.evaluation = self.evaluate(self.algorithm.model_state(state))

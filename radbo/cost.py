@@ -1,0 +1,177 @@
+"""Cost accounting: FLOPs executed, bytes on the wire, simulated time, a virtual clock.
+
+Every client and phase of a round produces one :class:`LedgerEntry`:
+
+- **FLOPs** are measured, not modelled: :class:`FlopMeter` re-runs a client function once
+  under ``torch.utils.flop_counter.FlopCounterMode`` for every distinct workload (phase, submodel
+  shapes, gradient / Hessian-vector counts, samples, local steps) and caches the count, so a run
+  pays the counting overhead once per workload. The counter includes backward and
+  double-backward (Hessian-vector products) and skips elementwise ops, BatchNorm and pooling.
+- **Bytes** are the tensors that cross the (simulated) wire: the submodel tensors received and
+  the update sent (numel x element size), plus the index metadata of a submodel (its kept
+  indices as int32) the first time a client receives it in a round.
+- **Time**: compute time = FLOPs / the device's sustained FLOP/s; communication time =
+  8 x bytes / bandwidth, down and up. A phase ends when its slowest participating client ends
+  (synchronous rounds), a round is the sum of its phases, and the virtual clock adds rounds up
+  (FedScale's virtual clock, with compute time from the submodel's FLOPs instead of a per-sample
+  constant, and bytes from the real payload instead of the full model's pickle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from radbo.typing import IndexSet
+
+#: bytes of one index on the wire (kept indices are sent as int32)
+INDEX_BYTES = 4
+
+
+class LinkProfile(Protocol):
+    """What the time model needs from a device profile (:class:`radbo.devices.DeviceProfile`)."""
+
+    compute_flops: float
+    uplink_bps: float
+    downlink_bps: float
+
+
+def index_metadata_bytes(index_set: IndexSet) -> int:
+    """Bytes needed to tell a client its submodel: every distinct kept-index list, as int32.
+
+    Tensors of one layer share index lists (a conv's output channels, its BN, the next conv's
+    input channels), so identical lists are sent once. A full model needs no metadata.
+    """
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for entry in index_set.values():
+        for idx in entry:
+            if idx is None:
+                continue
+            key = tuple(idx.tolist())
+            if key in seen:
+                continue
+            seen.add(key)
+            total += len(key) * INDEX_BYTES
+    return total
+
+
+def tensor_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """numel x element size summed over ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def shape_signature(tensors: Mapping[str, Tensor]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Hashable (name, shape) list identifying a submodel's shapes."""
+    return tuple((name, tuple(t.shape)) for name, t in sorted(tensors.items()))
+
+
+@dataclass
+class FlopMeter:
+    """Measures the FLOPs of a client function once per distinct workload and caches them.
+
+    ``key`` identifies a workload; the function must be pure (same task, same work), which the
+    engine's client functions are, so re-running it under the counter is safe.
+    """
+
+    cache: dict[tuple, int] = field(default_factory=dict)
+    measurements: int = 0
+
+    def flops(self, key: tuple, run: Callable[[], Any]) -> int:
+        """Cached FLOPs for ``key``; on a miss, run ``run()`` under the FLOP counter."""
+        if key not in self.cache:
+            from radbo.flops import count_flops
+
+            self.cache[key] = int(count_flops(run))
+            self.measurements += 1
+        return self.cache[key]
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """Cost of one client in one phase of one round."""
+
+    round: int
+    phase: str
+    client: int
+    tier: str
+    flops: int
+    n_grad: int
+    n_hvp: int
+    samples: int
+    bytes_down: int
+    bytes_up: int
+    compute_s: float
+    comm_s: float
+
+    @property
+    def time_s(self) -> float:
+        """Download, compute and upload, one after the other."""
+        return self.compute_s + self.comm_s
+
+
+def phase_times(
+    flops: int, bytes_down: int, bytes_up: int, profile: LinkProfile | None
+) -> tuple[float, float]:
+    """(compute seconds, communication seconds) of one client phase on ``profile``.
+
+    Without a profile there is no clock: both are 0.
+    """
+    if profile is None:
+        return 0.0, 0.0
+    compute = flops / profile.compute_flops
+    comm = 8.0 * bytes_down / profile.downlink_bps + 8.0 * bytes_up / profile.uplink_bps
+    return compute, comm
+
+
+def round_time(entries: Iterable[LedgerEntry]) -> float:
+    """Synchronous round: each phase lasts as long as its slowest client; phases add up."""
+    slowest: dict[str, float] = {}
+    for e in entries:
+        slowest[e.phase] = max(slowest.get(e.phase, 0.0), e.time_s)
+    return sum(slowest.values())
+
+
+_SUMMED = ("flops", "n_grad", "n_hvp", "samples", "bytes_down", "bytes_up", "compute_s", "comm_s")
+
+
+def totals(entries: Iterable[LedgerEntry]) -> dict[str, float]:
+    """Sums of every counter over ``entries`` (``bytes`` = down + up)."""
+    out: dict[str, float] = dict.fromkeys(_SUMMED, 0)
+    for e in entries:
+        for k in _SUMMED:
+            out[k] += getattr(e, k)
+    out["bytes"] = out["bytes_down"] + out["bytes_up"]
+    return out
+
+
+def totals_by_tier(entries: Iterable[LedgerEntry]) -> dict[str, dict[str, float]]:
+    """:func:`totals` per device tier."""
+    groups: dict[str, list[LedgerEntry]] = {}
+    for e in entries:
+        groups.setdefault(e.tier, []).append(e)
+    return {tier: totals(group) for tier, group in sorted(groups.items())}
+
+
+def as_dicts(entries: Sequence[LedgerEntry]) -> list[dict[str, Any]]:
+    """JSON-ready rows."""
+    return [asdict(e) for e in entries]
+
+
+def savings(run_totals: Mapping[str, float], baseline_totals: Mapping[str, float]) -> dict:
+    """Fractions of a baseline's compute, bytes and simulated time that a run used."""
+
+    def frac(key: str) -> float:
+        base = baseline_totals.get(key, 0.0)
+        return float(run_totals.get(key, 0.0)) / base if base else float("nan")
+
+    return {
+        "compute_fraction": frac("flops"),
+        "bytes_fraction": frac("bytes"),
+        "bytes_up_fraction": frac("bytes_up"),
+        "bytes_down_fraction": frac("bytes_down"),
+        "time_fraction": frac("sim_time_s"),
+    }

@@ -1,0 +1,447 @@
+"""A :class:`Fleet`: the device profile of every client, in client order.
+
+Client ``i`` of a fleet has profile ``fleet[i]``. Fleets are built from a tier mix of catalog
+devices (:meth:`Fleet.from_tiers`, deterministic given a seed), from a FedScale-style capacity
+trace (:meth:`Fleet.from_trace`), or from a readable fleet file (:meth:`Fleet.from_file`, written
+by :meth:`Fleet.to_file`). Files are JSON or TOML, never pickle, and loading never executes code.
+
+>>> fleet = Fleet.from_tiers({"raspberry_pi_4": 0.5, "phone_mid": 0.5}, num_clients=4, seed=0)
+>>> sorted(fleet.tiers())
+['phone-mid', 'phone-mid', 'sbc', 'sbc']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+
+from radbo.devices.catalog import load_catalog, unknown_device_message
+from radbo.devices.profile import DeviceProfile, ProfileError, parse_profile
+
+__all__ = ["FLEET_FORMAT", "Fleet", "largest_remainder_counts"]
+
+FLEET_FORMAT = "radbo-fleet"
+"""Value of the ``format`` key written at the top of every fleet file."""
+_FLEET_VERSION = 1
+_TRACE_FIELDS = ("computation", "communication")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object, *, strict: bool = True) -> bool:
+    """``value`` is an int/float (not bool), finite, and ``> 0`` (``>= 0`` if not strict)."""
+    if not _is_number(value):
+        return False
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int too large for a float
+        return False
+    if not math.isfinite(number):
+        return False
+    return number > 0 if strict else number >= 0
+
+
+def largest_remainder_counts(weights: Sequence[float], total: int) -> list[int]:
+    """Split ``total`` items over ``weights`` by the largest-remainder (Hamilton) method.
+
+    Each entry first gets ``floor(total * w / sum(w))``; the items left over go, one each, to the
+    entries with the largest fractional remainders (ties: earlier entry first). Arithmetic is
+    exact (:class:`fractions.Fraction`), so the result does not depend on float rounding. Counts
+    sum to ``total`` and each differs from its exact quota by less than one.
+
+    >>> largest_remainder_counts([0.5, 0.5], 10)
+    [5, 5]
+    >>> largest_remainder_counts([1, 1, 1], 10)
+    [4, 3, 3]
+    """
+    exact = [Fraction(w) for w in weights]
+    weight_sum = sum(exact, Fraction(0))
+    if weight_sum <= 0:
+        raise ValueError("weights must not all be zero")
+    quotas = [total * w / weight_sum for w in exact]
+    counts = [math.floor(q) for q in quotas]
+    left = total - sum(counts)
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+# -- TOML writing (tomllib only reads) ------------------------------------------------------
+def _toml_string(text: str) -> str:
+    out = ['"']
+    for ch in text:
+        code = ord(ch)
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04X}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, bool):  # never in a profile; guard against silent 0/1
+        raise TypeError(f"cannot write bool {value!r} to a fleet file")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"cannot write non-finite float {value!r} to a fleet file")
+        return repr(value)  # shortest repr: valid TOML and round-trips exactly
+    raise TypeError(f"cannot write {type(value).__name__} to a fleet file")
+
+
+def _profile_record(profile: DeviceProfile) -> dict[str, Any]:
+    # None (no energy figure) is left out: TOML has no null and the field defaults to None.
+    return {k: v for k, v in profile.model_dump().items() if v is not None}
+
+
+def _fleet_toml(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "# radbo fleet: one [[device]] table per client, in client order (client 0 first).",
+        "# Units: FLOP/s, bytes, bit/s; availability is a probability per round.",
+        f"format = {_toml_string(FLEET_FORMAT)}",
+        f"version = {_FLEET_VERSION}",
+    ]
+    for i, record in enumerate(records):
+        lines += ["", f"# client {i}", "[[device]]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in record.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".toml"):
+        raise ProfileError(
+            f"device profile error: {path} = {path.suffix or '<no suffix>'!r}: the file must end "
+            "in .json or .toml (pickle is never read or written)"
+        )
+    return suffix
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ProfileError(
+                f"device profile error: {key!r} appears twice in the same JSON object"
+            )
+        result[key] = value
+    return result
+
+
+def _read_table(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """Parse a JSON or TOML file (by suffix) into a dict; errors are :class:`ProfileError`."""
+    path = Path(path)
+    suffix = _suffix(path)
+    if not path.is_file():
+        raise ProfileError(f"device profile error: {what} {path} does not exist or is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        if suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        else:
+            data = tomllib.loads(text)
+    except ProfileError as err:  # a duplicate JSON key
+        raise ProfileError(f"{err} (in {what} {path})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        kind = "JSON" if suffix == ".json" else "TOML"
+        raise ProfileError(
+            f"device profile error: {what} {path} is not valid {kind}: {err}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ProfileError(
+            f"device profile error: {what} {path} must hold a table at the top level, "
+            f"got {type(data).__name__}"
+        )
+    return data
+
+
+@dataclass(frozen=True)
+class Fleet(Sequence[DeviceProfile]):
+    """Immutable sequence of client device profiles; client ``i`` has profile ``fleet[i]``."""
+
+    profiles: tuple[DeviceProfile, ...]
+
+    def __post_init__(self) -> None:
+        profiles = tuple(self.profiles)
+        if not profiles:
+            raise ValueError("a fleet needs at least one client profile")
+        for i, p in enumerate(profiles):
+            if not isinstance(p, DeviceProfile):
+                raise TypeError(f"fleet client {i} is a {type(p).__name__}, not a DeviceProfile")
+        object.__setattr__(self, "profiles", profiles)
+
+    # -- sequence protocol ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.profiles)
+
+    @overload
+    def __getitem__(self, index: int) -> DeviceProfile: ...
+    @overload
+    def __getitem__(self, index: slice) -> Fleet: ...
+    def __getitem__(self, index: int | slice) -> DeviceProfile | Fleet:
+        """Client ``index``'s profile, or a sub-fleet for a slice."""
+        if isinstance(index, slice):
+            return Fleet(self.profiles[index])
+        return self.profiles[index]
+
+    def __iter__(self) -> Iterator[DeviceProfile]:
+        return iter(self.profiles)
+
+    # -- constructors -----------------------------------------------------------------------
+    @classmethod
+    def from_profiles(cls, profiles: Sequence[DeviceProfile]) -> Fleet:
+        """A fleet whose client ``i`` has ``profiles[i]``."""
+        return cls(tuple(profiles))
+
+    @classmethod
+    def from_tiers(
+        cls,
+        mix: Mapping[str, float],
+        num_clients: int,
+        seed: int,
+        catalog: Mapping[str, DeviceProfile] | None = None,
+    ) -> Fleet:
+        """``num_clients`` clients drawn from a device mix, deterministic given ``seed``.
+
+        ``mix`` maps device id (a key of ``catalog``, default :func:`load_catalog`) to a
+        non-negative weight; weights need not sum to one but must not all be zero. Counts follow
+        :func:`largest_remainder_counts` (``{a: 0.5, b: 0.5}`` with 10 clients gives exactly 5
+        and 5), then client order is shuffled by ``numpy.random.default_rng(seed)``.
+        """
+        catalog = load_catalog() if catalog is None else catalog
+        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
+            raise ValueError(f"num_clients = {num_clients!r}: must be an integer >= 1")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed = {seed!r}: must be an integer >= 0")
+        if not mix:
+            raise ValueError("mix = {}: give at least one device id with a weight > 0")
+        for device, weight in mix.items():
+            if device not in catalog:
+                raise ValueError(unknown_device_message(device, list(catalog)))
+            if not _is_finite_number(weight, strict=False):
+                raise ValueError(f"mix[{device!r}] = {weight!r}: must be a finite number >= 0")
+        if not any(w > 0 for w in mix.values()):
+            raise ValueError(f"mix = {dict(mix)!r}: at least one weight must be > 0")
+        counts = largest_remainder_counts(list(mix.values()), num_clients)
+        ordered = [catalog[d] for d, c in zip(mix, counts, strict=True) for _ in range(c)]
+        order = np.random.default_rng(seed).permutation(num_clients)
+        return cls(tuple(ordered[int(i)] for i in order))
+
+    @classmethod
+    def from_trace(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        flops_per_sample: float,
+        memory_bytes: int,
+        availability: float = 1.0,
+        base: DeviceProfile | None = None,
+    ) -> Fleet:
+        """A fleet from a FedScale-style device-capacity trace in JSON or TOML.
+
+        The trace maps client id to ``{"computation": ms per sample, "communication": kbit/s}``,
+        the content of FedScale's ``client_device_capacity`` file (pickled upstream; radbo reads
+        the same content from JSON/TOML only). Client ``i`` of the fleet is the ``i``-th id in
+        numeric order. Per client: ``compute_flops = flops_per_sample / (computation / 1000)``
+        and ``uplink_bps = downlink_bps = communication * 1000``; ``memory_bytes`` and
+        ``availability`` apply to every client. ``base``, if given, supplies the name prefix,
+        tier, energy per FLOP and source note; otherwise clients are named ``client <id>`` with
+        tier ``trace``.
+        """
+        if not _is_finite_number(flops_per_sample):
+            raise ValueError(
+                f"flops_per_sample = {flops_per_sample!r}: must be a finite number > 0"
+            )
+        if not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool) or memory_bytes < 1:
+            raise ValueError(f"memory_bytes = {memory_bytes!r}: must be an integer > 0 (bytes)")
+        if not _is_finite_number(availability, strict=False) or availability > 1:
+            raise ValueError(f"availability = {availability!r}: must be a number in [0, 1]")
+        path = Path(path)
+        data = _read_table(path, "trace")
+        if not data:
+            raise ProfileError(f"device profile error: trace {path} lists no clients")
+        entries: dict[int, Mapping[str, Any]] = {}
+        for key, entry in data.items():
+            try:
+                cid = int(str(key).strip())
+            except ValueError:
+                raise ProfileError(
+                    f"device profile error: trace[{key!r}] = {{...}}: client ids must be integers"
+                ) from None
+            if cid in entries:
+                raise ProfileError(
+                    f"device profile error: trace[{key!r}]: client id {cid} appears twice"
+                )
+            entries[cid] = _check_trace_entry(key, entry)
+        profiles = []
+        for cid in sorted(entries):
+            computation = float(entries[cid]["computation"])
+            communication = float(entries[cid]["communication"])
+            note = (
+                f"FedScale-style trace {path.name}, client {cid}: computation {computation} "
+                f"ms/sample, communication {communication} kbit/s, flops_per_sample "
+                f"{flops_per_sample}"
+            )
+            record: dict[str, Any] = {
+                "name": f"client {cid}" if base is None else f"{base.name} (client {cid})",
+                "tier": "trace" if base is None else base.tier,
+                # = flops_per_sample / (computation / 1000), without underflow to 0 for tiny values
+                "compute_flops": flops_per_sample * 1000.0 / computation,
+                "memory_bytes": memory_bytes,
+                "uplink_bps": communication * 1000.0,
+                "downlink_bps": communication * 1000.0,
+                "availability": availability,
+                "energy_per_flop": None if base is None else base.energy_per_flop,
+                "source": note if base is None or not base.source else f"{note}; {base.source}",
+            }
+            profiles.append(parse_profile(record, where=f"trace client {cid}: "))
+        return cls(tuple(profiles))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Fleet:
+        """Read a fleet written by :meth:`to_file` (JSON or TOML, chosen by suffix).
+
+        Every profile is validated; errors are :class:`ProfileError` lines naming the client index
+        and field, e.g. ``device profile error: device[3].compute_flops = -1.0: ...``.
+        """
+        path = Path(path)
+        data = _read_table(path, "fleet file")
+        unknown = sorted(set(data) - {"format", "version", "device"})
+        problems = [
+            f"device profile error: {key} = {data[key]!r}: unknown top-level key in fleet file "
+            f"{path} (allowed: format, version, device)"
+            for key in unknown
+        ]
+        if data.get("format", FLEET_FORMAT) != FLEET_FORMAT:
+            problems.append(
+                f"device profile error: format = {data['format']!r}: expected {FLEET_FORMAT!r}"
+            )
+        if data.get("version", _FLEET_VERSION) != _FLEET_VERSION:
+            problems.append(
+                f"device profile error: version = {data['version']!r}: this radbo reads version "
+                f"{_FLEET_VERSION}"
+            )
+        devices = data.get("device")
+        if not isinstance(devices, list) or not devices:
+            problems.append(
+                f"device profile error: device = {devices!r}: expected a non-empty list of device "
+                "tables, one per client ([[device]] in TOML)"
+            )
+            devices = []
+        profiles = []
+        for i, entry in enumerate(devices):
+            try:
+                profiles.append(parse_profile(entry, where=f"device[{i}]."))
+            except ProfileError as err:
+                problems.append(str(err))
+        if problems:
+            raise ProfileError("\n".join(problems))
+        return cls(tuple(profiles))
+
+    # -- output -----------------------------------------------------------------------------
+    def to_file(self, path: str | os.PathLike[str]) -> None:
+        """Write the fleet as JSON (``.json``) or TOML (``.toml``), atomically.
+
+        The file is a readable list of profiles (``device``: one table per client, in order);
+        :meth:`from_file` reads it back exactly. Written to a temporary file in the same folder,
+        then moved over ``path`` with :func:`os.replace`.
+        """
+        path = Path(path)
+        suffix = _suffix(path)
+        records = [_profile_record(p) for p in self.profiles]
+        if suffix == ".json":
+            document = {"format": FLEET_FORMAT, "version": _FLEET_VERSION, "device": records}
+            text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+        else:
+            text = _fleet_toml(records)
+        _atomic_write(path, text)
+
+    def tiers(self) -> list[str]:
+        """Per-client tier label: ``profile.tier``, or ``profile.name`` when the tier is empty."""
+        return [p.tier or p.name for p in self.profiles]
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per client for display: index, name, tier, compute (GFLOP/s, 1e9), memory
+        (MB, 1e6 bytes), uplink and downlink (Mbit/s, 1e6 bit/s) and availability."""
+        return [
+            {
+                "index": i,
+                "name": p.name,
+                "tier": tier,
+                "compute_gflops": p.compute_flops / 1e9,
+                "memory_mb": p.memory_bytes / 1e6,
+                "uplink_mbps": p.uplink_bps / 1e6,
+                "downlink_mbps": p.downlink_bps / 1e6,
+                "availability": p.availability,
+            }
+            for i, (p, tier) in enumerate(zip(self.profiles, self.tiers(), strict=True))
+        ]
+
+
+def _check_trace_entry(key: object, entry: object) -> Mapping[str, Any]:
+    """Validate one trace client entry; one :class:`ProfileError` line per problem."""
+    where = f"trace[{key!r}]"
+    if not isinstance(entry, Mapping):
+        raise ProfileError(
+            f"device profile error: {where} = {entry!r}: expected a table with computation "
+            "(ms per sample) and communication (kbit/s)"
+        )
+    problems = []
+    for name in sorted(set(entry) - set(_TRACE_FIELDS)):
+        problems.append(
+            f"device profile error: {where}.{name} = {entry[name]!r}: unknown field "
+            "(allowed: computation, communication)"
+        )
+    units = {"computation": "milliseconds per sample", "communication": "kbit/s"}
+    for name in _TRACE_FIELDS:
+        if name not in entry:
+            problems.append(f"device profile error: {where}.{name} = <missing>: Field required")
+            continue
+        value = entry[name]
+        if not _is_finite_number(value):
+            problems.append(
+                f"device profile error: {where}.{name} = {value!r}: must be a finite number > 0 "
+                f"({units[name]})"
+            )
+    if problems:
+        raise ProfileError("\n".join(problems))
+    return entry

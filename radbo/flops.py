@@ -1,0 +1,175 @@
+"""FLOP counting for training steps, Hessian-vector products and whole client functions.
+
+SPEC "Cost accounting": the FLOPs a client executes are *measured*, by running the work once
+under PyTorch's ``torch.utils.flop_counter.FlopCounterMode``, instead of being modelled per
+sample (FedScale's ``client_device_capacity`` traces give a per-sample compute cost; here the
+cost follows the submodel's real shapes). What the counter does and does not count:
+
+* It counts matrix products and convolutions (``mm``, ``addmm``, ``bmm``, ``convolution``,
+  scaled-dot-product attention, ...) as ``2 x`` multiply-accumulates, in the forward pass, in
+  backward, and in double backward (the Hessian-vector products of implicit hypergradients),
+  because autograd's backward ops run through the same dispatcher.
+* It skips elementwise operations (ReLU, additions, softmax, the optimiser update), BatchNorm,
+  pooling and reductions: they are memory-bound and small next to the products. The totals are
+  therefore a lower bound of the arithmetic, exact for the products that dominate it.
+* It only counts what autograd really executes: the gradient of a layer's input is not computed
+  when nothing upstream needs it (the data, frozen layers), and ``torch.autograd.grad`` with a
+  subset of parameters prunes the rest of the backward graph.
+
+FLOPs depend only on shapes, so :func:`training_step_flops` runs its step on the ``meta``
+device: no memory is allocated and no arithmetic is done, which makes counting a ResNet-18 at
+any batch size instantaneous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["count_flops", "meta_training_inputs", "trainable_names", "training_step_flops"]
+
+Wrt = Literal["all", "inner", "outer"]
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """Total FLOPs executed by ``fn()``, measured with ``FlopCounterMode(display=False)``.
+
+    Counts forward, backward and double-backward matrix products and convolutions
+    (``2 x`` multiply-accumulates); skips elementwise ops, BatchNorm, pooling and reductions
+    (see the module docstring). ``fn``'s return value is discarded.
+
+    >>> a, b = torch.ones(4, 3), torch.ones(3, 5)
+    >>> count_flops(lambda: a @ b)  # 2 * 4 * 3 * 5
+    120
+    """
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def _input_shape(module: nn.Module, input_shape: Sequence[int] | None) -> tuple[int, ...]:
+    if input_shape is not None:
+        shape = tuple(int(s) for s in input_shape)
+    else:
+        example = getattr(module, "example_input", None)
+        if not callable(example):
+            raise ValueError(
+                f"{type(module).__name__} has no example_input(batch); pass input_shape= "
+                "(the shape of one example, without the batch dimension)"
+            )
+        shape = tuple(example(1).shape[1:])
+    if any(s < 1 for s in shape):
+        raise ValueError(f"input_shape must hold positive sizes, got {shape}")
+    return shape
+
+
+def trainable_names(
+    module: nn.Module, wrt: Wrt, inner_names: Sequence[str] | None = None
+) -> list[str]:
+    """Names of the parameters a step differentiates: all of them, the inner (y) or outer (x).
+
+    ``inner_names`` defaults to ``module.inner_param_names()`` (radbo's
+    :class:`~radbo.models.BilevelModel`). Names unknown to ``module`` raise ``ValueError``.
+    """
+    names = [n for n, _ in module.named_parameters()]
+    if wrt == "all":
+        return names
+    if wrt not in ("inner", "outer"):
+        raise ValueError(f"wrt must be 'all', 'inner' or 'outer', got {wrt!r}")
+    if inner_names is None:
+        getter = getattr(module, "inner_param_names", None)
+        if not callable(getter):
+            raise ValueError(
+                f"{type(module).__name__} does not declare inner_param_names(); pass "
+                "inner_names= (the names of its inner parameters y)"
+            )
+        inner_names = getter()
+    inner = set(inner_names)
+    unknown = sorted(inner - set(names))
+    if unknown:
+        raise ValueError(f"inner_names {unknown} are not parameters of {type(module).__name__}")
+    return [n for n in names if (n in inner) == (wrt == "inner")]
+
+
+def meta_training_inputs(
+    module: nn.Module,
+    batch_size: int,
+    *,
+    trainable: Sequence[str],
+    input_shape: Sequence[int] | None = None,
+) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """``(state, inputs, targets)`` on the ``meta`` device for a shape-only training step.
+
+    ``state`` holds every parameter and buffer of ``module`` as a fresh meta tensor (the
+    ``trainable`` ones require grad), so that ``functional_call(module, state, (inputs,))`` runs
+    without touching or allocating the module's real tensors (BatchNorm updates the meta
+    copies of its running statistics, not the module's). Targets are class 0: FLOPs and
+    memory depend on shapes only.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    shape = _input_shape(module, input_shape)
+    keep = set(trainable)
+    state: dict[str, Tensor] = {}
+    for name, p in module.named_parameters():
+        state[name] = torch.empty_like(p, device="meta").requires_grad_(name in keep)
+    for name, b in module.named_buffers():
+        state[name] = torch.empty_like(b, device="meta")
+    inputs = torch.empty((batch_size, *shape), device="meta")
+    targets = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    return state, inputs, targets
+
+
+def training_step_flops(
+    module: nn.Module,
+    batch_size: int,
+    *,
+    wrt: Wrt = "all",
+    inner_names: Sequence[str] | None = None,
+    input_shape: Sequence[int] | None = None,
+) -> int:
+    """FLOPs of one forward + backward of cross-entropy on a batch, w.r.t. chosen parameters.
+
+    The step is ``torch.autograd.grad(F.cross_entropy(module(inputs), targets), params)`` where
+    ``params`` are all parameters (``wrt="all"``), the inner ones y (``"inner"``: e.g. the head
+    of a hyper-representation model, so the backbone's backward is not run) or the outer ones x
+    (``"outer"``). Parameters not differentiated are constants, so autograd skips their weight
+    gradients and every input gradient that no differentiated parameter needs. The data never
+    gets a gradient. The optimiser update is elementwise and not counted.
+
+    The batch has ``batch_size`` examples of ``module.example_input``'s shape (or
+    ``input_shape`` for a module without ``example_input``). It runs on the ``meta`` device
+    (FLOPs depend on shapes only; see the module docstring); ``module`` is not modified.
+
+    Args:
+        module: the (sub)model; its output must be class logits ``(batch, classes)``.
+        batch_size: examples per step, ``>= 1``.
+        wrt: which parameters to differentiate; default ``"all"``.
+        inner_names: names of the inner parameters y, for ``wrt`` ``"inner"``/``"outer"``;
+            default ``module.inner_param_names()``.
+        input_shape: shape of one example, for modules without ``example_input``.
+
+    >>> from radbo.models import MLP
+    >>> training_step_flops(MLP(4, [3], 2), 1)  # 2*4*3*2 (layer 1) + 2*3*2*3 (head)
+    84
+    """
+    names = trainable_names(module, wrt, inner_names)
+    state, inputs, targets = meta_training_inputs(
+        module, batch_size, trainable=names, input_shape=input_shape
+    )
+    params = [state[n] for n in names]
+
+    def step() -> None:
+        with torch.enable_grad():
+            logits = functional_call(module, state, (inputs,))
+            loss = F.cross_entropy(logits, targets)
+            if params:
+                torch.autograd.grad(loss, params)
+
+    return count_flops(step)
