@@ -1,12 +1,21 @@
 """radbo: resource-aware federated bilevel optimization on heterogeneous edge devices."""
 
 from radbo.aggregation import CoverageMean, apply_step, coverage_stats, coverage_weighted_mean
-from radbo.algorithms import RABO, RABOState
+from radbo.algorithms import RABO, RABOState, ShroFBO, SimFBO, SimFBOState
 from radbo.config import ConfigError, RunConfig, load_config, parse_config
 from radbo.cost import LedgerEntry
 from radbo.devices import BudgetPlanner, DeviceProfile, Fleet, load_catalog, probe_host
 from radbo.experiment import Experiment, RunResult, build, fleet_table, run
-from radbo.hypergrad import HypergradEstimator, HypergradResult, ImplicitCG, Neumann
+from radbo.hypergrad import (
+    AutogradProducts,
+    FiniteDifference,
+    FiniteDifferenceProducts,
+    FirstOrder,
+    HypergradEstimator,
+    HypergradResult,
+    ImplicitCG,
+    Neumann,
+)
 from radbo.masks import StructurePlan, extract, scatter
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.problem import Batch, BilevelProblem, ClientData
@@ -17,6 +26,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RABO",
+    "AutogradProducts",
+    "FiniteDifference",
+    "FiniteDifferenceProducts",
+    "FirstOrder",
+    "ShroFBO",
+    "SimFBO",
+    "SimFBOState",
     "Batch",
     "BudgetPlanner",
     "DeviceProfile",

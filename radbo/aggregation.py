@@ -29,11 +29,14 @@ class CoverageMean:
             where nobody holds it).
         weight: per tensor, the summed weights ``sum_{i in N_k} w_i`` (zero where nobody holds it).
         count: per tensor, the number of clients holding each coordinate, ``C^k = |N_k|`` (int64).
+        scale: with per-client ``scales`` s_i, the weighted mean of s_i over the clients
+            holding each coordinate (ShroFBO's per-coordinate rho), else ``None``.
     """
 
     mean: Params
     weight: Params
     count: Params
+    scale: Params | None = None
 
     def covered(self, name: str) -> Tensor:
         """Boolean tensor: True where at least one client held the coordinate."""
@@ -62,6 +65,7 @@ def coverage_weighted_mean(
     index_sets: Sequence[IndexSet],
     shapes: Mapping[str, torch.Size],
     weights: Sequence[float] | None = None,
+    scales: Sequence[float] | None = None,
 ) -> CoverageMean:
     """Parameter-wise coverage-weighted mean of client updates (RABO eqs. (6), (8)).
 
@@ -72,6 +76,8 @@ def coverage_weighted_mean(
             to full-model coordinates (see :data:`radbo.typing.IndexSet`).
         shapes: full-model shape of each aggregated tensor.
         weights: one non-negative weight per client (default: all 1, as in the paper).
+        scales: optional per-client scalars whose weighted mean over the holders of each
+            coordinate is returned as ``scale`` (used for ShroFBO's rho).
 
     Returns:
         :class:`CoverageMean` with mean, summed weights and client counts per coordinate.
@@ -92,14 +98,21 @@ def coverage_weighted_mean(
         raise ValueError(f"got {len(updates)} updates but {len(weights)} weights")
     if any(w < 0 for w in weights):
         raise ValueError(f"aggregation weights must be non-negative, got {list(weights)}")
+    if scales is not None and len(scales) != len(updates):
+        raise ValueError(f"got {len(updates)} updates but {len(scales)} scales")
     mean: Params = {}
     weight_sum: Params = {}
     count: Params = {}
+    scale: Params = {}
     for name, shape in shapes.items():
         num = torch.zeros(shape, dtype=torch.float64)
         den = torch.zeros(shape, dtype=torch.float64)
         cnt = torch.zeros(shape, dtype=torch.int64)
-        for update, index_set, w in zip(updates, index_sets, weights, strict=True):
+        sc = torch.zeros(shape, dtype=torch.float64)
+        client_scales = [0.0] * len(updates) if scales is None else scales
+        for update, index_set, w, s_i in zip(
+            updates, index_sets, weights, client_scales, strict=True
+        ):
             if name not in update:
                 raise ValueError(f"client update is missing tensor {name!r}")
             key = _kept_view(index_set.get(name, (None,) * len(shape)), shape)
@@ -113,12 +126,17 @@ def coverage_weighted_mean(
             num[key] += w * sub.detach().to(torch.float64)
             den[key] += w
             cnt[key] += 1
+            sc[key] += w * s_i
         dtype = updates[0][name].dtype if updates else torch.float32
         held = den > 0
-        mean[name] = torch.where(held, num / den.clamp_min(1e-300), 0.0).to(dtype)
+        safe = den.clamp_min(1e-300)
+        mean[name] = torch.where(held, num / safe, 0.0).to(dtype)
         weight_sum[name] = den.to(dtype)
         count[name] = cnt
-    return CoverageMean(mean=mean, weight=weight_sum, count=count)
+        scale[name] = torch.where(held, sc / safe, 0.0).to(dtype)
+    return CoverageMean(
+        mean=mean, weight=weight_sum, count=count, scale=None if scales is None else scale
+    )
 
 
 def apply_step(params: Params, agg: CoverageMean, lr: float) -> Params:
@@ -130,6 +148,37 @@ def apply_step(params: Params, agg: CoverageMean, lr: float) -> Params:
             continue
         out[name] = torch.where(agg.covered(name), value - lr * agg.mean[name], value)
     return out
+
+
+def apply_normalized_step(params: Params, agg: CoverageMean, lr: float) -> Params:
+    """Coverage-weighted *and* normalized server step (SPEC "Aggregation"; no paper has it).
+
+    For every coordinate s with holders N_s, ``p_s <- p_s - lr * rho_s * h_s`` where
+    ``h_s = sum_{N_s} p_i h_{i,s} / sum_{N_s} p_i`` (``agg.mean`` of the normalized local
+    aggregates h_i = q_i / ||a_i||_1) and ``rho_s = sum_{N_s} p_i ||a_i||_1 / sum_{N_s} p_i``
+    (``agg.scale``, from ``scales = ||a_i||_1``). Coordinates nobody holds stay unchanged.
+    With full masks this is ShroFBO's eq. (8) with the client weights normalized over the
+    sample; with a_i = 1 and tau_i = T for all clients it is RABO's coverage average of the
+    summed local gradients (``apply_step`` with the same lr).
+    """
+    if agg.scale is None:
+        raise ValueError("apply_normalized_step needs a CoverageMean computed with scales")
+    out: Params = {}
+    for name, value in params.items():
+        if name not in agg.mean:
+            out[name] = value
+            continue
+        step = lr * agg.scale[name] * agg.mean[name]
+        out[name] = torch.where(agg.covered(name), value - step, value)
+    return out
+
+
+def project_ball(tensors: Params, radius: float) -> Params:
+    """``P_r(v) = min(1, r / ||v||) v`` over the global L2 norm of all tensors (SimFBO eq. (5))."""
+    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
+    if norm <= radius:
+        return tensors
+    return {k: t * (radius / norm) for k, t in tensors.items()}
 
 
 def apply_mean(params: Params, agg: CoverageMean) -> Params:

@@ -99,7 +99,10 @@ class FleetConfig(_Strict):
     i gets ``capacities[i % len]``), a table maps device tiers to r (``{laptop = 1.0,
     phone-low = 0.25}``; needs devices). Without it r comes from the device's memory budget
     (the largest of ``capacity_levels`` whose training memory fits), or is 1 without devices.
-    ``local_steps = "budget"`` sets each client's local steps from the round deadline.
+    ``local_steps``: ``"fixed"`` (the algorithm's T / tau for everyone), ``"budget"`` (from the
+    device and the round deadline) or ``"uniform"`` (drawn once per client uniformly from
+    ``local_steps_range``, inclusive: SimFBO/ShroFBO's heterogeneous-computation experiment)
+    or ``"uniform_per_round"`` (drawn again every round).
     """
 
     num_clients: int = Field(10, ge=1)
@@ -116,7 +119,8 @@ class FleetConfig(_Strict):
     capacity_levels: list[Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625], min_length=1
     )
-    local_steps: Literal["fixed", "budget"] = "fixed"
+    local_steps: Literal["fixed", "budget", "uniform", "uniform_per_round"] = "fixed"
+    local_steps_range: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = (1, 10)
 
     @model_validator(mode="after")
     def _check(self) -> FleetConfig:
@@ -132,6 +136,9 @@ class FleetConfig(_Strict):
             raise ValueError("devices needs at least one device with a positive weight")
         if isinstance(self.capacities, dict) and not sources:
             raise ValueError("capacities by device tier needs devices, file or trace")
+        low, high = self.local_steps_range
+        if low > high:
+            raise ValueError(f"local_steps_range = [{low}, {high}] must have low <= high")
         if self.local_steps == "budget" and not sources:
             raise ValueError('local_steps = "budget" needs devices, file or trace')
         return self
@@ -142,11 +149,18 @@ class FleetConfig(_Strict):
 
 
 class MaskConfig(_Strict):
-    """Mask policy (``none`` = every client trains the full model) and which blocks to mask."""
+    """Mask policy (``none`` = every client trains the full model) and which blocks to mask.
 
-    policy: Literal["importance", "leading", "none"] = "importance"
+    ``coverage`` assigns channel segments so that every coordinate trained in a round is held
+    by at least ``coverage_k`` clients (RABO's C_x*, Fig. 3); ``rolling`` advances its window
+    by ``rolling_stride`` channels per round (FedRolex).
+    """
+
+    policy: Literal["importance", "leading", "rolling", "random", "coverage", "none"] = "importance"
     mask_x: bool = True
     mask_y: bool = True
+    coverage_k: int = Field(2, ge=1)
+    rolling_stride: int = Field(1, ge=1)
 
 
 # -- estimator and algorithm ----------------------------------------------------------------
@@ -167,13 +181,46 @@ class NeumannEstimator(_Strict):
     eta: float = Field(0.1, gt=0)
 
 
-EstimatorConfig = Annotated[CGEstimator | NeumannEstimator, Field(discriminator="name")]
+class FiniteDifferenceEstimator(_Strict):
+    """RAFBO's second-order-free hypergradient (RABO paper Alg. 2, corrected; see README)."""
+
+    name: Literal["finite_difference"] = "finite_difference"
+    num_coordinates: int | None = Field(None, ge=1, description="|P|; default all of x")
+    fraction: float | None = Field(None, gt=0, le=1, description="|P| as a share of dim(x)")
+    mu: float = Field(1e-3, gt=0)
+    hvp_mu: float = Field(1e-3, gt=0)
+    cg_iters: int = Field(10, ge=1)
+    damping: float = Field(0.0, ge=0)
+    as_printed: bool = False
+    rescale: bool = False
+
+    @model_validator(mode="after")
+    def _one_size(self) -> FiniteDifferenceEstimator:
+        if self.num_coordinates is not None and self.fraction is not None:
+            raise ValueError("give num_coordinates or fraction, not both")
+        return self
+
+
+class FirstOrderEstimator(_Strict):
+    """Fully first-order penalty hypergradient (``papers/fedsbo_first_order.txt``)."""
+
+    name: Literal["first_order"] = "first_order"
+    lam: float = Field(10.0, gt=0)
+    inner_steps: int = Field(10, ge=1)
+    lr: float = Field(0.1, gt=0)
+
+
+EstimatorConfig = Annotated[
+    CGEstimator | NeumannEstimator | FiniteDifferenceEstimator | FirstOrderEstimator,
+    Field(discriminator="name"),
+]
 
 
 class RABOConfig(_Strict):
-    """RABO hyper-parameters (Alg. 1 of the RABO paper)."""
+    """RABO hyper-parameters (Alg. 1 of the RABO paper); ``rafbo`` is RABO with the
+    finite-difference estimator (Alg. 2)."""
 
-    name: Literal["rabo"] = "rabo"
+    name: Literal["rabo", "rafbo"] = "rabo"
     inner_lr: float = Field(0.1, gt=0, description="beta")
     outer_lr: float = Field(0.1, gt=0, description="alpha")
     inner_steps: int = Field(5, ge=1, description="T")
@@ -183,7 +230,28 @@ class RABOConfig(_Strict):
     weighting: Literal["uniform", "data_size"] = "uniform"
 
 
-AlgorithmConfig = Annotated[RABOConfig, Field(discriminator="name")]
+class SimFBOConfig(_Strict):
+    """SimFBO / ShroFBO hyper-parameters (Alg. 1 of ``papers/simfbo_shrofbo.txt``)."""
+
+    name: Literal["simfbo", "shrofbo"] = "shrofbo"
+    inner_lr: float = Field(0.05, gt=0, description="eta_y")
+    v_lr: float = Field(0.05, gt=0, description="eta_v")
+    outer_lr: float = Field(0.05, gt=0, description="eta_x")
+    server_lr_y: float = Field(0.2, gt=0, description="gamma_y")
+    server_lr_v: float = Field(0.05, gt=0, description="gamma_v")
+    server_lr_x: float = Field(0.05, gt=0, description="gamma_x")
+    radius: float | None = Field(10.0, gt=0, description="r of the projection on v")
+    coefficient: float = Field(1.0, gt=0, description="a_i^(t,k)")
+    local_steps: int = Field(5, ge=1, description="tau when fleet.local_steps = 'fixed'")
+    batch_size: int = Field(32, ge=1)
+    outer_batch_size: int = Field(32, ge=1)
+    products: Literal["autograd", "finite_difference", "first_order"] = "autograd"
+    fd_mu: float = Field(1e-3, gt=0, description="relative step of finite-difference products")
+    penalty: float = Field(10.0, gt=0, description="lambda of the first-order penalty")
+    weighting: Literal["uniform", "data_size"] = "uniform"
+
+
+AlgorithmConfig = Annotated[RABOConfig | SimFBOConfig, Field(discriminator="name")]
 
 
 class BaselineConfig(_Strict):
@@ -213,6 +281,15 @@ class RunConfig(_Strict):
     estimator: EstimatorConfig = Field(default_factory=CGEstimator)
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
 
+    @model_validator(mode="after")
+    def _check_rafbo(self) -> RunConfig:
+        if self.algorithm.name == "rafbo" and self.estimator.name != "finite_difference":
+            raise ValueError(
+                f"algorithm rafbo is RABO with the finite_difference estimator; got estimator "
+                f"{self.estimator.name!r} (use algorithm rabo for other estimators)"
+            )
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _default_tags(cls, data: Any) -> Any:
@@ -220,6 +297,9 @@ class RunConfig(_Strict):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        algorithm = data.get("algorithm")
+        if isinstance(algorithm, dict) and algorithm.get("name") == "rafbo":
+            data.setdefault("estimator", {"name": "finite_difference"})
         for section, key, default in _DEFAULT_TAGS:
             value = data.get(section)
             if isinstance(value, dict) and key not in value:
@@ -236,7 +316,8 @@ _DEFAULT_TAGS = (
 
 
 _TAGS = {
-    "iid", "shards", "dirichlet", "mlp", "cnn", "cg", "neumann", "rabo",
+    "iid", "shards", "dirichlet", "mlp", "cnn", "cg", "neumann", "finite_difference",
+    "first_order", "rabo", "rafbo", "simfbo", "shrofbo",
 }  # fmt: skip
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}
 
@@ -278,7 +359,11 @@ def format_validation_error(error: ValidationError) -> str:
     for (where, _), (value, msgs) in problems.items():
         value_text = "{...}" if isinstance(value, dict) else repr(value)
         rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
-        lines.append(f"config error: {where} = {value_text}: " + " or ".join([msgs[0], *rest]))
+        text = " or ".join([msgs[0], *rest])
+        if where == "<root>":  # a rule across sections: no single field to name
+            lines.append(f"config error: {text.removeprefix('Value error, ')}")
+        else:
+            lines.append(f"config error: {where} = {value_text}: {text}")
     return "\n".join(lines)
 
 

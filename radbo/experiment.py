@@ -21,16 +21,22 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from radbo.algorithms.rabo import RABO
+from radbo.algorithms.shrofbo import ShroFBO
+from radbo.algorithms.simfbo import SimFBO
 from radbo.config import (
     CGEstimator,
     CNNModel,
     ConfigError,
     DirichletPartition,
+    FiniteDifferenceEstimator,
+    FirstOrderEstimator,
     IIDPartition,
     MLPModel,
     NeumannEstimator,
+    RABOConfig,
     RunConfig,
     ShardsPartition,
+    SimFBOConfig,
 )
 from radbo.cost import as_dicts, savings, totals, totals_by_tier
 from radbo.data import (
@@ -44,9 +50,24 @@ from radbo.data import (
 )
 from radbo.devices import Fleet
 from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
-from radbo.hypergrad import HypergradEstimator, ImplicitCG, Neumann
+from radbo.hypergrad import (
+    AutogradProducts,
+    FiniteDifference,
+    FiniteDifferenceProducts,
+    FirstOrder,
+    HypergradEstimator,
+    ImplicitCG,
+    Neumann,
+)
 from radbo.masks.assigner import SubmodelAssigner
-from radbo.masks.policies import ImportancePolicy, LeadingPolicy
+from radbo.masks.policies import (
+    CoveragePolicy,
+    ImportancePolicy,
+    LeadingPolicy,
+    MaskPolicy,
+    RandomPolicy,
+    RollingPolicy,
+)
 from radbo.masks.structure import StructurePlan
 from radbo.models import MLP, BilevelModel, SmallCNN
 from radbo.problem import ClientData, forward
@@ -57,6 +78,7 @@ from radbo.simulation.engine import (
     Simulation,
     derive_seed,
 )
+from radbo.simulation.schedules import UniformLocalSteps
 from radbo.tasks import HyperRepresentation
 from radbo.typing import Params
 
@@ -123,12 +145,80 @@ def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -
 
 
 def build_estimator(config: RunConfig) -> HypergradEstimator:
+    """The configured hypergradient estimator."""
     est = config.estimator
     if isinstance(est, CGEstimator):
         return ImplicitCG(max_iter=est.max_iter, tol=est.tol, damping=est.damping)
     if isinstance(est, NeumannEstimator):
         return Neumann(terms=est.terms, eta=est.eta)
+    if isinstance(est, FiniteDifferenceEstimator):
+        return FiniteDifference(
+            num_coordinates=est.num_coordinates,
+            fraction=est.fraction,
+            mu=est.mu,
+            hvp_mu=est.hvp_mu,
+            cg_iters=est.cg_iters,
+            damping=est.damping,
+            as_printed=est.as_printed,
+            rescale=est.rescale,
+        )
+    if isinstance(est, FirstOrderEstimator):
+        return FirstOrder(lam=est.lam, inner_steps=est.inner_steps, lr=est.lr)
     raise TypeError(f"unsupported estimator config {est!r}")  # pragma: no cover
+
+
+def build_algorithm(
+    config: RunConfig, outer: list[str], inner: list[str], buffers: list[str]
+) -> RABO | SimFBO:
+    """The configured algorithm (RABO / RAFBO, SimFBO or ShroFBO)."""
+    algo = config.algorithm
+    names = {
+        "outer_names": tuple(outer),
+        "inner_names": tuple(inner),
+        "buffer_names": tuple(buffers),
+    }
+    if isinstance(algo, RABOConfig):
+        return RABO(
+            **names,
+            inner_lr=algo.inner_lr,
+            outer_lr=algo.outer_lr,
+            inner_steps=algo.inner_steps,
+            batch_size=algo.batch_size,
+            outer_batch_size=algo.outer_batch_size,
+            estimator=build_estimator(config),
+            max_hypergrad_norm=algo.max_hypergrad_norm,
+            use_budget_steps=config.fleet.local_steps != "fixed",
+            name=algo.name,
+        )
+    if isinstance(algo, SimFBOConfig):
+        cls = ShroFBO if algo.name == "shrofbo" else SimFBO
+        products = (
+            FiniteDifferenceProducts(mu=algo.fd_mu)
+            if algo.products == "finite_difference"
+            else AutogradProducts()
+        )
+        return cls(
+            **names,
+            inner_lr=algo.inner_lr,
+            v_lr=algo.v_lr,
+            outer_lr=algo.outer_lr,
+            server_lr_y=algo.server_lr_y,
+            server_lr_v=algo.server_lr_v,
+            server_lr_x=algo.server_lr_x,
+            radius=algo.radius,
+            coefficient=algo.coefficient,
+            batch_size=algo.batch_size,
+            outer_batch_size=algo.outer_batch_size,
+            products=products,
+            penalty=algo.penalty if algo.products == "first_order" else None,
+        )
+    raise TypeError(f"unsupported algorithm config {algo!r}")  # pragma: no cover
+
+
+def fixed_local_steps(config: RunConfig) -> int:
+    """T (RABO) or tau (SimFBO/ShroFBO) when every client runs the same number of steps."""
+    algo = config.algorithm
+    return algo.inner_steps if isinstance(algo, RABOConfig) else algo.local_steps
 
 
 def partition(config: RunConfig, labels: torch.Tensor) -> list[torch.Tensor]:
@@ -167,6 +257,28 @@ def make_evaluator(
         return {"accuracy": float(acc), "loss": float(loss)}
 
     return evaluate
+
+
+def build_policy(config: RunConfig) -> MaskPolicy:
+    """The configured mask policy."""
+    mc = config.mask
+    if mc.policy == "importance":
+        return ImportancePolicy()
+    if mc.policy == "leading":
+        return LeadingPolicy()
+    if mc.policy == "rolling":
+        return RollingPolicy(stride=mc.rolling_stride)
+    if mc.policy == "random":
+        return RandomPolicy()
+    if mc.policy == "coverage":
+        per_round = config.fleet.clients_per_round or config.fleet.num_clients
+        if mc.coverage_k > per_round:
+            raise ConfigError(
+                f"config error: mask.coverage_k = {mc.coverage_k}: needs at least that many "
+                f"clients per round, the fleet samples {per_round}"
+            )
+        return CoveragePolicy(k=mc.coverage_k, num_clients=per_round)
+    raise ConfigError(f"config error: mask.policy = {mc.policy!r}: no policy to build")
 
 
 def build_fleet(config: RunConfig) -> Fleet | None:
@@ -243,28 +355,15 @@ def build(config: RunConfig) -> Experiment:
         ]
     assigner: SubmodelAssigner | None = None
     if masked and plan is not None:
-        policy = ImportancePolicy() if config.mask.policy == "importance" else LeadingPolicy()
+        policy = build_policy(config)
         assigner = SubmodelAssigner(
             plan, policy, outer_names, mask_x=config.mask.mask_x, mask_y=config.mask.mask_y
         )
 
-    algo_cfg = config.algorithm
-    algorithm = RABO(
-        outer_names=tuple(outer_names),
-        inner_names=tuple(inner_names),
-        buffer_names=tuple(buffer_names),
-        inner_lr=algo_cfg.inner_lr,
-        outer_lr=algo_cfg.outer_lr,
-        inner_steps=algo_cfg.inner_steps,
-        batch_size=algo_cfg.batch_size,
-        outer_batch_size=algo_cfg.outer_batch_size,
-        estimator=build_estimator(config),
-        max_hypergrad_norm=algo_cfg.max_hypergrad_norm,
-        use_budget_steps=config.fleet.local_steps == "budget",
-    )
+    algorithm = build_algorithm(config, outer_names, inner_names, buffer_names)
     budgets = client_budgets(config, fleet, device_budgets)
     weights = None
-    if algo_cfg.weighting == "data_size":
+    if config.algorithm.weighting == "data_size":
         weights = [float(c.inner.numel()) for c in clients]
     runtime = ClientRuntime(
         problem=HyperRepresentation(inner_l2=config.task.inner_l2),
@@ -286,6 +385,15 @@ def build(config: RunConfig) -> Experiment:
         evaluate=make_evaluator(model, test, outer_names, inner_names),
         eval_every=config.eval_every,
         profiles=None if fleet is None else list(fleet),
+        coverage={"x": outer_names, "y": inner_names},
+        local_steps=(
+            UniformLocalSteps(
+                *config.fleet.local_steps_range,
+                per_round=config.fleet.local_steps == "uniform_per_round",
+            )
+            if config.fleet.local_steps in ("uniform", "uniform_per_round")
+            else None
+        ),
     )
     initial = algorithm.init(
         {n: state[n] for n in outer_names},
@@ -303,7 +411,7 @@ def client_budgets(
     """Capacity and local steps of every client: explicit ``fleet.capacities`` first (cycled
     list, or by device tier), then the device's memory budget (masked runs only), else the full
     model."""
-    fc, steps = config.fleet, config.algorithm.inner_steps
+    fc, steps = config.fleet, fixed_local_steps(config)
     caps = fc.capacities
     tiers = None if fleet is None else fleet.tiers()
     if isinstance(caps, dict) and tiers is not None:
@@ -368,8 +476,23 @@ def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
 
 
 def baseline_config(config: RunConfig) -> RunConfig:
-    """The paired full-model FedMBO-style run of ``config`` (see :class:`BaselineConfig`)."""
+    """The paired full-model FedMBO-style run of ``config`` (see :class:`BaselineConfig`):
+    RABO's two-phase round with every client on the full model and a truncated Neumann
+    hypergradient; a SimFBO/ShroFBO config keeps its step sizes, batch sizes and tau as T."""
     data = config.model_dump()
+    algo = config.algorithm
+    if isinstance(algo, RABOConfig):
+        data["algorithm"] = {**data["algorithm"], "name": "rabo"}
+    else:
+        data["algorithm"] = {
+            "name": "rabo",
+            "inner_lr": algo.inner_lr,
+            "outer_lr": algo.outer_lr,
+            "inner_steps": algo.local_steps,
+            "batch_size": algo.batch_size,
+            "outer_batch_size": algo.outer_batch_size,
+            "weighting": algo.weighting,
+        }
     data["mask"] = {**data["mask"], "policy": "none"}
     data["fleet"] = {**data["fleet"], "capacities": [1.0], "local_steps": "fixed"}
     data["estimator"] = {

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from radbo.config import RunConfig, parse_config
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo.toml"
 
 
 def demo_dict() -> dict:
@@ -16,7 +17,12 @@ def small_config(**overrides) -> RunConfig:
     data = demo_dict()
     data.update(rounds=4, eval_every=2)
     for key, value in overrides.items():
-        if isinstance(value, dict) and key not in ("model", "estimator"):
+        replaces = key in ("model", "estimator") or (
+            isinstance(value, dict)
+            and "name" in value
+            and value["name"] != data.get(key, {}).get("name")
+        )
+        if isinstance(value, dict) and not replaces:
             data[key] = {**data.get(key, {}), **value}
         else:
             data[key] = value

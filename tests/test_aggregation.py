@@ -2,7 +2,14 @@
 
 import torch
 
-from radbo.aggregation import apply_mean, apply_step, coverage_stats, coverage_weighted_mean
+from radbo.aggregation import (
+    apply_mean,
+    apply_normalized_step,
+    apply_step,
+    coverage_stats,
+    coverage_weighted_mean,
+    project_ball,
+)
 
 SHAPE = {"w": torch.Size([2, 3])}
 
@@ -94,3 +101,76 @@ def test_shape_mismatch_is_rejected():
         assert "shape" in str(err)
     else:  # pragma: no cover
         raise AssertionError("expected a ValueError")
+
+
+# -- coverage-weighted and normalized aggregation (SPEC "Aggregation") -----------------------
+
+
+def _random_masked_clients(n: int, gen: torch.Generator):
+    shape = torch.Size([4, 5])
+    updates, index_sets = [], []
+    for _ in range(n):
+        rows = torch.randperm(4, generator=gen)[: int(torch.randint(1, 5, (1,), generator=gen))]
+        cols = torch.randperm(5, generator=gen)[: int(torch.randint(1, 6, (1,), generator=gen))]
+        rows, cols = rows.sort().values, cols.sort().values
+        updates.append({"w": torch.randn(len(rows), len(cols), generator=gen, dtype=torch.float64)})
+        index_sets.append({"w": (rows, cols)})
+    return {"w": shape}, updates, index_sets
+
+
+def test_normalized_hand_computed_rho_per_coordinate():
+    # two clients on a 3-vector: client 0 holds {0, 1} with ||a|| = 2, client 1 holds {1, 2}
+    # with ||a|| = 6; weights 1 and 3
+    h = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([4.0, 8.0])}]
+    idx = [{"w": (torch.tensor([0, 1]),)}, {"w": (torch.tensor([1, 2]),)}]
+
+    agg = coverage_weighted_mean(h, idx, {"w": torch.Size([3])}, [1.0, 3.0], scales=[2.0, 6.0])
+    new = apply_normalized_step({"w": torch.zeros(3)}, agg, lr=0.5)
+
+    # coord 0: h = 1, rho = 2 ; coord 1: h = (2 + 12)/4 = 3.5, rho = (2 + 18)/4 = 5 ;
+    # coord 2: h = 8, rho = 6
+    assert agg.mean["w"].tolist() == [1.0, 3.5, 8.0]
+    assert agg.scale["w"].tolist() == [2.0, 5.0, 6.0]
+    assert new["w"].tolist() == [-0.5 * 2.0 * 1.0, -0.5 * 5.0 * 3.5, -0.5 * 6.0 * 8.0]
+
+
+def test_normalized_with_full_masks_is_shrofbo_eq8():
+    gen = torch.Generator().manual_seed(1)
+    n, shape = 4, torch.Size([3, 2])
+    h = [{"w": torch.randn(shape, generator=gen, dtype=torch.float64)} for _ in range(n)]
+    p = [0.1, 0.2, 0.3, 0.4]
+    a_norms = [1.0, 3.0, 7.0, 10.0]
+    x = {"w": torch.randn(shape, generator=gen, dtype=torch.float64)}
+
+    agg = coverage_weighted_mean(h, [{"w": (None, None)}] * n, {"w": shape}, p, scales=a_norms)
+    new = apply_normalized_step(x, agg, lr=0.3)
+
+    p_tilde = [pi / sum(p) for pi in p]  # client weights normalized over the sample
+    rho = sum(pt * a for pt, a in zip(p_tilde, a_norms, strict=True))
+    h_bar = sum(pt * hi["w"] for pt, hi in zip(p_tilde, h, strict=True))
+    assert torch.allclose(new["w"], x["w"] - 0.3 * rho * h_bar, atol=1e-12)
+
+
+def test_normalized_with_unit_coefficients_and_equal_steps_is_rabo_coverage_average():
+    gen = torch.Generator().manual_seed(2)
+    shapes, q, index_sets = _random_masked_clients(5, gen)
+    T = 7  # every client ran T local steps with a = 1: ||a_i||_1 = T, h_i = q_i / T
+    h = [{"w": qi["w"] / T} for qi in q]
+    x = {"w": torch.randn(4, 5, generator=gen, dtype=torch.float64)}
+
+    normalized = apply_normalized_step(
+        x, coverage_weighted_mean(h, index_sets, shapes, scales=[float(T)] * 5), lr=0.2
+    )
+    rabo = apply_step(x, coverage_weighted_mean(q, index_sets, shapes), lr=0.2)
+
+    assert torch.allclose(normalized["w"], rabo["w"], atol=1e-12)
+
+
+def test_project_ball_scales_only_outside_the_ball():
+    v = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}  # global norm 5
+
+    assert project_ball(v, 10.0) is v
+    out = project_ball(v, 1.0)
+    assert torch.allclose(out["a"], torch.tensor([0.6])) and torch.allclose(
+        out["b"], torch.tensor([0.8])
+    )

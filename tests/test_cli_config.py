@@ -40,7 +40,7 @@ def test_defaults_are_valid():
         ),
         (
             {"mask": {"policy": "magic"}},
-            "config error: mask.policy = 'magic': Input should be 'importance', 'leading' or 'none'",
+            "config error: mask.policy = 'magic': Input should be 'importance', 'leading', 'rolling', 'random', 'coverage' or 'none'",
         ),
         (
             {"fleet": {"capacities": [1.5]}},

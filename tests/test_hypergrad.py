@@ -541,3 +541,22 @@ def test_empty_x_gives_empty_gradient(problem: Quadratic) -> None:
     result = Neumann(terms=3)(lambda x, y: flat(y).sum(), inner, {}, y)
     assert result.grad == {} and (result.n_grad, result.n_hvp) == (2, 3)
     assert list(result.v) == list(Y_SHAPES)
+
+
+def test_implicit_estimators_accept_generator_and_state_keywords(problem: Quadratic) -> None:
+    x, y = problem.point()
+    for estimator in (ImplicitCG(max_iter=50, tol=1e-26), Neumann(terms=5)):
+        assert estimator.state_keys == ()
+        plain = estimator(problem.outer, problem.inner, x, y)
+        keyed = estimator(
+            problem.outer,
+            problem.inner,
+            x,
+            y,
+            generator=torch.Generator().manual_seed(0),
+            state={"ignored:w": torch.zeros(4, dtype=DTYPE)},
+        )
+        assert plain.state == {} and keyed.state == {}
+        assert all(torch.equal(plain.grad[k], keyed.grad[k]) for k in x)
+    legacy = HypergradResult(grad={}, v={}, n_grad=0, n_hvp=0)  # positional fields unchanged
+    assert legacy.state == {}

@@ -27,19 +27,18 @@ averaged coordinate-wise over the clients holding them, like parameters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from radbo.aggregation import (
     apply_mean,
     apply_step,
-    coverage_stats,
     coverage_weighted_mean,
 )
 from radbo.cost import tensor_bytes
-from radbo.hypergrad import HypergradEstimator, ImplicitCG
-from radbo.masks.index import extract
+from radbo.hypergrad import HypergradEstimator, ImplicitCG, init_state
+from radbo.masks.index import alias, extract
 from radbo.problem import bind_losses, sample_batch
 from radbo.simulation.engine import (
     ClientResult,
@@ -53,12 +52,15 @@ from radbo.typing import IndexSet, Params
 
 @dataclass(frozen=True)
 class RABOState:
-    """Global state of RABO: outer x, inner y and buffers in full-model coordinates."""
+    """Global state of RABO: outer x, inner y and buffers in full-model coordinates, plus the
+    hypergradient estimator's state (``aux``, keyed ``"key:name"``, y-shaped: e.g. the first-
+    order estimator's y_lambda and z), aggregated coordinate-wise like y."""
 
     x: Params
     y: Params
     buffers: Params
     round: int = 0
+    aux: Params = field(default_factory=dict)
 
 
 def clip_by_global_norm(tensors: Params, max_norm: float) -> tuple[Params, float]:
@@ -120,7 +122,8 @@ class RABO:
     def init(self, x: Params, y: Params, buffers: Params) -> RABOState:
         """Initial state from full-model tensors (cloned, detached)."""
         clone = lambda d: {k: v.detach().clone() for k, v in d.items()}  # noqa: E731
-        return RABOState(x=clone(x), y=clone(y), buffers=clone(buffers))
+        aux = init_state(self.estimator, y)
+        return RABOState(x=clone(x), y=clone(y), buffers=clone(buffers), aux=aux)
 
     def model_state(self, state: RABOState) -> Params:
         """All model tensors (x, y and buffers) in full-model coordinates."""
@@ -192,18 +195,19 @@ class RABO:
             buffers = apply_mean(
                 buffers, coverage_weighted_mean(updates, index_sets, float_buffers, weights)
             )
-        stats = coverage_stats(agg.count, list(self.inner_names))
-        metrics = {
-            "inner_loss": _mean(r.metrics["inner_loss"] for r in results),
-            "coverage_y_min": float(stats.min_coverage),
-            "untrained_fraction_y": stats.untrained_fraction,
-        }
+        metrics = {"inner_loss": _mean(r.metrics["inner_loss"] for r in results)}
         return replace(state, y=y, buffers=buffers), metrics
 
     # -- phase 2: hypergradient and outer update of x (Alg. 1 lines 21-33) ---------------
+    def _aux_index(self, index_set: IndexSet) -> IndexSet:
+        keys = getattr(self.estimator, "state_keys", ())
+        return {k: v for key in keys for k, v in alias(index_set, key, self.inner_names).items()}
+
     def broadcast_outer(self, state: RABOState, index_set: IndexSet) -> Params:
-        """The updated y_{q+1}^i (with the client's x_q^i and buffers) for one client."""
-        return extract(self.model_state(state), index_set)
+        """The updated y_{q+1}^i (with the client's x_q^i, buffers and estimator state)."""
+        return extract(
+            {**self.model_state(state), **state.aux}, {**index_set, **self._aux_index(index_set)}
+        )
 
     def client_outer(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
         """Local hypergradient on the submodel (eq. (7)) with the configured estimator."""
@@ -219,23 +223,26 @@ class RABO:
             runtime.features, runtime.labels, task.data.outer, self.outer_batch_size, gen
         )
         outer, inner = bind_losses(runtime.problem, module, buffers, inner_batch, outer_batch)
-        result = self.estimator(outer, inner, x, y)
+        aux = {k: task.params[k] for k in self._aux_index(task.index_set)}
+        result = self.estimator(outer, inner, x, y, generator=gen, state=aux or None)
         grad = result.grad
         norm = float("nan")
         if self.max_hypergrad_norm is not None:
             grad, norm = clip_by_global_norm(grad, self.max_hypergrad_norm)
         with torch.no_grad():
             outer_value = float(outer(x, y))
-        sent = {n: task.params[n] for n in self.inner_names}  # x and buffers are already there
+        # x and buffers are already on the client from the inner phase
+        sent = {n: task.params[n] for n in (*self.inner_names, *aux)}
+        update = {**grad, **result.state}
         return ClientResult(
             client=task.client,
-            update=grad,
+            update=update,
             cost=CostRecord(
                 n_grad=result.n_grad,
                 n_hvp=result.n_hvp,
                 samples=inner_batch.targets.numel() + outer_batch.targets.numel(),
                 bytes_down=tensor_bytes(sent),
-                bytes_up=tensor_bytes(grad),
+                bytes_up=tensor_bytes(update),
             ),
             metrics={"outer_loss": outer_value, "hypergrad_norm": norm},
         )
@@ -249,15 +256,16 @@ class RABO:
     ) -> tuple[RABOState, dict[str, float]]:
         """Coverage-weighted step on x (eq. (8))."""
         shapes = {n: state.x[n].shape for n in self.outer_names}
-        agg = coverage_weighted_mean([r.update for r in results], index_sets, shapes, weights)
+        updates = [r.update for r in results]
+        agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
         x = apply_step(state.x, agg, self.outer_lr)
-        stats = coverage_stats(agg.count, list(self.outer_names))
-        metrics = {
-            "outer_loss": _mean(r.metrics["outer_loss"] for r in results),
-            "coverage_x_min": float(stats.min_coverage),
-            "untrained_fraction_x": stats.untrained_fraction,
-        }
-        return replace(state, x=x, round=state.round + 1), metrics
+        aux = state.aux
+        if aux:
+            aux_sets = [self._aux_index(idx) for idx in index_sets]
+            aux_shapes = {k: t.shape for k, t in aux.items()}
+            aux = apply_mean(aux, coverage_weighted_mean(updates, aux_sets, aux_shapes, weights))
+        metrics = {"outer_loss": _mean(r.metrics["outer_loss"] for r in results)}
+        return replace(state, x=x, aux=aux, round=state.round + 1), metrics
 
 
 def _mean(values) -> float:

@@ -9,8 +9,10 @@ RABO paper (``papers/rabo_rafbo.txt``; the same formula is Lemma 1, eq. (2)-(3),
 where ``∇²_xy g`` is the ``dim(x) × dim(y)`` matrix of ``∂²g / ∂x_i ∂y_j``. Estimators differ
 only in how they approximate ``v``; everything else lives here:
 
-* :class:`HypergradResult` -- what every estimator returns (gradient, ``v`` and cost counts);
-* :class:`HypergradEstimator` -- the one signature every estimator shares;
+* :class:`HypergradResult` -- what every estimator returns (gradient, ``v``, cost counts and
+  the estimator state to carry to the next call);
+* :class:`HypergradEstimator` -- the one signature every estimator shares, and
+  :func:`init_state` -- the initial state of a stateful estimator;
 * :func:`tuple_dot` / :func:`tuple_axpy` -- linear algebra on tuples of tensors of any shapes
   (parameters are never flattened into one global vector);
 * :class:`ImplicitSystem` -- ``∇_x f``, ``∇_y f`` and the second-order products
@@ -21,8 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -34,6 +36,7 @@ __all__ = [
     "HypergradResult",
     "ImplicitSystem",
     "TensorTuple",
+    "init_state",
     "tuple_axpy",
     "tuple_dot",
 ]
@@ -54,12 +57,16 @@ class HypergradResult:
             respect to its inputs counts 1).
         n_hvp: second-order products made (each ``H_yy · u`` and the final ``∇²_xy g · v``
             count 1 each).
+        state: the estimator state to pass as ``state=`` to the next call, detached, keyed
+            ``f"{key}:{y_name}"`` for every ``key`` in the estimator's ``state_keys`` (e.g.
+            ``"y_lambda:head.weight"``); empty for stateless estimators (the default).
     """
 
     grad: Params
     v: Params
     n_grad: int
     n_hvp: int
+    state: Params = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -69,11 +76,76 @@ class HypergradEstimator(Protocol):
     An estimator is a frozen, configured callable. It evaluates ``outer_loss`` (f) and
     ``inner_loss`` (g) at ``(x, y)`` and returns the hypergradient with respect to ``x``. It
     must not mutate ``x`` or ``y`` and must accept tensors that do not require grad.
+
+    Keyword arguments (both optional, so ``estimator(f, g, x, y)`` always works):
+
+    * ``generator`` -- the source of randomness of randomised estimators (e.g. the sampled
+      coordinate set of :class:`~radbo.hypergrad.FiniteDifference`); deterministic
+      estimators ignore it.
+    * ``state`` -- the ``HypergradResult.state`` of the previous call (or
+      :func:`init_state`), for estimators that warm-start auxiliary variables across calls
+      (e.g. ``y_λ`` and ``z`` of :class:`~radbo.hypergrad.FirstOrder`); ``None`` starts from
+      ``y``. Stateless estimators ignore it.
+
+    ``state_keys`` names the y-shaped state blocks an estimator keeps (``()`` when stateless).
     """
 
+    state_keys: ClassVar[tuple[str, ...]]
+
     def __call__(
-        self, outer_loss: BilevelLoss, inner_loss: BilevelLoss, x: Params, y: Params
+        self,
+        outer_loss: BilevelLoss,
+        inner_loss: BilevelLoss,
+        x: Params,
+        y: Params,
+        *,
+        generator: torch.Generator | None = None,
+        state: Params | None = None,
     ) -> HypergradResult: ...
+
+
+def init_state(estimator: HypergradEstimator, y: Params) -> Params:
+    """The initial ``state`` of ``estimator`` at ``y``: a detached clone of ``y`` per state key.
+
+    Keys are ``f"{key}:{y_name}"``; stateless estimators (``state_keys == ()``) get ``{}``.
+    Passing this state is equivalent to passing ``state=None``.
+
+    >>> import torch
+    >>> from radbo.hypergrad import FirstOrder, ImplicitCG
+    >>> sorted(init_state(FirstOrder(), {"w": torch.zeros(2)}))
+    ['y_lambda:w', 'z:w']
+    >>> init_state(ImplicitCG(), {"w": torch.zeros(2)})
+    {}
+    """
+    keys: tuple[str, ...] = getattr(estimator, "state_keys", ())
+    return {f"{key}:{name}": t.detach().clone() for key in keys for name, t in y.items()}
+
+
+def _state_blocks(owner: str, key: str, state: Params | None, y: Params) -> TensorTuple:
+    """The ``key`` block of ``state`` as a tuple ordered like ``y`` (detached clones).
+
+    ``state=None`` (or an empty dict) starts from ``y``. A non-empty state must hold
+    ``f"{key}:{name}"`` for every name of ``y``, shaped like ``y[name]``.
+    """
+    if not state:
+        return tuple(t.detach().clone() for t in y.values())
+    out = []
+    for name, t in y.items():
+        full = f"{key}:{name}"
+        if full not in state:
+            raise ValueError(
+                f"{owner}: state lacks {full!r} (it has {sorted(state)}); pass the state "
+                "returned by the previous call, init_state(estimator, y), or None."
+            )
+        block = state[full]
+        if not isinstance(block, Tensor) or block.shape != t.shape:
+            shape = tuple(block.shape) if isinstance(block, Tensor) else type(block).__name__
+            raise ValueError(
+                f"{owner}: state[{full!r}] must have the shape of y[{name!r}], "
+                f"{tuple(t.shape)}, got {shape}."
+            )
+        out.append(block.detach().clone().to(dtype=t.dtype, device=t.device))
+    return tuple(out)
 
 
 def tuple_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
@@ -133,6 +205,38 @@ def _grad(
         materialize_grads=True,
     )
     return tuple(grads)
+
+
+def _loss_grads(
+    loss: BilevelLoss,
+    name: str,
+    x_names: Sequence[str],
+    x: Sequence[Tensor],
+    y_names: Sequence[str],
+    y: Sequence[Tensor],
+    *,
+    wrt_x: bool,
+    wrt_y: bool,
+) -> tuple[TensorTuple, TensorTuple]:
+    """First-order ``(∇_x loss, ∇_y loss)`` at ``(x, y)``, detached; one gradient evaluation.
+
+    Only the requested blocks are differentiated (the other comes back as ``()``); inputs
+    the loss does not use get zeros. Never builds a graph of the gradient
+    (``create_graph=False``): this is the oracle of the second-order-free estimators. The
+    inputs are detached, not copied, and never written to.
+    """
+    with torch.enable_grad():
+        xl = tuple(t.detach().requires_grad_(True) if wrt_x else t.detach() for t in x)
+        yl = tuple(t.detach().requires_grad_(True) if wrt_y else t.detach() for t in y)
+        value = _scalar(
+            name,
+            loss(dict(zip(x_names, xl, strict=True)), dict(zip(y_names, yl, strict=True))),
+        )
+        inputs = (xl if wrt_x else ()) + (yl if wrt_y else ())
+        grads = _grad([value], inputs, None, create_graph=False)
+    grads = tuple(t.detach() for t in grads)
+    n_x = len(xl) if wrt_x else 0
+    return grads[:n_x], grads[n_x:]
 
 
 def _leaf(name: str, key: str, t: Tensor) -> Tensor:

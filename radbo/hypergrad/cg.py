@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -148,14 +149,25 @@ class ImplicitCG:
     tol: float = 1e-10
     damping: float = 0.0
 
+    state_keys: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
         _check_int("ImplicitCG", "max_iter", self.max_iter, low=1)
         _check_finite("ImplicitCG", "tol", self.tol, low=0, strict=False)
         _check_finite("ImplicitCG", "damping", self.damping, low=0, strict=False)
 
     def __call__(
-        self, outer_loss: BilevelLoss, inner_loss: BilevelLoss, x: Params, y: Params
+        self,
+        outer_loss: BilevelLoss,
+        inner_loss: BilevelLoss,
+        x: Params,
+        y: Params,
+        *,
+        generator: torch.Generator | None = None,
+        state: Params | None = None,
     ) -> HypergradResult:
+        """The hypergradient at ``(x, y)``; deterministic and stateless, so ``generator``
+        and ``state`` are accepted for the common signature and ignored."""
         system = ImplicitSystem(outer_loss, inner_loss, x, y)
         v, _ = solve_cg(
             system.hvp,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
 
 from radbo.hypergrad.base import (
     HypergradResult,
@@ -60,13 +63,24 @@ class Neumann:
     terms: int = 20
     eta: float = 0.1
 
+    state_keys: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
         _check_int("Neumann", "terms", self.terms, low=1)
         _check_finite("Neumann", "eta", self.eta, low=0, strict=True)
 
     def __call__(
-        self, outer_loss: BilevelLoss, inner_loss: BilevelLoss, x: Params, y: Params
+        self,
+        outer_loss: BilevelLoss,
+        inner_loss: BilevelLoss,
+        x: Params,
+        y: Params,
+        *,
+        generator: torch.Generator | None = None,
+        state: Params | None = None,
     ) -> HypergradResult:
+        """The hypergradient at ``(x, y)``; deterministic and stateless, so ``generator``
+        and ``state`` are accepted for the common signature and ignored."""
         system = ImplicitSystem(outer_loss, inner_loss, x, y)
         power = system.grad_y_f  # (I − eta H)^k ∇_y f, k = 0
         total = power

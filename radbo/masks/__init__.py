@@ -6,14 +6,30 @@ Four concerns stay apart (as in Torch-Pruning): structural coupling
 submodel tensors and back).
 """
 
-from radbo.masks.index import dense_mask, extract, index_set_numel, restrict, scatter
-from radbo.masks.policies import ImportancePolicy, LeadingPolicy, MaskPolicy
+from radbo.masks.coverage_report import CoverageTracker, RoundCoverage
+from radbo.masks.index import alias, dense_mask, extract, index_set_numel, restrict, scatter
+from radbo.masks.policies import (
+    CoveragePolicy,
+    ImportancePolicy,
+    LeadingPolicy,
+    MaskPolicy,
+    RandomPolicy,
+    RollingPolicy,
+    RoundPreparedPolicy,
+)
 from radbo.masks.structure import StructurePlan, kept_count
 
 __all__ = [
+    "CoveragePolicy",
+    "CoverageTracker",
     "ImportancePolicy",
     "LeadingPolicy",
     "MaskPolicy",
+    "RandomPolicy",
+    "RollingPolicy",
+    "RoundCoverage",
+    "RoundPreparedPolicy",
+    "alias",
     "StructurePlan",
     "dense_mask",
     "extract",

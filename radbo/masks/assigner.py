@@ -9,12 +9,12 @@ that the submodel stays structurally consistent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from radbo.masks.policies import MaskPolicy
+from radbo.masks.policies import MaskPolicy, RoundPreparedPolicy
 from radbo.masks.structure import StructurePlan
 from radbo.simulation.engine import ClientBudget
 from radbo.typing import IndexSet, Params
@@ -51,9 +51,19 @@ class SubmodelAssigner:
             for group, in_x in self._root_in_x.items()
         }
 
-    def prepare(self, model_state: Params, round: int) -> None:
-        """Load the round's global model so that importance scores see it."""
+    def prepare(
+        self,
+        model_state: Params,
+        round: int,
+        clients: Sequence[int],
+        budgets: Sequence[ClientBudget],
+    ) -> None:
+        """Load the round's global model (importance scores see it) and show round-level
+        policies (:class:`~radbo.masks.policies.RoundPreparedPolicy`, e.g. coverage) all of the
+        round's clients and the ratios they will ask for."""
         self.plan.load_state(model_state)
+        if isinstance(self.policy, RoundPreparedPolicy):
+            self.policy.prepare(clients, [self.group_ratios(b.capacity) for b in budgets])
 
     def assign(
         self, budget: ClientBudget, client: int, round: int, generator: torch.Generator

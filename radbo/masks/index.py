@@ -25,7 +25,7 @@ from torch import Tensor
 
 from radbo.typing import IndexSet, Params
 
-__all__ = ["dense_mask", "extract", "index_set_numel", "restrict", "scatter"]
+__all__ = ["alias", "dense_mask", "extract", "index_set_numel", "restrict", "scatter"]
 
 
 def _entry(index_set: IndexSet, key: str, ndim: int) -> tuple[Tensor | None, ...]:
@@ -142,3 +142,14 @@ def restrict(index_set: IndexSet, names: Iterable[str]) -> IndexSet:
     if missing:
         raise ValueError(f"index set has no entry for tensors {missing}")
     return {n: index_set[n] for n in names}
+
+
+def alias(index_set: IndexSet, prefix: str, names: Iterable[str]) -> IndexSet:
+    """Entries for auxiliary tensors shaped like model tensors (SimFBO's v, an estimator's
+    y_lambda): ``f"{prefix}:{name}"`` gets ``index_set[name]``.
+
+    >>> import torch
+    >>> alias({"w": (torch.tensor([1]),)}, "v", ["w"])["v:w"][0].tolist()
+    [1]
+    """
+    return {f"{prefix}:{name}": index_set[name] for name in names}

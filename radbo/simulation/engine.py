@@ -32,6 +32,8 @@ from radbo.cost import (
     shape_signature,
     totals,
 )
+from radbo.masks.coverage_report import CoverageTracker
+from radbo.masks.index import dense_mask, restrict
 from radbo.problem import BilevelProblem, ClientData
 from radbo.typing import IndexSet, Params
 
@@ -214,7 +216,13 @@ def run_measured(
 class MaskAssigner(Protocol):
     """Chooses each sampled client's submodel (index sets in full-model coordinates)."""
 
-    def prepare(self, model_state: Params, round: int) -> None: ...
+    def prepare(
+        self,
+        model_state: Params,
+        round: int,
+        clients: Sequence[int],
+        budgets: Sequence[ClientBudget],
+    ) -> None: ...
 
     def assign(
         self, budget: ClientBudget, client: int, round: int, generator: torch.Generator
@@ -301,6 +309,12 @@ class Simulation(Generic[State]):
         profiles: one device profile per client; gives availability draws, the tier of each
             ledger entry and simulated time (``None``: always available, no clock).
         flop_meter: measures FLOPs per distinct workload (``None``: FLOPs are not counted).
+        coverage: variable blocks whose coverage the engine reports every round from the
+            clients' index sets, e.g. ``{"x": outer names, "y": inner names}``: per block
+            ``coverage_{b}_min`` (C* over trained coordinates), ``untrained_fraction_{b}``,
+            ``never_trained_fraction_{b}`` (so far) and ``coverage_{b}_histogram``.
+        local_steps: optional schedule ``(round, client, generator) -> tau`` overriding each
+            budget's local steps every round (e.g. ``UniformLocalSteps``).
     """
 
     algorithm: Algorithm[State]
@@ -317,6 +331,9 @@ class Simulation(Generic[State]):
     eval_every: int = 1
     profiles: Sequence[DeviceLike] | None = None
     flop_meter: FlopMeter | None = field(default_factory=FlopMeter)
+    local_steps: Callable[[int, int, torch.Generator], int] | None = None
+    coverage: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    _trackers: dict[str, CoverageTracker] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.clients)
@@ -376,6 +393,25 @@ class Simulation(Generic[State]):
             comm_s=comm_s,
         )
 
+    def _coverage(self, index_sets: Sequence[IndexSet]) -> dict[str, Any]:
+        """Per-block coverage of this round's index sets (RABO Definition 3)."""
+        out: dict[str, Any] = {}
+        for block, names in self.coverage.items():
+            counts = {
+                n: sum(
+                    dense_mask(restrict(idx, [n]), {n: self.shapes[n]})[n].long()
+                    for idx in index_sets
+                )
+                for n in names
+            }
+            tracker = self._trackers.setdefault(block, CoverageTracker(names))
+            cov = tracker.update(counts)
+            out[f"coverage_{block}_min"] = float(cov.min_coverage)
+            out[f"untrained_fraction_{block}"] = cov.untrained_fraction
+            out[f"never_trained_fraction_{block}"] = cov.never_trained_fraction
+            out[f"coverage_{block}_histogram"] = cov.histogram
+        return out
+
     def step(self, state: State, round: int, clock_s: float = 0.0) -> tuple[State, RoundRecord]:
         """Run one round from ``state``; returns the new state and the round's record.
 
@@ -399,17 +435,24 @@ class Simulation(Generic[State]):
             )
             return state, record
         budgets = [self.budgets[c] for c in sampled]
+        if self.local_steps is not None:
+            schedule = self.local_steps
+            when = round if getattr(schedule, "per_round", True) else 0xF1ED
+            budgets = [
+                replace(b, local_steps=schedule(round, c, self._generator(when, 0x7A0, c)))
+                for c, b in zip(sampled, budgets, strict=True)
+            ]
         if self.masks is None:
             index_sets = [full_index_set(self.shapes) for _ in sampled]
         else:
-            self.masks.prepare(self.algorithm.model_state(state), round)
+            self.masks.prepare(self.algorithm.model_state(state), round, sampled, budgets)
             index_sets = [
                 self.masks.assign(b, c, round, self._generator(round, 0x3A5C, c))
                 for c, b in zip(sampled, budgets, strict=True)
             ]
         metadata = [index_metadata_bytes(idx) for idx in index_sets]
+        metrics: dict[str, Any] = self._coverage(index_sets)
         weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
-        metrics: dict[str, float] = {}
         ledger: list[LedgerEntry] = []
         for p, phase in enumerate(phases):
             tasks = [

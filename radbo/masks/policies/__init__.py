@@ -7,7 +7,7 @@ so policies are interchangeable in the simulation engine. A policy only *selects
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -44,7 +44,32 @@ class MaskPolicy(Protocol):
     ) -> dict[str, Tensor]: ...
 
 
+@runtime_checkable
+class RoundPreparedPolicy(MaskPolicy, Protocol):
+    """A :class:`MaskPolicy` that must see all of a round's clients before the per-client calls.
+
+    Its masks depend on the other clients of the round (e.g. :class:`CoveragePolicy` shares
+    segments among k clients), so the engine calls ``prepare`` once per round, with the sampled
+    clients and the ``ratios`` each of them will be asked for, then calls the policy per client.
+    """
+
+    def prepare(
+        self, clients: Sequence[int], ratios_by_client: Sequence[Mapping[str, float]]
+    ) -> None: ...
+
+
+from radbo.masks.policies.coverage import CoveragePolicy  # noqa: E402
 from radbo.masks.policies.importance import ImportancePolicy  # noqa: E402
 from radbo.masks.policies.leading import LeadingPolicy  # noqa: E402
+from radbo.masks.policies.random import RandomPolicy  # noqa: E402
+from radbo.masks.policies.rolling import RollingPolicy  # noqa: E402
 
-__all__ = ["ImportancePolicy", "LeadingPolicy", "MaskPolicy"]
+__all__ = [
+    "CoveragePolicy",
+    "ImportancePolicy",
+    "LeadingPolicy",
+    "MaskPolicy",
+    "RandomPolicy",
+    "RollingPolicy",
+    "RoundPreparedPolicy",
+]

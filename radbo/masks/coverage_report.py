@@ -1,0 +1,126 @@
+"""Coverage of a variable block across rounds: C* (RABO Definition 3), untrained fractions.
+
+Per round, the server's coverage-weighted mean
+(:func:`radbo.aggregation.coverage_weighted_mean`) gives, for every coordinate, the number of
+clients that held it (``CoverageMean.count``). :class:`CoverageTracker` summarises those counts
+over a chosen set of tensors (e.g. the outer variables x) and remembers which coordinates have
+ever been trained, so a run can report honestly how much of the model its masks never touch.
+
+>>> import torch
+>>> tracker = CoverageTracker(["w"])
+>>> tracker.update({"w": torch.tensor([2, 0, 1, 0])}).never_trained_fraction
+0.5
+>>> tracker.update({"w": torch.tensor([0, 3, 0, 0])}).never_trained_fraction
+0.25
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from radbo.aggregation import coverage_stats
+
+__all__ = ["CoverageTracker", "RoundCoverage"]
+
+
+@dataclass(frozen=True)
+class RoundCoverage:
+    """Coverage of the tracked tensors in one round.
+
+    Attributes:
+        round: index of the update (0 for the first one given to the tracker).
+        min_coverage: ``C*_q = min_s C_q^s`` over the coordinates trained this round (0 if none).
+        min_coverage_so_far: Definition 3's ``C* = min_{q,s} C_q^s`` over all rounds so far
+            (rounds that trained nothing are skipped; 0 while nothing was trained).
+        histogram: ``histogram[c]`` = number of coordinates held by exactly c clients.
+        untrained_fraction: fraction of the coordinates no client held this round.
+        never_trained_fraction: fraction of the coordinates no client held in any round so far.
+        numel: number of coordinates tracked.
+    """
+
+    round: int
+    min_coverage: int
+    min_coverage_so_far: int
+    histogram: list[int]
+    untrained_fraction: float
+    never_trained_fraction: float
+    numel: int
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain JSON-serialisable dict of the fields."""
+        return asdict(self)
+
+
+class CoverageTracker:
+    """Accumulates per-coordinate client counts of a set of tensors round after round.
+
+    Args:
+        names: the tensors to track (e.g. the names of x, leaving the head y out). Counts given
+            to :meth:`update` may hold more tensors; only these are read.
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = list(dict.fromkeys(names))
+        if not self.names:
+            raise ValueError("CoverageTracker needs at least one tensor name to track")
+        self.history: list[RoundCoverage] = []
+        self._ever: dict[str, Tensor] = {}
+
+    def update(self, count: Mapping[str, Tensor]) -> RoundCoverage:
+        """Add one round of counts (``CoverageMean.count``) and summarise it.
+
+        Raises:
+            ValueError: a tracked tensor is missing, is not an integer tensor, has negative
+                entries or changed shape since the previous round.
+        """
+        missing = [n for n in self.names if n not in count]
+        if missing:
+            raise ValueError(f"coverage counts have no entry for tracked tensors {missing}")
+        for name in self.names:
+            c = count[name]
+            if c.is_floating_point() or c.is_complex() or c.dtype == torch.bool:
+                raise ValueError(
+                    f"coverage count of {name!r} must be an integer tensor of client counts, "
+                    f"got dtype {c.dtype}"
+                )
+            if c.numel() and int(c.min()) < 0:
+                raise ValueError(f"coverage count of {name!r} has negative entries")
+            if name in self._ever and self._ever[name].shape != c.shape:
+                raise ValueError(
+                    f"coverage count of {name!r} has shape {tuple(c.shape)}, but earlier rounds "
+                    f"had {tuple(self._ever[name].shape)}"
+                )
+        counts = {n: count[n].detach().to(device="cpu", dtype=torch.int64) for n in self.names}
+        for name, c in counts.items():
+            held = c > 0
+            self._ever[name] = self._ever[name] | held if name in self._ever else held
+        stats = coverage_stats(counts, self.names)
+        numel = sum(c.numel() for c in counts.values())
+        never = sum(int((~e).sum()) for e in self._ever.values())
+        previous = [r.min_coverage_so_far for r in self.history if r.min_coverage_so_far > 0]
+        trained_mins = previous + ([stats.min_coverage] if stats.min_coverage > 0 else [])
+        result = RoundCoverage(
+            round=len(self.history),
+            min_coverage=stats.min_coverage,
+            min_coverage_so_far=min(trained_mins) if trained_mins else 0,
+            histogram=stats.histogram,
+            untrained_fraction=stats.untrained_fraction,
+            never_trained_fraction=never / numel if numel else 0.0,
+            numel=numel,
+        )
+        self.history.append(result)
+        return result
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-serialisable summary: tracked names, overall C*, never-trained, every round."""
+        last = self.history[-1] if self.history else None
+        return {
+            "names": list(self.names),
+            "min_coverage": last.min_coverage_so_far if last else 0,
+            "never_trained_fraction": last.never_trained_fraction if last else 1.0,
+            "rounds": [r.as_dict() for r in self.history],
+        }

@@ -1,0 +1,691 @@
+"""Tests of the second-order-free estimators and the product oracles of radbo.hypergrad.
+
+* FiniteDifference (RAFBO, Alg. 2 / eq. (10), corrected) and its ``as_printed`` form;
+* FirstOrder (the penalty estimator of FedSVRBGD-FO, eq. (3)-(6));
+* AutogradProducts / FiniteDifferenceProducts (second-order products for SimFBO/ShroFBO).
+
+Reference problem: the random float64 quadratic bilevel problem of tests/test_hypergrad.py
+(dim x = 7, dim y = 10, inner Hessian A with eigenvalues evenly spaced in [0.5, 10]), whose
+exact hypergradient is ``Quadratic.surrogate`` (= ∇Φ(x) at y = y*(x)). Measured numbers are
+quoted next to the assertions that pin them.
+"""
+
+from __future__ import annotations
+
+import doctest
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import radbo.hypergrad.finite_difference
+import radbo.hypergrad.first_order
+import radbo.hypergrad.products
+from radbo.hypergrad import (
+    AutogradProducts,
+    FiniteDifference,
+    FiniteDifferenceProducts,
+    FirstOrder,
+    HypergradEstimator,
+    ImplicitCG,
+    Neumann,
+    ProductResult,
+    SecondOrderProducts,
+    init_state,
+)
+from radbo.typing import Params
+from tests.test_hypergrad import DTYPE, X_SHAPES, Y_SHAPES, P, Q, Quadratic, flat, rel_err, unflat
+
+
+@pytest.fixture(scope="module")
+def problem() -> Quadratic:
+    return Quadratic.random(0)
+
+
+def grad_x_f(problem: Quadratic, x: Params, y: Params) -> Tensor:
+    """∇_x f by autograd, computed as the estimators compute it (same ops, same order)."""
+    xl = {k: t.clone().requires_grad_(True) for k, t in x.items()}
+    yl = {k: t.clone().requires_grad_(True) for k, t in y.items()}
+    grads = torch.autograd.grad(problem.outer(xl, yl), [*xl.values(), *yl.values()])
+    return torch.cat([g.reshape(-1) for g in grads[: len(xl)]])
+
+
+# ================================================================ FiniteDifference
+
+
+def test_fd_all_coordinates_matches_closed_form(problem: Quadratic) -> None:
+    x, y = problem.point()
+    result = FiniteDifference(cg_iters=20, tol=1e-26)(problem.outer, problem.inner, x, y)
+    error = rel_err(result.grad, problem.surrogate(flat(x), flat(y)))
+    # finite differences of an affine gradient are exact up to rounding: measured 6e-13
+    assert error <= 1e-8, f"FiniteDifference relative error {error:.3e}"
+    v_exact = torch.linalg.solve(problem.A, problem.grad_y_f(flat(x), flat(y)))
+    torch.testing.assert_close(flat(result.v), v_exact, rtol=1e-8, atol=1e-10)
+    assert {k: tuple(t.shape) for k, t in result.grad.items()} == X_SHAPES
+    assert list(result.v) == list(Y_SHAPES)
+    assert all(not t.requires_grad for t in (*result.grad.values(), *result.v.values()))
+    assert result.state == {}
+
+
+def test_fd_default_config_is_accurate_on_the_quadratic(problem: Quadratic) -> None:
+    x, y = problem.point()
+    result = FiniteDifference()(problem.outer, problem.inner, x, y)  # cg_iters = 10 = dim y
+    assert rel_err(result.grad, problem.surrogate(flat(x), flat(y))) <= 1e-3
+    assert result.n_hvp == 0
+
+
+def test_fd_off_the_inner_solution_matches_surrogate(problem: Quadratic) -> None:
+    x, y_opt = problem.point()
+    y = {k: t - 0.3 for k, t in y_opt.items()}
+    result = FiniteDifference(cg_iters=30, tol=1e-26)(problem.outer, problem.inner, x, y)
+    assert rel_err(result.grad, problem.surrogate(flat(x), flat(y))) <= 1e-8
+
+
+def test_fd_damping_matches_shifted_hessian(problem: Quadratic) -> None:
+    x, y = problem.point()
+    result = FiniteDifference(cg_iters=30, tol=1e-26, damping=2.0)(
+        problem.outer, problem.inner, x, y
+    )
+    assert rel_err(result.grad, problem.surrogate(flat(x), flat(y), damping=2.0)) <= 1e-8
+
+
+def test_fd_as_printed_is_what_eq_10_says_and_its_error_is_large(
+    problem: Quadratic, record_property: Callable[[str, object], None]
+) -> None:
+    x, y = problem.point()
+    xf, yf = flat(x), flat(y)
+    result = FiniteDifference(as_printed=True)(problem.outer, problem.inner, x, y)
+    # eq. (10) / Alg. 2 line 7 as printed: ∇_x f + ∇²_xy g ∇_y f = ∇_x f − Bᵀ ∇_y f
+    printed = problem.e + problem.D @ xf + problem.E.T @ yf - problem.B.T @ problem.grad_y_f(xf, yf)
+    torch.testing.assert_close(flat(result.grad), printed, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(flat(result.v), -problem.grad_y_f(xf, yf))
+    assert (result.n_grad, result.n_hvp) == (2 + P, 0)  # no CG at all
+
+    error = rel_err(result.grad, problem.surrogate(xf, yf))
+    record_property("as_printed_relative_error", error)
+    print(
+        f"\nFiniteDifference(as_printed=True): relative error {error:.4f} vs the exact hypergradient"
+    )
+    # the printed form misses the sign and the inverse Hessian: measured 1.6513 (165 %)
+    assert error > 0.1, f"as_printed relative error {error:.4f}"
+    assert error == pytest.approx(1.6513, abs=1e-3), f"as_printed relative error {error:.4f}"
+
+
+def test_fd_sampled_subset_exact_inside_direct_term_outside(problem: Quadratic) -> None:
+    x, y = problem.point()
+    estimator = FiniteDifference(num_coordinates=3, cg_iters=20, tol=1e-26)
+    coords = estimator.sample_coordinates(P, torch.Generator().manual_seed(11))
+    assert coords.tolist() == sorted(set(coords.tolist())) and len(coords) == 3
+
+    result = estimator(
+        problem.outer, problem.inner, x, y, generator=torch.Generator().manual_seed(11)
+    )
+
+    got, reference = flat(result.grad), problem.surrogate(flat(x), flat(y))
+    direct = grad_x_f(problem, x, y)
+    outside = torch.ones(P, dtype=torch.bool)
+    outside[coords] = False
+    torch.testing.assert_close(got[coords], reference[coords], rtol=0, atol=1e-3)
+    assert float((got[coords] - reference[coords]).abs().max()) <= 1e-8 * float(reference.norm())
+    assert torch.equal(got[outside], direct[outside])  # ∇_x f only, bit for bit
+    # P is visible in the output: exactly the coordinates that got an indirect term
+    assert torch.nonzero(got != direct).reshape(-1).tolist() == coords.tolist()
+
+
+def test_fd_coordinate_set_is_reproducible_and_seed_dependent(problem: Quadratic) -> None:
+    x, y = problem.point()
+    estimator = FiniteDifference(fraction=0.4)  # |P| = ceil(0.4 · 7) = 3
+    assert estimator.num_sampled(P) == 3
+
+    def run(seed: int) -> Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return flat(estimator(problem.outer, problem.inner, x, y, generator=gen).grad)
+
+    assert torch.equal(run(5), run(5))
+    sets = [
+        estimator.sample_coordinates(P, torch.Generator().manual_seed(s)).tolist() for s in range(8)
+    ]
+    assert len({tuple(c) for c in sets}) >= 4  # different seeds draw different sets
+    assert sets[0] != sets[1] and not torch.equal(run(0), run(1))
+
+
+def test_fd_rescale_is_unbiased_over_the_coordinate_draw(problem: Quadratic) -> None:
+    x, y = problem.point()
+    reference = problem.surrogate(flat(x), flat(y))
+    direct = grad_x_f(problem, x, y)
+    k, seeds = 4, range(150)
+
+    def average(estimator: FiniteDifference) -> Tensor:
+        total = torch.zeros(P, dtype=DTYPE)
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(seed)
+            total += flat(estimator(problem.outer, problem.inner, x, y, generator=gen).grad)
+        return total / len(seeds)
+
+    rescaled = average(FiniteDifference(num_coordinates=k, rescale=True))
+    plain = average(FiniteDifference(num_coordinates=k))
+    scale = float(reference.norm())
+    # E_P[rescaled] = exact; E_P[plain] = ∇_x f + (|P|/d)·indirect (the documented bias)
+    rescaled_error = float((rescaled - reference).norm()) / scale
+    plain_error = float((plain - reference).norm()) / scale
+    plain_expected = direct + (k / P) * (reference - direct)
+    print(f"\nrescaled average error {rescaled_error:.3f}, plain average error {plain_error:.3f}")
+    assert rescaled_error <= 0.15, f"rescaled average off by {rescaled_error:.3f}"
+    assert plain_error >= 0.3, f"plain average off by {plain_error:.3f}"
+    assert float((plain - plain_expected).norm()) / scale <= 0.1
+    # both use the same draws: the indirect terms differ by exactly d/|P|
+    torch.testing.assert_close(rescaled - direct, (P / k) * (plain - direct))
+
+
+def test_fd_counts(problem: Quadratic) -> None:
+    x, y = problem.point()
+    gen = torch.Generator().manual_seed(0)
+    result = FiniteDifference(num_coordinates=3, cg_iters=4, tol=0.0)(
+        problem.outer, problem.inner, x, y, generator=gen
+    )
+    assert (result.n_grad, result.n_hvp) == (2 + 4 + 3, 0)  # f, g base, 4 CG matvecs, |P|
+    result = FiniteDifference(cg_iters=4, tol=0.0)(problem.outer, problem.inner, x, y)
+    assert (result.n_grad, result.n_hvp) == (2 + 4 + 7, 0)
+    gen = torch.Generator().manual_seed(0)
+    result = FiniteDifference(num_coordinates=5, as_printed=True)(
+        problem.outer, problem.inner, x, y, generator=gen
+    )
+    assert (result.n_grad, result.n_hvp) == (2 + 5, 0)
+    result = FiniteDifference(num_coordinates=50)(problem.outer, problem.inner, x, y)
+    assert result.n_grad == 2 + 10 + 7  # |P| = min(50, 7); CG converges in dim y = 10
+
+
+def test_fd_needs_a_generator_only_when_sampling(problem: Quadratic) -> None:
+    x, y = problem.point()
+    with pytest.raises(
+        ValueError, match=r"samples \|P\| = 3 of 7 coordinates of x and needs a random source"
+    ):
+        FiniteDifference(num_coordinates=3)(problem.outer, problem.inner, x, y)
+    gen = torch.Generator().manual_seed(3)
+    before = gen.get_state()
+    FiniteDifference(fraction=1.0)(problem.outer, problem.inner, x, y, generator=gen)
+    assert torch.equal(gen.get_state(), before)  # |P| = d draws nothing
+
+
+def test_fd_x_tensors_outside_g(problem: Quadratic) -> None:
+    x, y = problem.point()
+    x = {**x, "h": torch.tensor([0.5, -1.0], dtype=DTYPE), "unused": torch.ones(2, 2, dtype=DTYPE)}
+
+    def outer(x: Params, y: Params) -> Tensor:
+        return problem.outer({k: x[k] for k in X_SHAPES}, y) + (x["h"] ** 3).sum()
+
+    def inner(x: Params, y: Params) -> Tensor:
+        return problem.inner({k: x[k] for k in X_SHAPES}, y)
+
+    result = FiniteDifference(cg_iters=20, tol=1e-26)(outer, inner, x, y)
+    torch.testing.assert_close(result.grad["h"], 3 * x["h"] ** 2, rtol=0, atol=0)
+    assert torch.equal(result.grad["unused"], torch.zeros(2, 2, dtype=DTYPE))
+    core = {k: result.grad[k] for k in X_SHAPES}
+    assert rel_err(core, problem.surrogate(flat({k: x[k] for k in X_SHAPES}), flat(y))) <= 1e-8
+
+
+# ================================================================ FirstOrder
+
+LAMBDAS = (1.0, 10.0, 100.0, 1000.0, 10000.0)
+
+
+def penalty_gradient(problem: Quadratic, xf: Tensor, lam: float) -> Tensor:
+    """Closed form of ∇_x f(x, y_λ) + λ(∇_x g(x, y_λ) − ∇_x g(x, y*)) with exact y_λ, y*."""
+    h = problem.C.T @ problem.C + lam * problem.A
+    y_lam = torch.linalg.solve(
+        h, problem.C.T @ problem.d - problem.E @ xf + lam * (problem.B @ xf - problem.c)
+    )
+    y_opt = problem.y_star(xf)
+    return problem.e + problem.D @ xf + problem.E.T @ y_lam - lam * problem.B.T @ (y_lam - y_opt)
+
+
+def test_first_order_error_falls_like_one_over_lambda(
+    problem: Quadratic, record_property: Callable[[str, object], None]
+) -> None:
+    x, y = problem.point()
+    xf = flat(x)
+    reference = problem.surrogate(xf, flat(y))
+    lipschitz_f = float(torch.linalg.eigvalsh(problem.C.T @ problem.C).max())  # ≈ 19.0
+    lr = 0.05
+    assert lr <= 1 / max(lipschitz_f, 10.0)  # the step rule of the docstring
+    errors, state = [], None
+    for lam in LAMBDAS:  # warm-started: each λ continues from the previous y_λ and z
+        result = FirstOrder(lam=lam, inner_steps=500, lr=lr)(
+            problem.outer, problem.inner, x, y, state=state
+        )
+        state = result.state
+        assert (result.n_grad, result.n_hvp) == (3 * 500 + 3, 0)
+        # the inner solves are converged: the estimate is the exact penalty gradient
+        assert rel_err(result.grad, penalty_gradient(problem, xf, lam)) <= 1e-4
+        errors.append(rel_err(result.grad, reference))
+    record_property("first_order_relative_errors", dict(zip(LAMBDAS, errors, strict=True)))
+    print(
+        "\nFirstOrder relative error per λ:",
+        {lam: f"{e:.3e}" for lam, e in zip(LAMBDAS, errors, strict=True)},
+    )
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:], strict=False))
+    by_lam = dict(zip(LAMBDAS, errors, strict=True))
+    # measured 0.936, 0.635, 0.149, 1.72e-2, 1.72e-3: O(1/λ) (Lemma 4.7), ≈ 17/λ here
+    assert by_lam[1000.0] > 1e-2
+    assert by_lam[10000.0] <= 1e-2  # the λ documented in FirstOrder's docstring
+    assert by_lam[10000.0] * 10000 == pytest.approx(by_lam[1000.0] * 1000, rel=0.05)
+
+
+def test_first_order_v_tends_to_the_implicit_v(problem: Quadratic) -> None:
+    x, y = problem.point()
+    result = FirstOrder(lam=1e4, inner_steps=1500, lr=0.05)(problem.outer, problem.inner, x, y)
+    v_exact = torch.linalg.solve(problem.A, problem.grad_y_f(flat(x), flat(y)))
+    assert float((flat(result.v) - v_exact).norm() / v_exact.norm()) <= 1e-2
+
+
+def inner_residuals(
+    problem: Quadratic, x: Params, state: Params, lam: float
+) -> tuple[float, float]:
+    """(||∇_y(f + λg)(x, y_λ)||, ||∇_y g(x, z)||) for the state of a FirstOrder call."""
+    xf = flat(x)
+    y_lam = torch.cat([state[f"y_lambda:{k}"].reshape(-1) for k in Y_SHAPES])
+    z = torch.cat([state[f"z:{k}"].reshape(-1) for k in Y_SHAPES])
+
+    def grad_y_g(yf: Tensor) -> Tensor:
+        return problem.A @ yf - problem.B @ xf + problem.c
+
+    r_lam = problem.grad_y_f(xf, y_lam) + lam * grad_y_g(y_lam)
+    return float(r_lam.norm()), float(grad_y_g(z).norm())
+
+
+def test_first_order_state_round_trip_reduces_the_inner_residual(problem: Quadratic) -> None:
+    x, y_opt = problem.point()
+    y = {k: t + 0.5 for k, t in y_opt.items()}
+    estimator = FirstOrder(lam=10.0, inner_steps=20, lr=0.05)
+    first = estimator(problem.outer, problem.inner, x, y)
+    assert sorted(first.state) == sorted(
+        f"{key}:{k}" for key in ("y_lambda", "z") for k in Y_SHAPES
+    )
+    assert all(not t.requires_grad for t in first.state.values())
+    assert {k: tuple(t.shape) for k, t in first.state.items()} == {
+        f"{key}:{k}": s for key in ("y_lambda", "z") for k, s in Y_SHAPES.items()
+    }
+    second = FirstOrder(lam=10.0, inner_steps=200, lr=0.05)(
+        problem.outer, problem.inner, x, y, state=first.state
+    )
+    r1, r2 = (
+        inner_residuals(problem, x, first.state, 10.0),
+        inner_residuals(problem, x, second.state, 10.0),
+    )
+    assert r2[0] < 0.1 * r1[0] and r2[1] < 0.1 * r1[1]
+    reference = problem.surrogate(flat(x), flat(y_opt))
+    assert rel_err(second.grad, penalty_gradient(problem, flat(x), 10.0)) < rel_err(
+        first.grad, penalty_gradient(problem, flat(x), 10.0)
+    )
+    assert rel_err(second.grad, reference) < rel_err(first.grad, reference)
+    # zero further steps: the state passes through unchanged, y is not used
+    again = FirstOrder(lam=10.0, inner_steps=0)(
+        problem.outer, problem.inner, x, y_opt, state=second.state
+    )
+    assert all(torch.equal(again.state[k], second.state[k]) for k in second.state)
+    torch.testing.assert_close(flat(again.grad), flat(second.grad), rtol=1e-12, atol=1e-12)
+    assert (again.n_grad, again.n_hvp) == (3, 0)
+
+
+def test_first_order_init_state_equals_no_state(problem: Quadratic) -> None:
+    x, y = problem.point()
+    estimator = FirstOrder(lam=5.0, inner_steps=7, lr=0.05)
+    state = init_state(estimator, y)
+    assert sorted(state) == sorted(f"{key}:{k}" for key in ("y_lambda", "z") for k in Y_SHAPES)
+    assert all(torch.equal(state[f"z:{k}"], y[k]) and state[f"z:{k}"] is not y[k] for k in y)
+    a = estimator(problem.outer, problem.inner, x, y)
+    b = estimator(problem.outer, problem.inner, x, y, state=state)
+    assert all(torch.equal(a.grad[k], b.grad[k]) for k in a.grad)
+    assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    assert all(torch.equal(state[f"z:{k}"], y[k]) for k in y)  # the passed state is not mutated
+
+
+def test_first_order_rejects_incomplete_or_misshaped_state(problem: Quadratic) -> None:
+    x, y = problem.point()
+    estimator = FirstOrder(inner_steps=1)
+    state = init_state(estimator, y)
+    partial = {k: t for k, t in state.items() if k != "z:u"}
+    with pytest.raises(ValueError, match=re.escape("FirstOrder: state lacks 'z:u'")):
+        estimator(problem.outer, problem.inner, x, y, state=partial)
+    bad = {**state, "y_lambda:w": torch.zeros(5, dtype=DTYPE)}
+    with pytest.raises(
+        ValueError,
+        match=re.escape("state['y_lambda:w'] must have the shape of y['w'], (4,), got (5,)"),
+    ):
+        estimator(problem.outer, problem.inner, x, y, state=bad)
+
+
+# ================================================================ shared conformance
+
+ESTIMATORS: dict[str, HypergradEstimator] = {
+    "fd": FiniteDifference(cg_iters=20, tol=1e-26),
+    "fd_sampled": FiniteDifference(num_coordinates=4, rescale=True),
+    "first_order": FirstOrder(lam=10.0, inner_steps=5, lr=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_estimators_do_not_mutate_inputs(
+    problem: Quadratic, name: str, requires_grad: bool
+) -> None:
+    estimator = ESTIMATORS[name]
+    assert isinstance(estimator, HypergradEstimator)
+    x, y = problem.point()
+    x = {k: t.clone().requires_grad_(requires_grad) for k, t in x.items()}
+    y = {k: t.clone().requires_grad_(requires_grad) for k, t in y.items()}
+    before = {k: t.detach().clone() for k, t in (*x.items(), *y.items())}
+    state = init_state(estimator, {k: t.detach() for k, t in y.items()})
+    state_before = {k: t.clone() for k, t in state.items()}
+
+    result = estimator(
+        problem.outer, problem.inner, x, y, generator=torch.Generator().manual_seed(0), state=state
+    )
+
+    for k, t in (*x.items(), *y.items()):
+        assert torch.equal(t.detach(), before[k]) and t.requires_grad is requires_grad
+        assert t.grad is None
+    assert all(torch.equal(state[k], state_before[k]) for k in state)
+    assert all(
+        not t.requires_grad
+        for t in (*result.grad.values(), *result.v.values(), *result.state.values())
+    )
+    assert sorted(result.state) == sorted(init_state(estimator, y))
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_second_order_free_estimators_never_build_a_gradient_graph(
+    problem: Quadratic, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    original = torch.autograd.grad
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(bool(kwargs.get("create_graph", False)))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    x, y = problem.point()
+    result = ESTIMATORS[name](
+        problem.outer, problem.inner, x, y, generator=torch.Generator().manual_seed(0)
+    )
+    assert calls and not any(calls)  # create_graph=False everywhere: no double backward
+    assert result.n_hvp == 0
+    if name == "first_order":  # one pass of f + λg per y_λ step counts a gradient of f and of g
+        steps = ESTIMATORS[name].inner_steps  # type: ignore[attr-defined]
+        assert (len(calls), result.n_grad) == (2 * steps + 3, 3 * steps + 3)
+    else:
+        assert len(calls) == result.n_grad  # one autograd pass per gradient evaluation
+
+
+def test_stateless_estimators_accept_generator_and_state(problem: Quadratic) -> None:
+    x, y = problem.point()
+    for estimator in (ImplicitCG(), Neumann(), FiniteDifference()):
+        assert estimator.state_keys == () and init_state(estimator, y) == {}
+        plain = estimator(problem.outer, problem.inner, x, y)
+        keyed = estimator(
+            problem.outer, problem.inner, x, y, generator=torch.Generator().manual_seed(1), state={}
+        )
+        assert keyed.state == {} and all(torch.equal(plain.grad[k], keyed.grad[k]) for k in x)
+    assert FirstOrder.state_keys == ("y_lambda", "z")
+
+
+# ================================================================ products
+
+
+def dense_products(
+    inner: Callable[[Params, Params], Tensor], x: Params, y: Params, v: Params
+) -> tuple[Tensor, Tensor]:
+    """(H_yy v, ∇²_xy g v) from dense matrices built by torch.autograd.functional."""
+    x_shapes = {k: tuple(t.shape) for k, t in x.items()}
+    y_shapes = {k: tuple(t.shape) for k, t in y.items()}
+    xf, yf = flat(x), flat(y)
+    h_yy = torch.autograd.functional.hessian(lambda b: inner(x, unflat(b, y_shapes)), yf)
+
+    def grad_y_g(a: Tensor) -> Tensor:
+        b = yf.clone().requires_grad_(True)
+        (gy,) = torch.autograd.grad(
+            inner(unflat(a, x_shapes), unflat(b, y_shapes)), b, create_graph=True
+        )
+        return gy
+
+    h_xy = torch.autograd.functional.jacobian(grad_y_g, xf).T  # (dim x, dim y)
+    return h_yy @ flat(v), h_xy @ flat(v)
+
+
+@dataclass(frozen=True)
+class TanhNet:
+    """A small tanh network: x = (feature scale, log L2 weight), y = the network weights."""
+
+    net: nn.Module
+    x: Params
+    y: Params
+    features: Tensor
+    targets: Tensor
+
+    @staticmethod
+    def build(seed: int = 7) -> TanhNet:
+        gen = torch.Generator().manual_seed(seed)
+        net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).to(DTYPE)
+        y = {
+            n: 0.5 * torch.randn(p.shape, generator=gen, dtype=DTYPE)
+            for n, p in net.named_parameters()
+        }
+        x = {
+            "feature_scale": 1.0 + 0.2 * torch.randn(4, generator=gen, dtype=DTYPE),
+            "log_reg": torch.tensor(-1.0, dtype=DTYPE),
+        }
+        features = torch.randn(24, 4, generator=gen, dtype=DTYPE)
+        targets = torch.sign(torch.randn(24, generator=gen, dtype=DTYPE))
+        return TanhNet(net, x, y, features, targets)
+
+    def inner(self, x: Params, y: Params) -> Tensor:
+        logits = functional_call(self.net, y, (self.features * x["feature_scale"],)).squeeze(-1)
+        data = nn.functional.softplus(-self.targets * logits).mean()
+        return data + 0.5 * torch.exp(x["log_reg"]) * flat(y).pow(2).sum()
+
+    def direction(self, seed: int = 8) -> Params:
+        gen = torch.Generator().manual_seed(seed)
+        return {k: torch.randn(t.shape, generator=gen, dtype=DTYPE) for k, t in self.y.items()}
+
+
+def test_autograd_products_match_closed_form_on_quadratic(problem: Quadratic) -> None:
+    x, y = problem.point()
+    v = unflat(torch.linspace(-1.0, 2.0, Q, dtype=DTYPE), Y_SHAPES)
+    result = AutogradProducts()(problem.inner, x, y, v)
+    assert isinstance(result, ProductResult) and (result.n_grad, result.n_hvp) == (1, 1)
+    torch.testing.assert_close(flat(result.hvp_yy), problem.A @ flat(v), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(flat(result.jvp_xy), -problem.B.T @ flat(v), rtol=1e-10, atol=1e-10)
+    grad_y = problem.A @ flat(y) - problem.B @ flat(x) + problem.c
+    grad_x = -problem.B.T @ flat(y) + problem.rho * flat(x)
+    torch.testing.assert_close(flat(result.grad_y), grad_y, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(flat(result.grad_x), grad_x, rtol=1e-10, atol=1e-10)
+    dense_hvp, dense_jvp = dense_products(problem.inner, x, y, v)
+    torch.testing.assert_close(flat(result.hvp_yy), dense_hvp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(flat(result.jvp_xy), dense_jvp, rtol=1e-10, atol=1e-10)
+
+
+def test_autograd_products_match_dense_on_tanh_network() -> None:
+    task = TanhNet.build()
+    v = task.direction()
+    result = AutogradProducts()(task.inner, task.x, task.y, v)
+    dense_hvp, dense_jvp = dense_products(task.inner, task.x, task.y, v)
+    torch.testing.assert_close(flat(result.hvp_yy), dense_hvp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(flat(result.jvp_xy), dense_jvp, rtol=1e-10, atol=1e-10)
+    assert list(result.jvp_xy) == list(task.x) and list(result.hvp_yy) == list(task.y)
+
+
+def test_fd_products_exact_on_quadratic(problem: Quadratic) -> None:
+    x, y = problem.point()
+    v = unflat(torch.linspace(-1.0, 2.0, Q, dtype=DTYPE), Y_SHAPES)
+    exact = AutogradProducts()(problem.inner, x, y, v)
+    approx = FiniteDifferenceProducts()(problem.inner, x, y, v)
+    assert isinstance(approx, ProductResult) and (approx.n_grad, approx.n_hvp) == (2, 0)
+    for field in ("hvp_yy", "jvp_xy", "grad_x", "grad_y"):
+        torch.testing.assert_close(
+            flat(getattr(approx, field)), flat(getattr(exact, field)), rtol=1e-6, atol=1e-9
+        )
+
+
+def test_fd_products_close_on_tanh_network(record_property: Callable[[str, object], None]) -> None:
+    task = TanhNet.build()
+    v = task.direction()
+    exact = AutogradProducts()(task.inner, task.x, task.y, v)
+    errors = {}
+    for mu in (1e-2, 1e-3, 1e-4):
+        approx = FiniteDifferenceProducts(mu=mu)(task.inner, task.x, task.y, v)
+        errors[mu] = max(
+            rel_err(approx.hvp_yy, flat(exact.hvp_yy)), rel_err(approx.jvp_xy, flat(exact.jvp_xy))
+        )
+    record_property("fd_products_relative_errors", errors)
+    print(
+        "\nFiniteDifferenceProducts relative error per mu:",
+        {m: f"{e:.2e}" for m, e in errors.items()},
+    )
+    assert errors[1e-3] <= 2e-3  # the default: O(mu) forward-difference error
+    assert errors[1e-4] < errors[1e-3] < errors[1e-2]
+
+
+@pytest.mark.parametrize(
+    "products", [AutogradProducts(), FiniteDifferenceProducts()], ids=["autograd", "fd"]
+)
+def test_products_contract(problem: Quadratic, products: SecondOrderProducts) -> None:
+    assert isinstance(products, SecondOrderProducts)
+    x, y = problem.point()
+    x = {
+        **{k: t.clone().requires_grad_(True) for k, t in x.items()},
+        "unused": torch.ones(3, dtype=DTYPE),
+    }
+    before = {k: t.detach().clone() for k, t in (*x.items(), *y.items())}
+    v = unflat(torch.ones(Q, dtype=DTYPE), Y_SHAPES)
+
+    def inner(x: Params, y: Params) -> Tensor:
+        return problem.inner({k: x[k] for k in X_SHAPES}, y)
+
+    result = products(inner, x, y, v)
+    assert torch.equal(result.jvp_xy["unused"], torch.zeros(3, dtype=DTYPE))
+    assert torch.equal(result.grad_x["unused"], torch.zeros(3, dtype=DTYPE))
+    for k, t in (*x.items(), *y.items()):
+        assert torch.equal(t.detach(), before[k]) and t.grad is None
+    for out in (result.grad_x, result.grad_y, result.hvp_yy, result.jvp_xy):
+        assert all(not t.requires_grad for t in out.values())
+    zero = products(inner, x, y, {k: torch.zeros_like(t) for k, t in v.items()})
+    assert all(torch.count_nonzero(t) == 0 for t in (*zero.hvp_yy.values(), *zero.jvp_xy.values()))
+    with pytest.raises(
+        ValueError, match=re.escape("v['w'] must have the shape of y['w'], (4,), got (3,)")
+    ):
+        products(inner, x, y, {**v, "w": torch.zeros(3, dtype=DTYPE)})
+    with pytest.raises(ValueError, match="v must have the keys of y"):
+        products(inner, x, y, {"w": v["w"]})
+
+
+def test_fd_products_never_build_a_gradient_graph(
+    problem: Quadratic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    original = torch.autograd.grad
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(bool(kwargs.get("create_graph", False)))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    x, y = problem.point()
+    result = FiniteDifferenceProducts()(
+        problem.inner, x, y, unflat(torch.ones(Q, dtype=DTYPE), Y_SHAPES)
+    )
+    assert calls == [False, False] and result.n_grad == 2
+
+
+# ================================================================ validation
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: FiniteDifference(num_coordinates=3, fraction=0.5),
+            "set at most one of num_coordinates and fraction",
+        ),
+        (
+            lambda: FiniteDifference(num_coordinates=0),
+            "FiniteDifference.num_coordinates must be an integer >= 1, got 0",
+        ),
+        (
+            lambda: FiniteDifference(fraction=0.0),
+            "FiniteDifference.fraction must be a finite number > 0, got 0.0",
+        ),
+        (
+            lambda: FiniteDifference(fraction=1.5),
+            "FiniteDifference.fraction must be in (0, 1], got 1.5",
+        ),
+        (
+            lambda: FiniteDifference(mu=0.0),
+            "FiniteDifference.mu must be a finite number > 0, got 0.0",
+        ),
+        (
+            lambda: FiniteDifference(hvp_mu=-1.0),
+            "FiniteDifference.hvp_mu must be a finite number > 0",
+        ),
+        (
+            lambda: FiniteDifference(cg_iters=0),
+            "FiniteDifference.cg_iters must be an integer >= 1, got 0",
+        ),
+        (
+            lambda: FiniteDifference(damping=-1.0),
+            "FiniteDifference.damping must be a finite number >= 0",
+        ),
+        (
+            lambda: FiniteDifference(as_printed=1),
+            "FiniteDifference.as_printed must be a bool, got 1",
+        ),
+        (lambda: FirstOrder(lam=0.0), "FirstOrder.lam must be a finite number > 0, got 0.0"),
+        (
+            lambda: FirstOrder(inner_steps=-1),
+            "FirstOrder.inner_steps must be an integer >= 0, got -1",
+        ),
+        (lambda: FirstOrder(lr=float("nan")), "FirstOrder.lr must be a finite number > 0, got nan"),
+        (
+            lambda: FiniteDifferenceProducts(mu=0.0),
+            "FiniteDifferenceProducts.mu must be a finite number > 0",
+        ),
+    ],
+)
+def test_invalid_configuration_raises_with_a_sentence(
+    build: Callable[[], object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build()
+
+
+def test_fd_rejects_a_step_that_vanishes_in_float32() -> None:
+    x = {"a": torch.tensor([1.0e6], dtype=torch.float32)}
+    y = {"w": torch.tensor([0.0], dtype=torch.float32)}
+    with pytest.raises(ValueError, match=r"FiniteDifference.mu = 0.001 vanishes next to x\['a'\]"):
+        FiniteDifference()(
+            lambda x, y: y["w"].sum(), lambda x, y: (y["w"] - x["a"]).pow(2).sum(), x, y
+        )
+    assert torch.equal(x["a"], torch.tensor([1.0e6]))
+
+
+def test_new_estimators_are_frozen_and_hashable() -> None:
+    with pytest.raises(AttributeError):
+        FirstOrder().lam = 3.0  # type: ignore[misc]
+    assert {FiniteDifference(), FiniteDifference(), FirstOrder(), FiniteDifferenceProducts()} == {
+        FiniteDifference(),
+        FirstOrder(),
+        FiniteDifferenceProducts(),
+    }
+
+
+@pytest.mark.parametrize(
+    "module",
+    [radbo.hypergrad.finite_difference, radbo.hypergrad.first_order, radbo.hypergrad.products],
+)
+def test_docstring_examples(module: object) -> None:
+    failures, tried = doctest.testmod(module)
+    assert tried > 0 and failures == 0

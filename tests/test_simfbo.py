@@ -1,0 +1,143 @@
+"""SimFBO and ShroFBO: the heterogeneity bias (Theorems 1 vs 2), reductions, digits runs."""
+
+import pytest
+import torch
+from torch import nn
+
+from radbo.algorithms.shrofbo import ShroFBO
+from radbo.algorithms.simfbo import SimFBO
+from radbo.experiment import build, run
+from radbo.problem import Batch, ClientData
+from radbo.simulation.engine import ClientBudget, ClientRuntime, Simulation
+from tests.configs import small_config
+
+
+class TwoVariables(nn.Module):
+    """Holds x and y (d-vectors) so the engine can build index sets and skeletons."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(d))
+        self.y = nn.Parameter(torch.zeros(d))
+
+
+class QuadraticClients:
+    """g_i(x, y) = 1/2 ||y - x||^2,  f_i(x, y) = 1/2 ||y - c_i||^2 with c_i the client's data.
+
+    y*(x) = x and Phi(x) = sum_i p_i 1/2 ||x - c_i||^2, minimised at the p-weighted mean of the
+    c_i; the objective re-weighted by p_i tau_i (Theorem 1) is minimised at the tau-weighted mean.
+    """
+
+    def inner_loss(self, module, x, y, buffers, batch: Batch):
+        return 0.5 * ((y["y"] - x["x"]) ** 2).sum()
+
+    def outer_loss(self, module, x, y, buffers, batch: Batch):
+        return 0.5 * ((y["y"] - batch.inputs.mean(0)) ** 2).sum()
+
+
+def _two_client_run(cls, taus, rounds=400):
+    d = 3
+    centers = torch.tensor([[1.0, -2.0, 0.5], [-3.0, 4.0, 2.0]], dtype=torch.float64)
+    model = TwoVariables(d).double()
+    algo = cls(
+        outer_names=("x",),
+        inner_names=("y",),
+        inner_lr=1e-3,
+        v_lr=1e-3,
+        outer_lr=1e-3,
+        server_lr_y=0.1,
+        server_lr_v=0.1,
+        server_lr_x=0.05,
+        radius=None,
+        batch_size=1,
+        outer_batch_size=1,
+    )
+    sim = Simulation(
+        algorithm=algo,
+        runtime=ClientRuntime(
+            problem=QuadraticClients(),
+            features=centers,
+            labels=torch.zeros(2, dtype=torch.long),
+            model=model,
+        ),
+        clients=[ClientData(torch.tensor([i]), torch.tensor([i])) for i in range(2)],
+        budgets=[ClientBudget(local_steps=t) for t in taus],
+        shapes={"x": torch.Size([d]), "y": torch.Size([d])},
+        flop_meter=None,
+    )
+    zeros = {"x": torch.zeros(d, dtype=torch.float64)}
+    state = algo.init(zeros, {"y": torch.zeros(d, dtype=torch.float64)}, {})
+    *_, (final, _) = sim.iterate(state, rounds)
+    return final, centers
+
+
+def test_simfbo_converges_to_tau_weighted_point_shrofbo_to_the_true_one():
+    taus = (1, 9)
+
+    sim_state, c = _two_client_run(SimFBO, taus)
+    shro_state, _ = _two_client_run(ShroFBO, taus)
+
+    true_point = c.mean(0)
+    tau_weighted = (taus[0] * c[0] + taus[1] * c[1]) / sum(taus)
+    # local drift is O(eta) = 1e-3 per step: the fixed points are that close
+    assert torch.allclose(sim_state.x["x"], tau_weighted, atol=2e-2)
+    assert torch.allclose(shro_state.x["x"], true_point, atol=2e-2)
+    assert (sim_state.x["x"] - true_point).norm() > 1.0  # the two points really differ
+    assert torch.allclose(shro_state.y["y"], shro_state.x["x"], atol=2e-2)  # y tracks y*(x)
+
+
+def test_with_equal_local_steps_shrofbo_equals_simfbo_step_for_step():
+    cfg_sim = small_config(
+        algorithm={"name": "simfbo", "local_steps": 3}, fleet={"capacities": [1.0, 0.5]}
+    )
+    cfg_shro = small_config(
+        algorithm={"name": "shrofbo", "local_steps": 3}, fleet={"capacities": [1.0, 0.5]}
+    )
+    a, b = build(cfg_sim), build(cfg_shro)
+
+    for (sa, _), (sb, _) in zip(
+        a.simulation.iterate(a.initial_state, 3),
+        b.simulation.iterate(b.initial_state, 3),
+        strict=True,
+    ):
+        for block in ("x", "y", "v"):
+            for k, t in getattr(sa, block).items():
+                assert torch.allclose(t, getattr(sb, block)[k], atol=1e-6), (block, k)
+
+
+def test_one_communication_round_per_iteration():
+    result = run(small_config(algorithm={"name": "shrofbo"}, rounds=3), progress=False, save=False)
+
+    assert result.totals["communication_rounds"] == 3
+    assert all(r["communication_rounds"] == 1 for r in result.rounds)
+
+
+@pytest.mark.parametrize("products", ["finite_difference", "first_order"])
+def test_second_order_free_products_run_without_hessian_vector_products(products):
+    cfg = small_config(algorithm={"name": "shrofbo", "products": products}, rounds=2)
+
+    result = run(cfg, progress=False, save=False)
+
+    assert result.totals["n_hvp"] == 0
+    assert result.totals["n_grad"] > 0
+    assert result.final["test_accuracy"] == result.final["test_accuracy"]  # not NaN
+
+
+def test_shrofbo_reaches_simfbo_accuracy_under_heterogeneous_local_steps():
+    """The paper's Sec. 5 setting (examples/shrofbo.toml: 10 clients, tau_i uniform on
+    {1..10}); benchmarks/shrofbo_vs_simfbo.py reports the same comparison over seeds 0-3."""
+    from radbo.config import load_config, parse_config
+    from tests.configs import ROOT
+
+    data = load_config(ROOT / "examples" / "shrofbo.toml").model_dump()
+    taus = set()
+    final = {}
+    for name in ("simfbo", "shrofbo"):
+        cfg = parse_config({**data, "algorithm": {**data["algorithm"], "name": name}})
+        result = run(cfg, progress=False, save=False)
+        final[name] = result.final["test_accuracy"]
+        taus |= {r["local_steps_mean"] for r in result.rounds}
+
+    assert final["shrofbo"] >= final["simfbo"]
+    assert final["simfbo"] > 0.85
+    assert len(taus) == 1  # tau_i drawn once per client: the same mean every round
