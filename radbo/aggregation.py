@@ -192,6 +192,20 @@ def apply_mean(params: Params, agg: CoverageMean) -> Params:
     return out
 
 
+def average_buffers(
+    buffers: Params,
+    updates: Sequence[Params],
+    index_sets: Sequence[IndexSet],
+    weights: Sequence[float],
+) -> Params:
+    """BatchNorm running statistics averaged coordinate-wise over the clients holding them
+    (floating-point buffers only; counters such as ``num_batches_tracked`` stay)."""
+    shapes = {n: t.shape for n, t in buffers.items() if t.is_floating_point()}
+    if not shapes:
+        return buffers
+    return apply_mean(buffers, coverage_weighted_mean(updates, index_sets, shapes, weights))
+
+
 @dataclass(frozen=True)
 class CoverageStats:
     """Coverage of one variable block in one round (RABO Definition 3, Table I).

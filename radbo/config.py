@@ -61,12 +61,20 @@ class MLPModel(_Strict):
 
 
 class CNNModel(_Strict):
-    """Small CNN with BatchNorm: conv backbone is x, head is y."""
+    """Small CNN with BatchNorm: conv backbone is x, head is y.
+
+    ``batchnorm``: ``"aggregate"`` averages the clients' running statistics coordinate-wise
+    like parameters; ``"static"`` (HeteroFL's sBN) has clients normalise with batch statistics
+    only and the server recompute the statistics of the global model over
+    ``calibration_samples`` training examples before each evaluation.
+    """
 
     name: Literal["cnn"] = "cnn"
     channels: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: [16, 32], min_length=1
     )
+    batchnorm: Literal["aggregate", "static"] = "aggregate"
+    calibration_samples: int = Field(512, ge=1)
 
 
 ModelConfig = Annotated[MLPModel | CNNModel, Field(discriminator="name")]

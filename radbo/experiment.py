@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 
 from radbo.algorithms.rabo import RABO
@@ -83,7 +84,7 @@ from radbo.tasks import HyperRepresentation
 from radbo.typing import Params
 
 # Stream identifiers for derive_seed: each random choice of a run has its own stream.
-_SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT, _FLEET = 11, 12, 13, 14, 15
+_SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT, _FLEET, _CALIBRATION = 11, 12, 13, 14, 15, 16
 
 
 @dataclass
@@ -188,6 +189,7 @@ def build_algorithm(
             estimator=build_estimator(config),
             max_hypergrad_norm=algo.max_hypergrad_norm,
             use_budget_steps=config.fleet.local_steps != "fixed",
+            aggregate_buffers=not static_batchnorm(config),
             name=algo.name,
         )
     if isinstance(algo, SimFBOConfig):
@@ -211,6 +213,7 @@ def build_algorithm(
             outer_batch_size=algo.outer_batch_size,
             products=products,
             penalty=algo.penalty if algo.products == "first_order" else None,
+            aggregate_buffers=not static_batchnorm(config),
         )
     raise TypeError(f"unsupported algorithm config {algo!r}")  # pragma: no cover
 
@@ -235,20 +238,31 @@ def partition(config: RunConfig, labels: torch.Tensor) -> list[torch.Tensor]:
 
 
 def make_evaluator(
-    model: BilevelModel, test: Dataset, outer_names: list[str], inner_names: list[str]
+    model: BilevelModel,
+    test: Dataset,
+    outer_names: list[str],
+    inner_names: list[str],
+    calibration: torch.Tensor | None = None,
 ) -> Callable[[Params], dict[str, float]]:
-    """Accuracy and cross-entropy of the global model on the held-out test set."""
+    """Accuracy and cross-entropy of the global model on the held-out test set.
+
+    With ``calibration`` inputs (static BatchNorm), the BatchNorm running statistics are first
+    recomputed from scratch over them (cumulative average, in training mode) for the model
+    being evaluated, and the state's own statistics are ignored.
+    """
     module = model
     outer, inner = set(outer_names), set(inner_names)
 
     def evaluate(state: Params) -> dict[str, float]:
         was_training = module.training
-        module.eval()
         try:
             with torch.no_grad():
                 x = {k: v for k, v in state.items() if k in outer}
                 y = {k: v for k, v in state.items() if k in inner}
-                b = {k: v for k, v in state.items() if k not in outer and k not in inner}
+                b = {k: v.clone() for k, v in state.items() if k not in outer and k not in inner}
+                if calibration is not None:
+                    b = calibrate_batchnorm(module, x, y, b, calibration)
+                module.eval()
                 logits = forward(module, x, y, b, test.features)
                 loss = F.cross_entropy(logits, test.labels)
                 acc = (logits.argmax(1) == test.labels).float().mean()
@@ -257,6 +271,42 @@ def make_evaluator(
         return {"accuracy": float(acc), "loss": float(loss)}
 
     return evaluate
+
+
+def calibrate_batchnorm(
+    module: nn.Module, x: Params, y: Params, buffers: Params, inputs: torch.Tensor
+) -> Params:
+    """Static BN: BatchNorm statistics of (x, y) recomputed over ``inputs`` (one pass, exact
+    cumulative mean and variance via ``momentum = None``); returns the new buffers."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in bns]
+    fresh = {
+        k: (torch.zeros_like(v) if not k.endswith("running_var") else torch.ones_like(v))
+        for k, v in buffers.items()
+    }
+    try:
+        for m in bns:
+            m.momentum = None
+        module.train()
+        forward(module, x, y, fresh, inputs)
+    finally:
+        for m, momentum in zip(bns, momenta, strict=True):
+            m.momentum = momentum
+    return fresh
+
+
+def static_batchnorm(config: RunConfig) -> bool:
+    return isinstance(config.model, CNNModel) and config.model.batchnorm == "static"
+
+
+def calibration_inputs(config: RunConfig, train: Dataset) -> torch.Tensor | None:
+    """The server's calibration set for static BN: the first ``calibration_samples`` of a
+    seeded permutation of the training set (None without static BN)."""
+    if not static_batchnorm(config):
+        return None
+    gen = torch.Generator().manual_seed(derive_seed(config.seed, _CALIBRATION))
+    pick = torch.randperm(len(train), generator=gen)[: config.model.calibration_samples]
+    return train.features[pick]
 
 
 def build_policy(config: RunConfig) -> MaskPolicy:
@@ -382,7 +432,9 @@ def build(config: RunConfig) -> Experiment:
         seed=config.seed,
         clients_per_round=config.fleet.clients_per_round,
         weights=weights,
-        evaluate=make_evaluator(model, test, outer_names, inner_names),
+        evaluate=make_evaluator(
+            model, test, outer_names, inner_names, calibration=calibration_inputs(config, train)
+        ),
         eval_every=config.eval_every,
         profiles=None if fleet is None else list(fleet),
         coverage={"x": outer_names, "y": inner_names},

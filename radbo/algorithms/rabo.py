@@ -34,6 +34,7 @@ import torch
 from radbo.aggregation import (
     apply_mean,
     apply_step,
+    average_buffers,
     coverage_weighted_mean,
 )
 from radbo.cost import tensor_bytes
@@ -87,6 +88,10 @@ class RABO:
         max_hypergrad_norm: optional per-client clipping of the hypergradient (off: ``None``).
         outer_names / inner_names: which model tensors are x and y.
         buffer_names: non-trainable model tensors (BatchNorm running statistics).
+        aggregate_buffers: clients send their BatchNorm running statistics and the server
+            averages them coordinate-wise (default); ``False`` is static BN: clients normalise
+            with batch statistics only and the server recomputes the statistics on a
+            calibration set before evaluating (HeteroFL's sBN).
     """
 
     outer_names: tuple[str, ...]
@@ -100,6 +105,7 @@ class RABO:
     estimator: HypergradEstimator = ImplicitCG(max_iter=10)
     max_hypergrad_norm: float | None = None
     use_budget_steps: bool = False
+    aggregate_buffers: bool = True
     name: str = "rabo"
 
     def __post_init__(self) -> None:
@@ -164,7 +170,7 @@ class RABO:
                 total[n] += g
             loss_value = float(loss.detach())
             samples += batch.targets.numel()
-        update = {**total, **buffers}
+        update = {**total, **(buffers if self.aggregate_buffers else {})}
         return ClientResult(
             client=task.client,
             update=update,
@@ -190,11 +196,8 @@ class RABO:
         agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
         y = apply_step(state.y, agg, self.inner_lr)
         buffers = state.buffers
-        float_buffers = {n: t.shape for n, t in buffers.items() if t.is_floating_point()}
-        if float_buffers:
-            buffers = apply_mean(
-                buffers, coverage_weighted_mean(updates, index_sets, float_buffers, weights)
-            )
+        if self.aggregate_buffers:
+            buffers = average_buffers(buffers, updates, index_sets, weights)
         metrics = {"inner_loss": _mean(r.metrics["inner_loss"] for r in results)}
         return replace(state, y=y, buffers=buffers), metrics
 

@@ -35,8 +35,8 @@ import torch
 
 from radbo.aggregation import (
     CoverageMean,
-    apply_mean,
     apply_step,
+    average_buffers,
     coverage_weighted_mean,
     project_ball,
 )
@@ -105,6 +105,8 @@ class SimFBO:
         batch_size / outer_batch_size: minibatches of the inner / outer loss per local step.
         products: Hessian- and Jacobian-vector products (default autograd).
         penalty: lam > 0 switches to the fully first-order penalty method (v carries y_lam).
+        aggregate_buffers: average BatchNorm running statistics (default) or static BN (see
+            :class:`~radbo.algorithms.RABO`).
     """
 
     outer_names: tuple[str, ...]
@@ -122,6 +124,7 @@ class SimFBO:
     outer_batch_size: int = 32
     products: SecondOrderProducts = AutogradProducts()
     penalty: float | None = None
+    aggregate_buffers: bool = True
     name: str = "simfbo"
 
     def __post_init__(self) -> None:
@@ -205,7 +208,8 @@ class SimFBO:
             q_x, q_y, q_v = _axpy(a, d_x, q_x), _axpy(a, d_y, q_y), _axpy(a, d_v, q_v)
         a_norm = a * tau
         update = self.local_message(q_x, q_y, q_v, a_norm)
-        update.update(buffers)
+        if self.aggregate_buffers:
+            update.update(buffers)
         inner_loss, outer_loss = first_losses if first_losses is not None else (0.0, 0.0)
         return ClientResult(
             client=task.client,
@@ -279,14 +283,8 @@ class SimFBO:
         if self.radius is not None and self.penalty is None:
             v = project_ball(v, self.radius)
         buffers = state.buffers
-        float_buffers = {n: t.shape for n, t in buffers.items() if t.is_floating_point()}
-        if float_buffers:
-            buffers = apply_mean(
-                buffers,
-                coverage_weighted_mean(
-                    [r.update for r in results], index_sets, float_buffers, weights
-                ),
-            )
+        if self.aggregate_buffers:
+            buffers = average_buffers(buffers, [r.update for r in results], index_sets, weights)
         mean = lambda key: sum(r.metrics[key] for r in results) / len(results)  # noqa: E731
         metrics = {
             "inner_loss": mean("inner_loss"),

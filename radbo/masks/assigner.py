@@ -39,6 +39,9 @@ class SubmodelAssigner:
     mask_y: bool = True
 
     def __post_init__(self) -> None:
+        # index sets of this round by kept-channel choice: clients sharing a choice share them
+        self._cache: dict[tuple, IndexSet] = {}
+        self._cache_round: int | None = None
         outer = set(self.outer_names)
         self._root_in_x = {
             group: any(name.startswith(group + ".") for name in outer) for group in self.plan.groups
@@ -68,7 +71,8 @@ class SubmodelAssigner:
     def assign(
         self, budget: ClientBudget, client: int, round: int, generator: torch.Generator
     ) -> IndexSet:
-        """Index sets of one client for this round (call :meth:`prepare` first)."""
+        """Index sets of one client for this round (call :meth:`prepare` first). Clients whose
+        policy picks the same channels share one (read-only) index set."""
         kept = self.policy(
             self.plan,
             self.group_ratios(budget.capacity),
@@ -76,4 +80,9 @@ class SubmodelAssigner:
             client=client,
             generator=generator,
         )
-        return self.plan.index_sets(kept)
+        if round != self._cache_round:
+            self._cache, self._cache_round = {}, round
+        key = tuple((g, tuple(torch.as_tensor(k).tolist())) for g, k in sorted(kept.items()))
+        if key not in self._cache:
+            self._cache[key] = self.plan.index_sets(kept)
+        return self._cache[key]

@@ -2,7 +2,9 @@
 
 from radbo.models.base import BilevelModel
 from radbo.models.cnn import SmallCNN
+from radbo.models.cnn7 import CNN7
 from radbo.models.mlp import MLP
 from radbo.models.resnet import ResNet18
+from radbo.models.resnet12 import ResNet12
 
-__all__ = ["MLP", "BilevelModel", "ResNet18", "SmallCNN"]
+__all__ = ["CNN7", "MLP", "BilevelModel", "ResNet12", "ResNet18", "SmallCNN"]
