@@ -173,9 +173,15 @@ def apply_normalized_step(params: Params, agg: CoverageMean, lr: float) -> Param
     return out
 
 
+def global_norm(tensors: Params) -> float:
+    """L2 norm of all tensors together (in float64)."""
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
+
+
 def project_ball(tensors: Params, radius: float) -> Params:
-    """``P_r(v) = min(1, r / ||v||) v`` over the global L2 norm of all tensors (SimFBO eq. (5))."""
-    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
+    """``P_r(v) = min(1, r / ||v||) v`` over the global L2 norm of all tensors (SimFBO eq. (5));
+    also clipping by global norm."""
+    norm = global_norm(tensors)
     if norm <= radius:
         return tensors
     return {k: t * (radius / norm) for k, t in tensors.items()}

@@ -36,6 +36,8 @@ from radbo.aggregation import (
     apply_step,
     average_buffers,
     coverage_weighted_mean,
+    global_norm,
+    project_ball,
 )
 from radbo.cost import tensor_bytes
 from radbo.hypergrad import HypergradEstimator, ImplicitCG, init_state
@@ -62,15 +64,6 @@ class RABOState:
     buffers: Params
     round: int = 0
     aux: Params = field(default_factory=dict)
-
-
-def clip_by_global_norm(tensors: Params, max_norm: float) -> tuple[Params, float]:
-    """Scale ``tensors`` so their global L2 norm is at most ``max_norm``; returns the norm."""
-    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
-    if norm <= max_norm or norm == 0.0:
-        return tensors, norm
-    scale = max_norm / norm
-    return {k: t * scale for k, t in tensors.items()}, norm
 
 
 @dataclass(frozen=True)
@@ -229,9 +222,9 @@ class RABO:
         aux = {k: task.params[k] for k in self._aux_index(task.index_set)}
         result = self.estimator(outer, inner, x, y, generator=gen, state=aux or None)
         grad = result.grad
-        norm = float("nan")
+        norm = global_norm(grad)
         if self.max_hypergrad_norm is not None:
-            grad, norm = clip_by_global_norm(grad, self.max_hypergrad_norm)
+            grad = project_ball(grad, self.max_hypergrad_norm)  # clipping = projection
         with torch.no_grad():
             outer_value = float(outer(x, y))
         # x and buffers are already on the client from the inner phase
