@@ -32,9 +32,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from radbo.masks import (
+    CoveragePolicy,
     ImportancePolicy,
     LeadingPolicy,
     MaskPolicy,
+    RandomPolicy,
+    RollingPolicy,
+    RoundPreparedPolicy,
     StructurePlan,
     dense_mask,
     extract,
@@ -58,6 +62,9 @@ MODELS: dict[str, Callable[[], BilevelModel]] = {
 POLICIES: dict[str, Callable[[], MaskPolicy]] = {
     "leading": LeadingPolicy,
     "importance": ImportancePolicy,
+    "rolling": lambda: RollingPolicy(stride=3),  # called at round 7: a wrapped window
+    "random": RandomPolicy,
+    "coverage": lambda: CoveragePolicy(k=1, num_clients=1),
 }
 RATIOS = [1.0, 0.5, 0.25, 0.125]
 CASES = [(m, p, r) for m in MODELS for p in POLICIES for r in RATIOS]
@@ -117,13 +124,11 @@ def _index_sets(
     model_name: str, policy_name: str, ratio: float
 ) -> tuple[dict[str, Tensor], IndexSet]:
     _, plan = _setup(model_name)
-    kept = _policy(model_name, policy_name)(
-        plan,
-        {g: ratio for g in plan.groups},
-        round=0,
-        client=0,
-        generator=torch.Generator().manual_seed(0),
-    )
+    policy = _policy(model_name, policy_name)
+    ratios = {g: ratio for g in plan.groups}
+    if isinstance(policy, RoundPreparedPolicy):
+        policy.prepare([0], [ratios])
+    kept = policy(plan, ratios, round=7, client=0, generator=torch.Generator().manual_seed(0))
     return kept, plan.index_sets(kept)
 
 
