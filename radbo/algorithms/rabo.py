@@ -49,6 +49,7 @@ from radbo.simulation.engine import (
     ClientTask,
     CostRecord,
     Phase,
+    mean_metric,
 )
 from radbo.typing import IndexSet, Params
 
@@ -191,7 +192,7 @@ class RABO:
         buffers = state.buffers
         if self.aggregate_buffers:
             buffers = average_buffers(buffers, updates, index_sets, weights)
-        metrics = {"inner_loss": _mean(r.metrics["inner_loss"] for r in results)}
+        metrics = {"inner_loss": mean_metric(results, "inner_loss")}
         return replace(state, y=y, buffers=buffers), metrics
 
     # -- phase 2: hypergradient and outer update of x (Alg. 1 lines 21-33) ---------------
@@ -260,10 +261,5 @@ class RABO:
             aux_sets = [self._aux_index(idx) for idx in index_sets]
             aux_shapes = {k: t.shape for k, t in aux.items()}
             aux = apply_mean(aux, coverage_weighted_mean(updates, aux_sets, aux_shapes, weights))
-        metrics = {"outer_loss": _mean(r.metrics["outer_loss"] for r in results)}
+        metrics = {"outer_loss": mean_metric(results, "outer_loss")}
         return replace(state, x=x, aux=aux, round=state.round + 1), metrics
-
-
-def _mean(values) -> float:
-    vals = list(values)
-    return sum(vals) / len(vals) if vals else float("nan")

@@ -50,6 +50,7 @@ from radbo.simulation.engine import (
     ClientTask,
     CostRecord,
     Phase,
+    mean_metric,
 )
 from radbo.typing import IndexSet, Params
 
@@ -285,11 +286,10 @@ class SimFBO:
         buffers = state.buffers
         if self.aggregate_buffers:
             buffers = average_buffers(buffers, [r.update for r in results], index_sets, weights)
-        mean = lambda key: sum(r.metrics[key] for r in results) / len(results)  # noqa: E731
         metrics = {
-            "inner_loss": mean("inner_loss"),
-            "outer_loss": mean("outer_loss"),
-            "local_steps_mean": mean("local_steps"),
+            "inner_loss": mean_metric(results, "inner_loss"),
+            "outer_loss": mean_metric(results, "outer_loss"),
+            "local_steps_mean": mean_metric(results, "local_steps"),
         }
         new = replace(state, x=x, y=y, v=v, buffers=buffers, round=state.round + 1)
         return new, metrics

@@ -185,6 +185,11 @@ class SequentialBackend:
         return [fn(task) for task in tasks]
 
 
+def mean_metric(results: Sequence[ClientResult], key: str) -> float:
+    """Mean of one scalar client metric over a phase's results (NaN when there are none)."""
+    return sum(r.metrics[key] for r in results) / len(results) if results else float("nan")
+
+
 def run_measured(
     fn: Callable[[ClientRuntime, ClientTask], ClientResult],
     runtime: ClientRuntime,
@@ -362,10 +367,12 @@ class Simulation(Generic[State]):
         draws = torch.rand(n, generator=self._generator(round, 0xA7A1), dtype=torch.float64)
         return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
 
-    def sample_clients(self, round: int) -> list[int]:
-        """Clients taking part in ``round`` (sorted): available ones, then drawn without
-        replacement down to ``clients_per_round``."""
-        available = self.available_clients(round)
+    def sample_clients(self, round: int, available: Sequence[int] | None = None) -> list[int]:
+        """Clients taking part in ``round`` (sorted): the available ones (drawn here unless
+        given), then drawn without replacement down to ``clients_per_round``."""
+        if available is None:
+            available = self.available_clients(round)
+        available = list(available)
         k = len(available) if self.clients_per_round is None else self.clients_per_round
         if k >= len(available):
             return available
@@ -418,9 +425,9 @@ class Simulation(Generic[State]):
         A round where no client is available leaves the state unchanged (and is recorded).
         """
         start = time.perf_counter()
-        sampled = self.sample_clients(round)
-        available = set(self.available_clients(round))
-        unavailable = [c for c in range(len(self.clients)) if c not in available]
+        available = self.available_clients(round)
+        sampled = self.sample_clients(round, available)
+        unavailable = sorted(set(range(len(self.clients))) - set(available))
         phases = self.algorithm.phases()
         if not sampled:
             record = RoundRecord(
