@@ -1,23 +1,38 @@
 """FLOPs of one local hypergradient per estimator, measured with FlopCounterMode.
 
-For each model of the hyper-representation task (backbone = x, linear head = y) and for a
-hyperparameter problem (x = one log weight decay per tensor, y = all weights of an MLP), one
-hypergradient on a fixed batch is run under ``torch.utils.flop_counter.FlopCounterMode`` for:
-exact implicit CG (10 iterations), truncated Neumann (10 terms), RAFBO's corrected finite
-difference estimator (|P| = 8 coordinates, CG with 10 or 3 finite-difference iterations), the
-printed eq. (10) form, and the first-order penalty estimator (10 inner steps). Ratios are to CG
-on the same (sub)model, so machine speed does not enter; each cell also gives the estimator's
-gradient (g) and Hessian-vector (h) evaluation counts.
+Three tables, all ratios to exact implicit CG on the same (sub)model, so machine speed does not
+enter:
 
-    .venv/bin/python benchmarks/hypergrad_flops.py            # about a minute on 2 cores
+1. **One hypergradient** on a fixed batch under ``torch.utils.flop_counter.FlopCounterMode``
+   for exact implicit CG (10 iterations), truncated Neumann (10 terms), RAFBO's corrected
+   finite-difference estimator (|P| = 1 and 8 coordinates, CG with 10 or 3 finite-difference
+   iterations), the printed eq. (10) form, and the first-order penalty estimator (10 inner
+   steps). Problems: hyper-representation (backbone = x, linear head = y) on the MLP, SmallCNN
+   and a ResNet-18 submodel, and a strongly convex hyperparameter problem (x = one log
+   regularization weight per input feature, y = a logistic regression), where CG runs all its
+   iterations.
+2. **Unit costs** behind table 1, from differences of measured runs: one gradient of ``g``
+   with respect to y (``fd |P|=8`` minus ``fd |P|=1``, over 7) and one autograd
+   Hessian-vector product (``cg 10`` minus ``cg 3``, over 7). The finite-difference estimator
+   makes ``2 + K + |P|`` gradients against CG's 2 gradients and ``K + 1`` products, so it can
+   only be cheaper when a product costs more than a gradient.
+3. **Engine ledger**: the outer-phase FLOPs each client records in a 3-round run of
+   ``examples/demo.toml`` (RABO, CG) with the estimator swapped, per device tier.
+
+    .venv/bin/python benchmarks/hypergrad_flops.py            # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
 
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
+from radbo.config import parse_config
+from radbo.experiment import run
 from radbo.flops import count_flops
 from radbo.hypergrad import FiniteDifference, FirstOrder, ImplicitCG, Neumann
 from radbo.masks import LeadingPolicy, StructurePlan
@@ -25,13 +40,32 @@ from radbo.models import MLP, ResNet18, SmallCNN
 from radbo.problem import Batch, bind_losses
 from radbo.tasks import HyperRepresentation
 
+ROOT = Path(__file__).resolve().parents[1]
+
 ESTIMATORS = [
     ("cg (10 it.)", ImplicitCG(max_iter=10, tol=0.0)),
     ("neumann (10)", Neumann(terms=10)),
+    ("fd |P|=1, cg 10", FiniteDifference(num_coordinates=1, cg_iters=10, tol=0.0)),
     ("fd |P|=8, cg 10", FiniteDifference(num_coordinates=8, cg_iters=10, tol=0.0)),
     ("fd |P|=8, cg 3", FiniteDifference(num_coordinates=8, cg_iters=3, tol=0.0)),
     ("fd |P|=8 as printed", FiniteDifference(num_coordinates=8, as_printed=True)),
     ("first order (10)", FirstOrder(lam=10.0, inner_steps=10)),
+]
+CG3 = ImplicitCG(max_iter=3, tol=0.0)
+
+# engine-ledger variants: [estimator] sections for examples/demo.toml
+LEDGER_VARIANTS = [
+    ("cg (RABO)", {"name": "cg", "max_iter": 10, "tol": 0.0}),
+    ("fd |P|=1", {"name": "finite_difference", "num_coordinates": 1, "tol": 0.0}),
+    ("fd |P|=8 (RAFBO)", {"name": "finite_difference", "num_coordinates": 8, "tol": 0.0}),
+    (
+        "fd |P|=8, cg 3",
+        {"name": "finite_difference", "num_coordinates": 8, "cg_iters": 3, "tol": 0.0},
+    ),
+    (
+        "fd |P|=8 as printed",
+        {"name": "finite_difference", "num_coordinates": 8, "as_printed": True},
+    ),
 ]
 
 
@@ -58,23 +92,31 @@ def hyper_representation(model, batch: int, gen: torch.Generator):
     return outer, inner, x, y
 
 
-def weight_decay_problem(batch: int, gen: torch.Generator):
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    inputs = torch.randn(batch, 64, generator=gen)
-    targets = torch.randint(0, 10, (batch,), generator=gen)
-    y = {k: v.detach() for k, v in net.named_parameters()}
-    x = {"log_weight_decay": torch.zeros(len(y))}
+def feature_regularization(batch: int, gen: torch.Generator, features: int = 64):
+    """x = log of one L2 weight per input feature, y = a 10-class logistic regression.
+
+    The inner problem is strongly convex, so CG runs all its iterations (no early stop on
+    non-positive curvature, which would make the comparison unequal).
+    """
+    inputs, val_inputs = (torch.randn(batch, features, generator=gen) for _ in range(2))
+    targets, val_targets = (torch.randint(0, 10, (batch,), generator=gen) for _ in range(2))
+    x = {"log_l2": torch.full((features,), -3.0)}
+    y = {"weight": torch.zeros(10, features), "bias": torch.zeros(10)}
 
     def inner(x, y):
-        reg = sum(
-            torch.exp(x["log_weight_decay"][i]) * (t * t).sum() for i, t in enumerate(y.values())
-        )
-        return F.cross_entropy(functional_call(net, y, (inputs,)), targets) + 1e-3 * reg
+        logits = F.linear(inputs, y["weight"], y["bias"])
+        reg = 0.5 * (torch.exp(x["log_l2"]) * y["weight"].pow(2)).sum()
+        return F.cross_entropy(logits, targets) + reg
 
     def outer(x, y):
-        return F.cross_entropy(functional_call(net, y, (inputs,)), targets)
+        return F.cross_entropy(F.linear(val_inputs, y["weight"], y["bias"]), val_targets)
 
     return outer, inner, x, y
+
+
+def cell(label: str) -> str:
+    """A table label with its pipes escaped (``|P|`` would split a Markdown cell)."""
+    return label.replace("|", "\\|")
 
 
 def measure(est, outer, inner, x, y) -> tuple[int, tuple[int, int]]:
@@ -89,7 +131,7 @@ def measure(est, outer, inner, x, y) -> tuple[int, tuple[int, int]]:
     return flops, (results[0].n_grad, results[0].n_hvp)
 
 
-def main() -> None:
+def micro_tables() -> None:
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -104,11 +146,12 @@ def main() -> None:
                 "ResNet-18 (1/4 width), r=1/2",
                 hyper_representation(submodel(ResNet18(widths=(16, 32, 64, 128)), 0.5), 8, gen),
             ),
-            ("weight decay of MLP 64-256-10", weight_decay_problem(32, gen)),
+            ("feature L2 of logistic regression (64 x)", feature_regularization(256, gen)),
         ]
     names = [n for n, _ in ESTIMATORS]
-    print("| problem | " + " | ".join(names) + " |")
+    print("| problem | " + " | ".join(cell(n) for n in names) + " |")
     print("|---|" + "---:|" * len(names))
+    units = []
     for label, (outer, inner, x, y) in cases:
         flops, counts = {}, {}
         for name, est in ESTIMATORS:
@@ -120,6 +163,50 @@ def main() -> None:
             for n in names
         ]
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+        grad = (flops["fd |P|=8, cg 10"] - flops["fd |P|=1, cg 10"]) / 7
+        hvp = (flops["cg (10 it.)"] - measure(CG3, outer, inner, x, y)[0]) / 7
+        units.append((label, grad, hvp))
+    print()
+    print("| problem | gradient of g wrt y | autograd HVP | HVP / gradient |")
+    print("|---|---:|---:|---:|")
+    for label, grad, hvp in units:
+        print(f"| {label} | {grad / 1e6:.3f} M | {hvp / 1e6:.3f} M | {hvp / grad:.2f} |")
+
+
+def ledger_table(rounds: int = 3) -> None:
+    """Outer-phase FLOPs per client hypergradient in the engine's ledger, by device tier."""
+    base = tomllib.loads((ROOT / "examples" / "demo.toml").read_text())
+    base.update(rounds=rounds, eval_every=rounds)
+    base["baseline"] = {"enabled": False}
+    rows, counts = {}, {}
+    for label, estimator in LEDGER_VARIANTS:
+        config = parse_config({**base, "estimator": estimator})
+        result = run(config, progress=False, save=False)
+        per_tier = defaultdict(list)
+        outer = [e for e in result.ledger if e["phase"] == "train.outer"]
+        for entry in outer:
+            per_tier[entry["tier"]].append(entry["flops"])
+        rows[label] = {t: sum(v) / len(v) for t, v in per_tier.items()}
+        counts[label] = {(e["n_grad"], e["n_hvp"]) for e in outer}
+    reference = rows[LEDGER_VARIANTS[0][0]]
+    tiers = sorted(reference, key=lambda t: -reference[t])
+    print()
+    print("| estimator | " + " | ".join(tiers) + " | (g, h) per hypergradient |")
+    print("|---|" + "---:|" * len(tiers) + "---|")
+    for label, _ in LEDGER_VARIANTS:
+        cells = [
+            f"{reference[t] / 1e6:.2f} M"
+            if rows[label] is reference
+            else f"{rows[label][t] / reference[t]:.2f}x"
+            for t in tiers
+        ]
+        seen = ", ".join(f"({g}, {h})" for g, h in sorted(counts[label]))
+        print(f"| {cell(label)} | " + " | ".join(cells) + f" | {seen} |", flush=True)
+
+
+def main() -> None:
+    micro_tables()
+    ledger_table()
 
 
 if __name__ == "__main__":

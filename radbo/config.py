@@ -198,6 +198,7 @@ class FiniteDifferenceEstimator(_Strict):
     mu: float = Field(1e-3, gt=0)
     hvp_mu: float = Field(1e-3, gt=0)
     cg_iters: int = Field(10, ge=1)
+    tol: float = Field(1e-10, ge=0)
     damping: float = Field(0.0, ge=0)
     as_printed: bool = False
     rescale: bool = False

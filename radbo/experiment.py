@@ -159,6 +159,7 @@ def build_estimator(config: RunConfig) -> HypergradEstimator:
             mu=est.mu,
             hvp_mu=est.hvp_mu,
             cg_iters=est.cg_iters,
+            tol=est.tol,
             damping=est.damping,
             as_printed=est.as_printed,
             rescale=est.rescale,

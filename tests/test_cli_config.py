@@ -10,6 +10,7 @@ import pytest
 
 from radbo.cli import main
 from radbo.config import ConfigError, RunConfig, load_config, parse_config
+from radbo.experiment import build_estimator
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
 
@@ -160,3 +161,32 @@ def test_unknown_device_id_is_a_config_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("config error: fleet.devices:")
     assert "raspberry_pi_44" in err
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"name": "cg", "max_iter": 7, "tol": 1e-6, "damping": 0.5},
+        {"name": "neumann", "terms": 7, "eta": 0.25},
+        {
+            "name": "finite_difference",
+            "num_coordinates": 3,
+            "mu": 1e-2,
+            "hvp_mu": 1e-2,
+            "cg_iters": 7,
+            "tol": 1e-6,
+            "damping": 0.5,
+            "as_printed": True,
+            "rescale": True,
+        },
+        {"name": "finite_difference", "fraction": 0.25},
+        {"name": "first_order", "lam": 5.0, "inner_steps": 7, "lr": 0.25},
+    ],
+)
+def test_every_estimator_key_reaches_the_estimator(section):
+    data = tomllib.loads(DEMO.read_text())
+    data["estimator"] = section
+    estimator = build_estimator(parse_config(data))
+    for key, value in section.items():
+        if key != "name":
+            assert getattr(estimator, key) == value, key

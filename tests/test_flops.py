@@ -170,3 +170,51 @@ def test_resnet18_submodel_flops_scale_as_r_squared() -> None:
 
     assert 0.24 <= half <= 0.27  # measured 0.2505
     assert 0.055 <= quarter <= 0.07  # measured 0.0629
+
+
+def test_finite_difference_pays_a_gradient_per_coordinate_where_autograd_pays_none() -> None:
+    """Exact FLOPs of CG and RAFBO's estimator on a feature-L2 logistic regression.
+
+    y = (W, b) of a ``d -> C`` logistic regression on B samples, x = one log L2 weight per
+    feature (only in g). One gradient of g or f with respect to y is the forward and the
+    weight-gradient products, ``4·B·d·C``; an autograd HVP in y is the same two products; the
+    mixed product ``∇²_xy g · v`` touches x only through the elementwise regularizer, so it
+    costs no counted FLOPs. Hence CG(K) = (2 + K)·unit and FD(K, |P|) = (2 + K + |P|)·unit:
+    finite differences pay one whole gradient per coordinate of P, autograd nothing for all of
+    x (why RAFBO is not cheaper in FLOPs, BENCHMARKS.md).
+    """
+    from radbo.hypergrad import FiniteDifference, ImplicitCG
+
+    batch, d, classes, iters = 16, 6, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    inputs, val_inputs = (torch.randn(batch, d, generator=gen, dtype=torch.float64) for _ in "ab")
+    targets, val_targets = (torch.randint(0, classes, (batch,), generator=gen) for _ in "ab")
+    x = {"log_l2": torch.zeros(d, dtype=torch.float64)}
+    y = {
+        "weight": 0.1 * torch.randn(classes, d, generator=gen, dtype=torch.float64),
+        "bias": torch.zeros(classes, dtype=torch.float64),
+    }
+
+    def inner(x, y):
+        reg = 0.5 * (torch.exp(x["log_l2"]) * y["weight"].pow(2)).sum()
+        return F.cross_entropy(F.linear(inputs, y["weight"], y["bias"]), targets) + reg
+
+    def outer(x, y):
+        return F.cross_entropy(F.linear(val_inputs, y["weight"], y["bias"]), val_targets)
+
+    unit = 2 * _linear(batch, d, classes)
+    results = []
+
+    def flops(estimator) -> int:
+        return count_flops(
+            lambda: results.append(
+                estimator(outer, inner, x, y, generator=torch.Generator().manual_seed(1))
+            )
+        )
+
+    assert flops(ImplicitCG(max_iter=iters, tol=0.0)) == (2 + iters) * unit
+    assert (results[-1].n_grad, results[-1].n_hvp) == (2, iters + 1)
+    for size in (1, 4):
+        estimator = FiniteDifference(num_coordinates=size, cg_iters=iters, tol=0.0)
+        assert flops(estimator) == (2 + iters + size) * unit
+        assert (results[-1].n_grad, results[-1].n_hvp) == (2 + iters + size, 0)
