@@ -43,6 +43,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"final test loss:     {final.get('test_loss', float('nan')):.4f}")
     totals = result.totals
     print(f"communication rounds: {int(totals.get('communication_rounds', 0))}")
+    if totals.get("rejected_updates"):
+        print(
+            f"rejected client updates (NaN/Inf or wrong shape, not aggregated): "
+            f"{int(totals['rejected_updates'])}"
+        )
     print(
         f"compute: {totals.get('flops', 0) / 1e9:.3f} GFLOP   "
         f"bytes: {totals.get('bytes', 0) / 1e6:.3f} MB   "

@@ -605,6 +605,7 @@ def _run_once(config: RunConfig, *, progress: bool, desc: str) -> RunResult:
     run_totals["sim_time_s"] = records[-1].clock_s if records else 0.0
     run_totals["client_rounds"] = sum(len(r.clients) for r in records)
     run_totals["unavailable_client_rounds"] = sum(len(r.unavailable) for r in records)
+    run_totals["rejected_updates"] = sum(len(c) for r in records for c in r.rejected.values())
     run_totals["empty_rounds"] = sum(1 for r in records if not r.clients)
     meter = exp.simulation.flop_meter
     run_totals["flop_measurements"] = 0 if meter is None else meter.measurements

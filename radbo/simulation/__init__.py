@@ -14,6 +14,7 @@ from radbo.simulation.engine import (
     SequentialBackend,
     Simulation,
     derive_seed,
+    update_problem,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "SequentialBackend",
     "Simulation",
     "derive_seed",
+    "update_problem",
 ]

@@ -190,6 +190,43 @@ def mean_metric(results: Sequence[ClientResult], key: str) -> float:
     return sum(r.metrics[key] for r in results) / len(results) if results else float("nan")
 
 
+def update_problem(
+    update: Mapping[str, Any], index_set: IndexSet, shapes: Mapping[str, torch.Size]
+) -> str | None:
+    """Why a client's update must not be aggregated, or ``None`` when it is sound.
+
+    Every tensor of an update is in submodel coordinates of a model tensor, named either
+    ``name`` or ``"prefix:name"`` (:func:`radbo.masks.index.alias`: SimFBO's v, an estimator's
+    state). It must be a floating tensor of the shape the client's index set selects from
+    ``name`` and hold no NaN or Inf. A faulty or malicious client can break any of these;
+    the engine then rejects the whole update and counts it (``RoundRecord.rejected``).
+
+    >>> import torch
+    >>> shapes = {"w": torch.Size([3])}
+    >>> update_problem({"w": torch.ones(2)}, {"w": (torch.tensor([0, 2]),)}, shapes) is None
+    True
+    >>> update_problem({"v:w": torch.ones(3)}, {"w": (torch.tensor([0, 2]),)}, shapes)
+    "'v:w' has shape (3,), expected (2,)"
+    >>> update_problem({"w": torch.tensor([1.0, float("inf"), 0.0])}, {"w": (None,)}, shapes)
+    "'w' holds NaN or Inf"
+    """
+    for key, tensor in update.items():
+        name = key.rsplit(":", 1)[-1]
+        if name not in shapes:
+            return f"{key!r} is not a model tensor"
+        if not isinstance(tensor, Tensor):
+            return f"{key!r} is a {type(tensor).__name__}, not a tensor"
+        index = index_set.get(name, (None,) * len(shapes[name]))
+        expected = tuple(
+            n if i is None else int(i.numel()) for i, n in zip(index, shapes[name], strict=True)
+        )
+        if tuple(tensor.shape) != expected:
+            return f"{key!r} has shape {tuple(tensor.shape)}, expected {expected}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{key!r} holds NaN or Inf"
+    return None
+
+
 def run_measured(
     fn: Callable[[ClientRuntime, ClientTask], ClientResult],
     runtime: ClientRuntime,
@@ -248,7 +285,9 @@ def full_index_set(shapes: Mapping[str, torch.Size]) -> IndexSet:
 @dataclass
 class RoundRecord:
     """What happened in one round: sampled and unavailable clients, phase metrics, the cost
-    ledger (one entry per client and phase), simulated round time and virtual clock."""
+    ledger (one entry per client and phase), simulated round time and virtual clock, and the
+    clients whose update was rejected in each phase (``{phase: [client, ...]}``; see
+    :func:`update_problem`)."""
 
     round: int
     clients: list[int]
@@ -260,6 +299,7 @@ class RoundRecord:
     clock_s: float = 0.0
     unavailable: list[int] = field(default_factory=list)
     evaluation: dict[str, float] | None = None
+    rejected: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def cost(self) -> dict[str, float]:
@@ -271,6 +311,7 @@ class RoundRecord:
             "round": self.round,
             "clients": self.clients,
             "unavailable": self.unavailable,
+            "rejected": self.rejected,
             "communication_rounds": self.communication_rounds,
             "wall_time_s": self.wall_time_s,
             "sim_round_time_s": self.round_time_s,
@@ -423,6 +464,11 @@ class Simulation(Generic[State]):
         """Run one round from ``state``; returns the new state and the round's record.
 
         A round where no client is available leaves the state unchanged (and is recorded).
+        In each phase, a client update that fails :func:`update_problem` (NaN/Inf, wrong
+        shape, unknown tensor) is left out of the server's aggregation -- as if the client had
+        not taken part in that phase -- and listed in ``record.rejected``; its cost stays in
+        the ledger. If every update of a phase is rejected, the server function still runs,
+        with no results.
         """
         start = time.perf_counter()
         available = self.available_clients(round)
@@ -461,6 +507,7 @@ class Simulation(Generic[State]):
         metrics: dict[str, Any] = self._coverage(index_sets)
         weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
         ledger: list[LedgerEntry] = []
+        rejected: dict[str, list[int]] = {}
         for p, phase in enumerate(phases):
             tasks = [
                 ClientTask(
@@ -477,12 +524,28 @@ class Simulation(Generic[State]):
             ]
             client_fn = functools.partial(run_measured, phase.client, self.runtime, self.flop_meter)
             results = self.backend.map(client_fn, tasks)
+            # the work was done and the bytes were sent, sound or not: all of it is charged
             ledger += [
                 self._entry(round, phase.name, r, meta if p == 0 else 0)
                 for r, meta in zip(results, metadata, strict=True)
             ]
-            state, phase_metrics = phase.server(state, results, index_sets, weights)
+            keep = [
+                i
+                for i, (r, idx) in enumerate(zip(results, index_sets, strict=True))
+                if update_problem(r.update, idx, self.shapes) is None
+            ]
+            if len(keep) < len(results):
+                rejected[phase.name] = [
+                    results[i].client for i in range(len(results)) if i not in keep
+                ]
+            state, phase_metrics = phase.server(
+                state,
+                [results[i] for i in keep],
+                [index_sets[i] for i in keep],
+                [weights[i] for i in keep],
+            )
             metrics.update(phase_metrics)
+        metrics["rejected_updates"] = sum(len(c) for c in rejected.values())
         duration = round_time(ledger)
         record = RoundRecord(
             round=round,
@@ -494,6 +557,7 @@ class Simulation(Generic[State]):
             round_time_s=duration,
             clock_s=clock_s + duration,
             unavailable=unavailable,
+            rejected=rejected,
         )
         return state, record
 

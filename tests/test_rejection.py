@@ -1,0 +1,162 @@
+"""Unsound client updates (NaN/Inf, wrong shape, unknown tensor) are rejected and counted."""
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from radbo.experiment import build
+from radbo.simulation import update_problem
+from tests.configs import small_config
+
+
+@dataclass
+class Poisoned:
+    """Wraps an algorithm so that ``spoil(update)`` replaces the updates of some clients."""
+
+    inner: object
+    clients: frozenset[int]
+    spoil: object
+    phases_hit: tuple[str, ...] = ("train.inner", "train.outer")
+
+    @property
+    def name(self):
+        return self.inner.name
+
+    def init(self, x, y, buffers):
+        return self.inner.init(x, y, buffers)
+
+    def model_state(self, state):
+        return self.inner.model_state(state)
+
+    def phases(self):
+        def wrap(phase):
+            if phase.name not in self.phases_hit:
+                return phase
+
+            def client(runtime, task):
+                result = phase.client(runtime, task)
+                if task.client not in self.clients:
+                    return result
+                return replace(result, update=self.spoil(result.update))
+
+            return replace(phase, client=client)
+
+        return tuple(wrap(p) for p in self.inner.phases())
+
+
+def nan_everywhere(update):
+    return {k: torch.full_like(t, float("nan")) for k, t in update.items()}
+
+
+def first_tensor_truncated(update):
+    out = dict(update)
+    key = next(iter(out))
+    out[key] = out[key].reshape(-1)[:-1]
+    return out
+
+
+def run_rounds(exp, rounds):
+    return list(exp.simulation.iterate(exp.initial_state, rounds))
+
+
+def test_poisoned_client_is_exactly_a_client_of_weight_zero():
+    """Rejecting client 2 in every phase gives bitwise the run where its weight is 0."""
+    cfg = small_config(fleet={"capacities": [1.0, 0.5, 0.25]}, mask={"policy": "importance"})
+    poisoned = build(cfg)
+    sim = poisoned.simulation
+    sim.algorithm = Poisoned(sim.algorithm, frozenset({2}), nan_everywhere)
+    reference = build(cfg)
+    reference.simulation.weights = [0.0 if c == 2 else 1.0 for c in range(10)]
+
+    got = run_rounds(poisoned, 3)
+    want = run_rounds(reference, 3)
+    for (state, record), (ref_state, ref_record) in zip(got, want, strict=True):
+        for block in ("x", "y"):
+            for k, t in getattr(state, block).items():
+                assert torch.equal(t, getattr(ref_state, block)[k]), (record.round, k)
+                assert torch.isfinite(t).all()
+        hit = [2] if 2 in record.clients else []
+        expected = {"train.inner": hit, "train.outer": hit} if hit else {}
+        assert record.rejected == expected
+        assert record.metrics["rejected_updates"] == 2 * len(hit)
+        assert ref_record.rejected == {} and ref_record.metrics["rejected_updates"] == 0
+        # the rejected client's work is still charged
+        assert [e.client for e in record.ledger] == [e.client for e in ref_record.ledger]
+        assert record.as_dict()["rejected"] == expected
+
+
+def test_wrong_shape_in_one_phase_only():
+    cfg = small_config(fleet={"capacities": [1.0, 0.5]}, mask={"policy": "leading"})
+    exp = build(cfg)
+    exp.simulation.algorithm = Poisoned(
+        exp.simulation.algorithm, frozenset({0, 3}), first_tensor_truncated, ("train.outer",)
+    )
+    ((_, record),) = run_rounds(exp, 1)
+    assert record.rejected == {"train.outer": [c for c in (0, 3) if c in record.clients]}
+    assert record.metrics["rejected_updates"] == len(record.rejected["train.outer"])
+
+
+@pytest.mark.parametrize("algorithm", ["rabo", "shrofbo"])
+def test_every_update_rejected_leaves_the_model_unchanged(algorithm):
+    cfg = small_config(algorithm={"name": algorithm}, fleet={"capacities": [1.0, 0.5]})
+    exp = build(cfg)
+    exp.simulation.algorithm = Poisoned(
+        exp.simulation.algorithm,
+        frozenset(range(10)),
+        nan_everywhere,
+        ("train.inner", "train.outer", "train"),
+    )
+    before = exp.simulation.algorithm.model_state(exp.initial_state)
+    state, record = run_rounds(exp, 2)[-1]
+    after = exp.simulation.algorithm.model_state(state)
+    assert sum(map(len, record.rejected.values())) == len(record.clients) * len(
+        exp.simulation.algorithm.phases()
+    )
+    for k, t in before.items():
+        assert torch.equal(after[k], t), k
+
+
+def test_run_totals_count_rejections(monkeypatch):
+    import radbo.experiment as experiment
+
+    real_build = experiment.build
+
+    def poisoned_build(config):
+        exp = real_build(config)
+        exp.simulation.algorithm = Poisoned(
+            exp.simulation.algorithm, frozenset({1}), nan_everywhere
+        )
+        return exp
+
+    monkeypatch.setattr(experiment, "build", poisoned_build)
+    result = experiment.run(small_config(rounds=2), progress=False, save=False)
+    rounds_with_1 = sum(1 in r["clients"] for r in result.rounds)
+    assert rounds_with_1 > 0
+    assert result.totals["rejected_updates"] == 2 * rounds_with_1
+    assert all(r["rejected_updates"] == 2 * (1 in r["clients"]) for r in result.rounds)
+
+
+S = {"w": torch.Size([3, 2]), "b": torch.Size([3])}
+KEEP = {"w": (torch.tensor([0, 2]), None), "b": (torch.tensor([0, 2]),)}
+
+
+@pytest.mark.parametrize(
+    ("update", "problem"),
+    [
+        ({"w": torch.ones(2, 2), "b": torch.ones(2)}, None),
+        ({"v:w": torch.ones(2, 2), "key:b": torch.zeros(2)}, None),
+        ({"n": torch.ones(2, dtype=torch.int64)}, "'n' is not a model tensor"),
+        ({"w": torch.ones(3, 2)}, "'w' has shape (3, 2), expected (2, 2)"),
+        ({"v:b": torch.ones(2, 1)}, "'v:b' has shape (2, 1), expected (2,)"),
+        ({"b": torch.tensor([0.0, float("-inf")])}, "'b' holds NaN or Inf"),
+        ({"b": [0.0, 1.0]}, "'b' is a list, not a tensor"),
+    ],
+)
+def test_update_problem_cases(update, problem):
+    assert update_problem(update, KEEP, S) == problem
+
+
+def test_integer_buffers_pass():
+    shapes = {"num_batches_tracked": torch.Size([])}
+    assert update_problem({"num_batches_tracked": torch.tensor(3)}, {}, shapes) is None
