@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from radbo.checkpoint import CheckpointError
 from radbo.config import ConfigError, load_config
 from radbo.devices.budget import DeviceTooSmallError
 
@@ -23,6 +24,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int, help="override the number of rounds")
     run.add_argument("--seed", type=int, help="override the run seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints in the output folder (see checkpoint_every)",
+    )
+    run.add_argument(
+        "--checkpoint-every", type=int, help="write a checkpoint every N rounds (overrides)"
+    )
     fleet = sub.add_parser("fleet", help="show the fleet of a config: devices, r, tau, memory fit")
     fleet.add_argument("config", help="path to the TOML run configuration")
     fleet.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -34,10 +43,18 @@ def _run(args: argparse.Namespace) -> int:
     from radbo.experiment import run
 
     config = load_config(args.config)
-    overrides = {k: v for k, v in (("rounds", args.rounds), ("seed", args.seed)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("rounds", args.rounds),
+            ("seed", args.seed),
+            ("checkpoint_every", args.checkpoint_every),
+        )
+        if v is not None
+    }
     if overrides:
         config = parse_config({**config.model_dump(), **overrides})
-    result = run(config, progress=not args.quiet, output_dir=args.output_dir)
+    result = run(config, progress=not args.quiet, output_dir=args.output_dir, resume=args.resume)
     final = result.final
     print(f"final test accuracy: {final.get('test_accuracy', float('nan')):.4f}")
     print(f"final test loss:     {final.get('test_loss', float('nan')):.4f}")
@@ -121,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "fleet":
             return _fleet(args)
-    except (ConfigError, DeviceTooSmallError) as err:
+    except (ConfigError, DeviceTooSmallError, CheckpointError) as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG
     return 1  # pragma: no cover

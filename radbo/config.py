@@ -280,6 +280,9 @@ class RunConfig(_Strict):
     rounds: int = Field(50, ge=1)
     eval_every: int = Field(5, ge=1)
     output_dir: str = "runs/radbo"
+    checkpoint_every: int | None = Field(
+        None, ge=1, description="write a checkpoint every N rounds (and after the last)"
+    )
     data: DigitsData = Field(default_factory=DigitsData)
     partition: Partition = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=MLPModel)

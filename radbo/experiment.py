@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from tqdm.auto import tqdm
 from radbo.algorithms.rabo import RABO
 from radbo.algorithms.shrofbo import ShroFBO
 from radbo.algorithms.simfbo import SimFBO
+from radbo.checkpoint import CheckpointError, atomic_write_text, load_checkpoint, save_checkpoint
 from radbo.config import (
     CGEstimator,
     CNNModel,
@@ -39,7 +38,7 @@ from radbo.config import (
     ShardsPartition,
     SimFBOConfig,
 )
-from radbo.cost import as_dicts, savings, totals, totals_by_tier
+from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
 from radbo.data import (
     Dataset,
     load_digits,
@@ -75,7 +74,6 @@ from radbo.problem import ClientData, forward
 from radbo.simulation.engine import (
     ClientBudget,
     ClientRuntime,
-    RoundRecord,
     Simulation,
     derive_seed,
 )
@@ -563,35 +561,98 @@ def run(
     progress: bool = True,
     output_dir: str | Path | None = None,
     save: bool = True,
+    resume: bool = False,
 ) -> RunResult:
     """Run ``config`` end to end (and its full-model baseline when ``baseline.enabled``).
 
     With ``save`` writes ``results.json``, ``ledger.json`` and ``accuracy.png`` to
     ``output_dir`` (default ``config.output_dir``).
+
+    With ``config.checkpoint_every = N`` a checkpoint (safetensors + JSON, atomic) is written
+    to ``<output_dir>/checkpoints/run`` (``.../baseline`` for the baseline) every N rounds and
+    after the last. ``resume=True`` continues from those checkpoints when they exist (else it
+    starts afresh): the result is the same as an uninterrupted run's, number for number. The
+    stored config must match ``config`` except ``rounds``, which may grow (``output_dir`` and
+    ``checkpoint_every`` may differ too). One caveat when extending a finished run: its last
+    round was evaluated even if ``eval_every`` does not divide it, so the extended
+    ``results.json`` has one more evaluation row than a run made at the new length at once.
     """
-    result = _run_once(config, progress=progress, desc="radbo")
+    out = Path(output_dir if output_dir is not None else config.output_dir)
+    checkpoints = out / "checkpoints"
+    result = _run_once(
+        config, progress=progress, desc="radbo", checkpoints=checkpoints / "run", resume=resume
+    )
     if config.baseline.enabled:
-        base = _run_once(baseline_config(config), progress=progress, desc="baseline")
+        base = _run_once(
+            baseline_config(config),
+            progress=progress,
+            desc="baseline",
+            checkpoints=checkpoints / "baseline",
+            resume=resume,
+        )
         result.baseline = base
         result.savings = savings(result.totals, base.totals)
     if save:
-        out = Path(output_dir if output_dir is not None else config.output_dir)
         save_results(result, out)
         result.output_dir = out
     return result
 
 
-def _run_once(config: RunConfig, *, progress: bool, desc: str) -> RunResult:
+# config keys a resumed run may change: the target length, where it writes, how often
+_RESUMABLE = ("rounds", "output_dir", "checkpoint_every")
+
+
+def _run_once(
+    config: RunConfig,
+    *,
+    progress: bool,
+    desc: str,
+    checkpoints: Path | None = None,
+    resume: bool = False,
+) -> RunResult:
     exp = build(config)
-    records: list[RoundRecord] = []
-    bar = tqdm(total=config.rounds, desc=desc, unit="round", disable=not progress)
-    last_eval: dict[str, float] = {}
-    state = exp.initial_state
+    sim = exp.simulation
+    config_data = config.model_dump(mode="json")
+    state, clock_s, done = exp.initial_state, 0.0, 0
+    rows: list[dict[str, Any]] = []
+    ledger: list[dict[str, Any]] = []
+    if resume and checkpoints is not None and (checkpoints / "checkpoint.json").is_file():
+        ckpt = load_checkpoint(
+            checkpoints, template=exp.initial_state, config=config_data, ignore=_RESUMABLE
+        )
+        if ckpt.rounds_done > config.rounds:
+            raise CheckpointError(
+                f"the checkpoint in {checkpoints} is after round {ckpt.rounds_done}, past "
+                f"rounds = {config.rounds}; raise rounds to continue it"
+            )
+        state, clock_s, done = ckpt.state, ckpt.clock_s, ckpt.rounds_done
+        rows, ledger = ckpt.rows, ckpt.ledger
+        sim.load_state_dict(ckpt.sim_tensors, ckpt.sim_meta)
+    every = config.checkpoint_every
+    bar = tqdm(total=config.rounds, initial=done, desc=desc, unit="round", disable=not progress)
+    last_eval = _last_evaluation(rows)
     try:
-        for state, record in exp.simulation.iterate(exp.initial_state, config.rounds):  # noqa: B007
-            records.append(record)
+        start = state
+        for state, record in sim.iterate(start, config.rounds - done, done, clock_s):  # noqa: B007
+            rows.append(record.as_dict())
+            ledger += as_dicts(record.ledger)
             if record.evaluation is not None:
                 last_eval = record.evaluation
+            completed = record.round + 1
+            if every is not None and checkpoints is not None:
+                if completed % every == 0 or completed == config.rounds:
+                    sim_tensors, sim_meta = sim.state_dict()
+                    save_checkpoint(
+                        checkpoints,
+                        config=config_data,
+                        state=state,
+                        rounds_done=completed,
+                        clock_s=record.clock_s,
+                        rows=rows,
+                        ledger=ledger,
+                        sim_tensors=sim_tensors,
+                        sim_meta=sim_meta,
+                    )
             bar.update(1)
             postfix = {"outer": f"{record.metrics.get('outer_loss', float('nan')):.3f}"}
             if last_eval:
@@ -599,38 +660,34 @@ def _run_once(config: RunConfig, *, progress: bool, desc: str) -> RunResult:
             bar.set_postfix(postfix)
     finally:
         bar.close()
-    entries = [e for r in records for e in r.ledger]
+    entries = [LedgerEntry(**row) for row in ledger]
     run_totals = totals(entries)
-    run_totals["communication_rounds"] = sum(r.communication_rounds for r in records)
-    run_totals["sim_time_s"] = records[-1].clock_s if records else 0.0
-    run_totals["client_rounds"] = sum(len(r.clients) for r in records)
-    run_totals["unavailable_client_rounds"] = sum(len(r.unavailable) for r in records)
-    run_totals["rejected_updates"] = sum(len(c) for r in records for c in r.rejected.values())
-    run_totals["empty_rounds"] = sum(1 for r in records if not r.clients)
-    meter = exp.simulation.flop_meter
+    run_totals["communication_rounds"] = sum(r["communication_rounds"] for r in rows)
+    run_totals["sim_time_s"] = rows[-1]["sim_clock_s"] if rows else 0.0
+    run_totals["client_rounds"] = sum(len(r["clients"]) for r in rows)
+    run_totals["unavailable_client_rounds"] = sum(len(r["unavailable"]) for r in rows)
+    run_totals["rejected_updates"] = sum(len(c) for r in rows for c in r["rejected"].values())
+    run_totals["empty_rounds"] = sum(1 for r in rows if not r["clients"])
+    meter = sim.flop_meter
     run_totals["flop_measurements"] = 0 if meter is None else meter.measurements
     return RunResult(
         config=config,
-        rounds=[r.as_dict() for r in records],
+        rounds=rows,
         final={f"test_{k}": v for k, v in last_eval.items()},
         state=state,
         totals=run_totals,
         totals_by_tier=totals_by_tier(entries),
-        ledger=as_dicts(entries),
+        ledger=ledger,
     )
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _last_evaluation(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The metrics of the last evaluated round among ``rows`` (``test_`` prefix removed)."""
+    for row in reversed(rows):
+        evaluation = {k[5:]: v for k, v in row.items() if k.startswith("test_")}
+        if evaluation:
+            return evaluation
+    return {}
 
 
 def _summary(result: RunResult) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -114,6 +115,20 @@ class CoverageTracker:
         )
         self.history.append(result)
         return result
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """``(tensors, meta)`` to checkpoint: the ever-trained masks and the round history."""
+        tensors = {n: e.clone() for n, e in self._ever.items()}
+        return tensors, {"names": list(self.names), "history": [r.as_dict() for r in self.history]}
+
+    def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (for the same tracked names)."""
+        if list(meta["names"]) != self.names:
+            raise ValueError(
+                f"coverage state tracks {list(meta['names'])}, this tracker {self.names}"
+            )
+        self.history = [RoundCoverage(**r) for r in meta["history"]]
+        self._ever = {n: tensors[n].to(torch.bool) for n in self.names if n in tensors}
 
     def as_dict(self) -> dict[str, object]:
         """JSON-serialisable summary: tracked names, overall C*, never-trained, every round."""

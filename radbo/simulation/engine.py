@@ -277,6 +277,11 @@ def derive_seed(*words: int) -> int:
     return int(np.random.SeedSequence([int(w) for w in words]).generate_state(1, np.uint64)[0]) >> 1
 
 
+def _as_tuple(value: Any) -> Any:
+    """JSON lists back to the nested tuples of a FLOP-meter key."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
 def full_index_set(shapes: Mapping[str, torch.Size]) -> IndexSet:
     """Index set keeping every coordinate of every tensor."""
     return {n: (None,) * len(s) for n, s in shapes.items()}
@@ -396,6 +401,41 @@ class Simulation(Generic[State]):
             raise ValueError(f"clients_per_round must be in [1, {n}], got {k}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The engine's cross-round state, ``(tensors, JSON data)``, for checkpoints.
+
+        The coverage trackers (never-trained masks, history) and the FLOP meter's cache; all
+        other randomness and schedules derive from ``(seed, round)``, so this and the
+        algorithm state are all a resumed run needs to continue exactly.
+        """
+        tensors: dict[str, Tensor] = {}
+        coverage: dict[str, Any] = {}
+        for block, tracker in self._trackers.items():
+            masks, meta = tracker.state_dict()
+            tensors.update({f"coverage/{block}/{n}": t for n, t in masks.items()})
+            coverage[block] = meta
+        meter = None
+        if self.flop_meter is not None:
+            meter = {
+                "measurements": self.flop_meter.measurements,
+                "cache": [[list(k), v] for k, v in self.flop_meter.cache.items()],
+            }
+        return tensors, {"coverage": coverage, "flop_meter": meter}
+
+    def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (from a run of the same config)."""
+        self._trackers.clear()
+        for block, data in meta.get("coverage", {}).items():
+            prefix = f"coverage/{block}/"
+            masks = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+            tracker = CoverageTracker(data["names"])
+            tracker.load_state_dict(masks, data)
+            self._trackers[block] = tracker
+        saved = meta.get("flop_meter")
+        if self.flop_meter is not None and saved is not None:
+            self.flop_meter.cache = {_as_tuple(k): int(v) for k, v in saved["cache"]}
+            self.flop_meter.measurements = int(saved["measurements"])
 
     def _generator(self, *words: int) -> torch.Generator:
         return torch.Generator().manual_seed(derive_seed(self.seed, *words))

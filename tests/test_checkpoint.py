@@ -1,0 +1,272 @@
+"""Checkpoints (safetensors + JSON, atomic) and resume: a resumed run equals an uninterrupted one."""
+
+import json
+
+import pytest
+import torch
+
+import radbo.checkpoint as checkpoint
+from radbo.algorithms.rabo import RABOState
+from radbo.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+    state_from_tensors,
+    state_to_tensors,
+)
+from radbo.cli import main
+from radbo.experiment import run
+from radbo.simulation.engine import Simulation
+from tests.configs import small_config
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(monkeypatch, round_index: int, *, skip: int = 0) -> None:
+    """Make Simulation.step raise when it reaches ``round_index``, after letting the first
+    ``skip`` visits of that round through (a run and its baseline both visit every round)."""
+    real_step = Simulation.step
+    seen = [0]
+
+    def step(self, state, round, clock_s=0.0):
+        if round == round_index:
+            seen[0] += 1
+            if seen[0] == skip + 1:
+                raise Crash(f"killed before round {round}")
+        return real_step(self, state, round, clock_s)
+
+    monkeypatch.setattr(Simulation, "step", step)
+
+
+def comparable(out) -> tuple[str, str]:
+    results = json.loads((out / "results.json").read_text())
+    for row in results["rounds"]:
+        row.pop("wall_time_s")
+    results.pop("config")
+    for part in ("baseline",):
+        if part in results:
+            results[part].pop("config")
+    return json.dumps(results, sort_keys=True), (out / "ledger.json").read_text()
+
+
+def assert_same_state(a, b) -> None:
+    ta, sa = state_to_tensors(a)
+    tb, sb = state_to_tensors(b)
+    assert sa == sb and ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
+CASES = {
+    "rabo-coverage": dict(
+        fleet={"capacities": [1.0, 0.5, 0.25]}, mask={"policy": "coverage", "coverage_k": 2}
+    ),
+    "rafbo": dict(
+        algorithm={"name": "rafbo"},
+        estimator={"name": "finite_difference", "num_coordinates": 4},
+        fleet={"capacities": [1.0, 0.5]},
+    ),
+    "shrofbo-uniform-tau": dict(
+        algorithm={"name": "shrofbo"},
+        fleet={"capacities": [1.0, 0.5], "local_steps": "uniform_per_round"},
+    ),
+    "first-order": dict(estimator={"name": "first_order", "inner_steps": 3}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch, case):
+    cfg = small_config(rounds=6, checkpoint_every=2, **CASES[case])
+    whole = run(cfg, progress=False, output_dir=tmp_path / "whole")
+
+    crash_at(monkeypatch, 3)  # the checkpoint after round 2 is the last one written
+    with pytest.raises(Crash):
+        run(cfg, progress=False, output_dir=tmp_path / "cut")
+    index = json.loads((tmp_path / "cut/checkpoints/run/checkpoint.json").read_text())
+    assert index["rounds_done"] == 2 and len(index["rows"]) == 2
+    resumed = run(cfg, progress=False, output_dir=tmp_path / "cut", resume=True)
+
+    assert comparable(tmp_path / "whole") == comparable(tmp_path / "cut")
+    assert_same_state(whole.state, resumed.state)
+    assert whole.totals == resumed.totals
+
+
+def test_crash_in_the_baseline_resumes_both_runs(tmp_path, monkeypatch):
+    cfg = small_config(rounds=4, checkpoint_every=3, baseline={"enabled": True})
+    run(cfg, progress=False, output_dir=tmp_path / "whole")
+    crash_at(monkeypatch, 3, skip=1)  # the main run passes round 3, the baseline dies there
+    with pytest.raises(Crash):
+        run(cfg, progress=False, output_dir=tmp_path / "cut")
+    done = json.loads((tmp_path / "cut/checkpoints/run/checkpoint.json").read_text())
+    base = json.loads((tmp_path / "cut/checkpoints/baseline/checkpoint.json").read_text())
+    assert (done["rounds_done"], base["rounds_done"]) == (4, 3)
+    assert not (tmp_path / "cut/results.json").exists()
+
+    run(cfg, progress=False, output_dir=tmp_path / "cut", resume=True)
+    assert comparable(tmp_path / "whole") == comparable(tmp_path / "cut")
+
+
+def test_extending_a_finished_run_equals_running_longer(tmp_path):
+    long = run(
+        small_config(rounds=6, checkpoint_every=2), progress=False, output_dir=tmp_path / "a"
+    )
+    run(small_config(rounds=4, checkpoint_every=2), progress=False, output_dir=tmp_path / "b")
+    extended = run(
+        small_config(rounds=6, checkpoint_every=2),
+        progress=False,
+        output_dir=tmp_path / "b",
+        resume=True,
+    )
+    assert comparable(tmp_path / "a") == comparable(tmp_path / "b")
+    assert_same_state(long.state, extended.state)
+
+
+def test_resume_without_checkpoint_starts_afresh(tmp_path):
+    cfg = small_config(rounds=2)
+    a = run(cfg, progress=False, output_dir=tmp_path / "a", resume=True)
+    b = run(cfg, progress=False, output_dir=tmp_path / "b")
+    assert_same_state(a.state, b.state)
+    assert not (tmp_path / "a" / "checkpoints").exists()  # checkpoint_every is off
+
+
+def test_other_config_or_fewer_rounds_is_refused(tmp_path):
+    run(small_config(rounds=4, checkpoint_every=2), progress=False, output_dir=tmp_path)
+    with pytest.raises(CheckpointError, match=r"different config \(seed: 0 then, 1 now\)"):
+        run(small_config(rounds=4, seed=1), progress=False, output_dir=tmp_path, resume=True)
+    with pytest.raises(CheckpointError, match="after round 4, past rounds = 3"):
+        run(small_config(rounds=3), progress=False, output_dir=tmp_path, resume=True)
+
+
+def test_cli_resume_and_bad_checkpoint_exit_codes(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'rounds = 2\neval_every = 1\n[fleet]\nnum_clients = 3\n[model]\nname = "mlp"\nhidden = [16]\n'
+    )
+    out = tmp_path / "out"
+    args = ["run", str(config), "--quiet", "--output-dir", str(out), "--checkpoint-every", "1"]
+    assert main(args) == 0
+    assert main([*args, "--resume", "--rounds", "3"]) == 0
+    assert json.loads((out / "checkpoints/run/checkpoint.json").read_text())["rounds_done"] == 3
+    capsys.readouterr()
+    assert main([*args, "--resume", "--seed", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "different config (seed: 0 then, 5 now)" in err
+
+
+# -- the format ---------------------------------------------------------------------------
+
+
+def small_state(round_=0):
+    return RABOState(
+        x={"w": torch.arange(6.0).reshape(2, 3)[:, 1:]},  # a strided view is stored compactly
+        y={"b": torch.ones(2, dtype=torch.float64)},
+        buffers={"n": torch.tensor(4)},
+        round=round_,
+        aux={},
+    )
+
+
+def save(tmp_path, state, rounds_done=1):
+    return save_checkpoint(
+        tmp_path,
+        config={"seed": 0},
+        state=state,
+        rounds_done=rounds_done,
+        clock_s=1.5,
+        rows=[{"round": 0, "loss": float("nan")}],
+        ledger=[],
+        sim_tensors={"coverage/x/w": torch.tensor([True, False])},
+        sim_meta={"coverage": {}},
+    )
+
+
+def test_round_trip_and_old_tensor_files_removed(tmp_path):
+    save(tmp_path, small_state(1), rounds_done=1)
+    save(tmp_path, small_state(2), rounds_done=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint.json",
+        "state-000002.safetensors",
+    ]
+    ckpt = load_checkpoint(tmp_path, template=small_state(), config={"seed": 0})
+    assert_same_state(ckpt.state, small_state(2))
+    assert ckpt.rounds_done == 2 and ckpt.clock_s == 1.5
+    assert torch.equal(ckpt.sim_tensors["coverage/x/w"], torch.tensor([True, False]))
+    assert ckpt.rows[0]["loss"] != ckpt.rows[0]["loss"]  # NaN survives JSON
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    save(tmp_path, small_state(1), rounds_done=1)
+
+    def broken(tensors, path):
+        open(path, "wb").write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save(tmp_path, small_state(2), rounds_done=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint.json",
+        "state-000001.safetensors",
+    ]
+    assert load_checkpoint(tmp_path, template=small_state()).state.round == 1
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda d: d.update(tensors="../elsewhere.safetensors"), "names no valid tensor file"),
+        (lambda d: d.update(tensors="state-000009.safetensors"), "cannot read"),
+        (lambda d: d.update(format="pickle"), "is not a radbo-checkpoint/1 index"),
+        (lambda d: d["state_scalars"].pop("round"), "no value for state field 'round'"),
+    ],
+)
+def test_damaged_index_is_a_clear_error(tmp_path, tamper, message):
+    index_path = save(tmp_path, small_state())
+    data = json.loads(index_path.read_text())
+    tamper(data)
+    index_path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path, template=small_state())
+
+
+def test_shapes_and_names_must_match_the_run(tmp_path):
+    save(tmp_path, small_state())
+    other = RABOState(
+        x={"w": torch.zeros(2, 3)}, y={"b": torch.ones(2, dtype=torch.float64)}, buffers={}
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"'x/w' is torch.float32 \(2, 2\), this run has torch.float32 \(2, 3\)",
+    ):
+        load_checkpoint(tmp_path, template=other)
+    fewer = RABOState(
+        x={"w": torch.zeros(2, 2)}, y={"b": torch.ones(2, dtype=torch.float64)}, buffers={}
+    )
+    with pytest.raises(CheckpointError, match=r"tensors this run does not: \['buffers/n'\]"):
+        load_checkpoint(tmp_path, template=fewer)
+
+
+def test_garbage_and_missing_index(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        load_checkpoint(tmp_path, template=small_state())
+    (tmp_path / "checkpoint.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint index"):
+        load_checkpoint(tmp_path, template=small_state())
+
+
+def test_only_tensors_and_scalars_are_checkpointable():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Odd:
+        x: dict
+        model: object
+
+    with pytest.raises(TypeError, match="holds a Linear"):
+        state_to_tensors(Odd({"a": torch.ones(1)}, torch.nn.Linear(1, 1)))
+    with pytest.raises(TypeError, match=r"x\['a'\] is not a tensor"):
+        state_to_tensors(Odd({"a": 1.0}, None))
+    tensors, scalars = state_to_tensors(Odd({"a": torch.ones(1)}, None))
+    assert state_from_tensors(Odd({"a": torch.zeros(1)}, 3), tensors, scalars).model is None
