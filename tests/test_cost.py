@@ -94,7 +94,7 @@ class MatmulAlgorithm:
     def phases(self) -> Sequence[Phase]:
         return (Phase("only", self.broadcast, self.client, self.server),)
 
-    def broadcast(self, state, index_set):
+    def broadcast(self, state, index_set, slot=0):
         return {"w": state["w"].clone()}
 
     def client(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:

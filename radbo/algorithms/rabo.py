@@ -136,7 +136,7 @@ class RABO:
         )
 
     # -- phase 1: inner update of y (Alg. 1 lines 3-20) -----------------------------------
-    def broadcast_inner(self, state: RABOState, index_set: IndexSet) -> Params:
+    def broadcast_inner(self, state: RABOState, index_set: IndexSet, slot: int = 0) -> Params:
         """Submodel (x_q^i, y_{q,0}^i) and buffers for one client (eqs. (3), (4))."""
         return extract(self.model_state(state), index_set)
 
@@ -200,7 +200,7 @@ class RABO:
         keys = getattr(self.estimator, "state_keys", ())
         return {k: v for key in keys for k, v in alias(index_set, key, self.inner_names).items()}
 
-    def broadcast_outer(self, state: RABOState, index_set: IndexSet) -> Params:
+    def broadcast_outer(self, state: RABOState, index_set: IndexSet, slot: int = 0) -> Params:
         """The updated y_{q+1}^i (with the client's x_q^i, buffers and estimator state)."""
         return extract(
             {**self.model_state(state), **state.aux}, {**index_set, **self._aux_index(index_set)}

@@ -162,7 +162,7 @@ class SimFBO:
         return {**index_set, **alias(index_set, V, self.inner_names)}
 
     # -- the one phase ---------------------------------------------------------------------
-    def broadcast(self, state: SimFBOState, index_set: IndexSet) -> Params:
+    def broadcast(self, state: SimFBOState, index_set: IndexSet, slot: int = 0) -> Params:
         """Submodel of x, y, v and buffers for one client."""
         wire = {**self.model_state(state), **{f"{V}:{k}": t for k, t in state.v.items()}}
         return extract(wire, self._wire_index(index_set))

@@ -257,48 +257,47 @@ def _scalar(name: str, value: object) -> Tensor:
     return value.reshape(())
 
 
-class ImplicitSystem:
-    """First- and second-order derivatives of a bilevel problem at one point ``(x, y)``.
+class InnerSystem:
+    """Second-order products of the inner loss at one point ``(x, y)``, by autograd.
 
-    Building the system costs two gradient evaluations: one autograd pass of ``f`` with
-    respect to ``(x, y)`` (giving ``∇_x f`` and ``∇_y f``) and one of ``g`` with respect to
-    ``y`` with ``create_graph=True``. The graph of ``∇_y g(x, y)`` is built once and reused
-    (``retain_graph``) by every product:
+    Building it costs one gradient evaluation: ``∇_y g(x, y)`` with ``create_graph=True``.
+    That graph is built once and reused (``retain_graph``) by every product:
 
     * :meth:`hvp`: ``H_yy · u = ∂/∂y <∇_y g(x, y), u>`` (double backward);
     * :meth:`mixed`: ``∇²_xy g · v = ∂/∂x <∇_y g(x, y), v>``.
 
-    The inputs are detached and cloned, never mutated; the losses receive fresh leaf tensors
-    that require grad. Tensors of ``x`` that a loss does not use get zero derivatives.
-    :attr:`n_grad` and :attr:`n_hvp` count the work done so far, and :meth:`result` finishes
-    eq. (7) of the RABO paper for a given ``v``.
+    The inputs are detached and cloned, never mutated; the loss receives fresh leaf tensors
+    that require grad. Tensors of ``x`` that the loss does not use get zero derivatives.
+    :attr:`n_grad` and :attr:`n_hvp` count the work done so far. FedMBO's clients, which
+    each make one product of a Neumann chain, use this directly.
     """
 
-    def __init__(
-        self, outer_loss: BilevelLoss, inner_loss: BilevelLoss, x: Params, y: Params
-    ) -> None:
+    def __init__(self, inner_loss: BilevelLoss, x: Params, y: Params) -> None:
+        self._leaves(x, y)
+        self._build_inner(inner_loss)
+        #: First-order gradient evaluations made so far (1 once built).
+        self.n_grad: int = 1
+        #: Second-order products made so far.
+        self.n_hvp: int = 0
+
+    def _leaves(self, x: Params, y: Params) -> None:
         if len(y) == 0:
             raise ValueError("y must hold at least one tensor, got an empty dict.")
         self.x_names: tuple[str, ...] = tuple(x)
         self.y_names: tuple[str, ...] = tuple(y)
         self._x: TensorTuple = tuple(_leaf("x", k, t) for k, t in x.items())
         self._y: TensorTuple = tuple(_leaf("y", k, t) for k, t in y.items())
-        x_leaf = dict(zip(self.x_names, self._x, strict=True))
-        y_leaf = dict(zip(self.y_names, self._y, strict=True))
 
-        f = _scalar("outer_loss", outer_loss(x_leaf, y_leaf))
-        grads_f = _grad([f], self._x + self._y, None, create_graph=False)
-        #: ``∇_x f(x, y)``, one tensor per name of ``x``.
-        self.grad_x_f: TensorTuple = tuple(t.detach() for t in grads_f[: len(self._x)])
-        #: ``∇_y f(x, y)``, one tensor per name of ``y``: the right-hand side for ``v``.
-        self.grad_y_f: TensorTuple = tuple(t.detach() for t in grads_f[len(self._x) :])
+    def _leaf_dicts(self) -> tuple[Params, Params]:
+        return (
+            dict(zip(self.x_names, self._x, strict=True)),
+            dict(zip(self.y_names, self._y, strict=True)),
+        )
 
+    def _build_inner(self, inner_loss: BilevelLoss) -> None:
+        x_leaf, y_leaf = self._leaf_dicts()
         g = _scalar("inner_loss", inner_loss(x_leaf, y_leaf))
         self._grad_y_g: TensorTuple = _grad([g], self._y, None, create_graph=True)
-        #: First-order gradient evaluations made so far (2 once built).
-        self.n_grad: int = 2
-        #: Second-order products made so far.
-        self.n_hvp: int = 0
 
     def hvp(self, u: Sequence[Tensor]) -> TensorTuple:
         """``∇²_yy g(x, y) · u`` for ``u`` shaped like ``y`` (counts one product)."""
@@ -311,6 +310,33 @@ class ImplicitSystem:
         self.n_hvp += 1
         out = _grad(self._grad_y_g, self._x, v, create_graph=False)
         return tuple(t.detach() for t in out)
+
+
+class ImplicitSystem(InnerSystem):
+    """First- and second-order derivatives of a bilevel problem at one point ``(x, y)``.
+
+    Building the system costs two gradient evaluations: one autograd pass of ``f`` with
+    respect to ``(x, y)`` (giving ``∇_x f`` and ``∇_y f``) and one of ``g`` with respect to
+    ``y`` with ``create_graph=True``, whose graph :meth:`hvp` and :meth:`mixed` reuse (see
+    :class:`InnerSystem`). :meth:`result` finishes eq. (7) of the RABO paper for a given
+    ``v``.
+    """
+
+    def __init__(
+        self, outer_loss: BilevelLoss, inner_loss: BilevelLoss, x: Params, y: Params
+    ) -> None:
+        self._leaves(x, y)
+        x_leaf, y_leaf = self._leaf_dicts()
+        # f first: its graph is freed before g's double-backward graph is built
+        f = _scalar("outer_loss", outer_loss(x_leaf, y_leaf))
+        grads_f = _grad([f], self._x + self._y, None, create_graph=False)
+        #: ``∇_x f(x, y)``, one tensor per name of ``x``.
+        self.grad_x_f: TensorTuple = tuple(t.detach() for t in grads_f[: len(self._x)])
+        #: ``∇_y f(x, y)``, one tensor per name of ``y``: the right-hand side for ``v``.
+        self.grad_y_f: TensorTuple = tuple(t.detach() for t in grads_f[len(self._x) :])
+        self._build_inner(inner_loss)
+        self.n_grad = 2
+        self.n_hvp = 0
 
     def result(self, v: Sequence[Tensor]) -> HypergradResult:
         """Eq. (7) of RABO: ``∇_x f − ∇²_xy g · v``, packaged with ``v`` and the counts."""

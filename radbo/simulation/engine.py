@@ -74,7 +74,10 @@ class CostRecord:
 
 @dataclass(frozen=True)
 class ClientTask:
-    """Everything one client receives for one phase of one round."""
+    """Everything one client receives for one phase of one round.
+
+    ``slot`` is the client's position among the phase's participants (see ``Phase.select``).
+    """
 
     client: int
     round: int
@@ -84,6 +87,7 @@ class ClientTask:
     data: ClientData
     seed: int
     budget: ClientBudget
+    slot: int = 0
 
     def generator(self) -> torch.Generator:
         """A fresh generator seeded for this (client, round, phase)."""
@@ -92,12 +96,16 @@ class ClientTask:
 
 @dataclass(frozen=True)
 class ClientResult:
-    """A client's reply: an update in submodel coordinates, its cost and scalar metrics."""
+    """A client's reply: an update in submodel coordinates, its cost and scalar metrics.
+
+    ``slot`` is set by the engine to the task's slot (client functions need not fill it).
+    """
 
     client: int
     update: Params
     cost: CostRecord
     metrics: Mapping[str, float] = field(default_factory=dict)
+    slot: int = 0
 
 
 @dataclass
@@ -142,18 +150,29 @@ class ClientRuntime:
 class Phase(Generic[State]):
     """One communication round trip of an algorithm.
 
-    ``broadcast(state, index_set) -> params`` builds what the server sends one client (in
+    ``broadcast(state, index_set, slot) -> params`` builds what the server sends one client (in
     submodel coordinates); ``client(runtime, task) -> ClientResult`` is the client's local
     work; ``server(state, results, index_sets, weights) -> (state, metrics)`` aggregates.
+
+    By default every client sampled for the round (and still in it) takes part, in sampled
+    order. ``select(state, candidates, generator) -> clients`` instead picks the participants
+    of this phase from those candidates, in slot order: FedMBO samples afresh for every
+    communication round, FedMSA sends its local phase to one client. The engine passes each
+    participant's position as ``slot`` to ``broadcast`` and in ``ClientTask.slot``, and sets
+    ``ClientResult.slot``, so that a server can match results to per-slot state (FedMBO's
+    Hessian-inverse chains) even when some results are missing. A phase whose ``select``
+    returns no client is skipped: nothing is sent, the server function is not called and it
+    does not count as a communication round.
     """
 
     name: str
-    broadcast: Callable[[State, IndexSet], Params]
+    broadcast: Callable[[State, IndexSet, int], Params]
     client: Callable[[ClientRuntime, ClientTask], ClientResult]
     server: Callable[
         [State, Sequence[ClientResult], Sequence[IndexSet], Sequence[float]],
         tuple[State, dict[str, float]],
     ]
+    select: Callable[[State, Sequence[int], torch.Generator], Sequence[int]] | None = None
 
 
 class Algorithm(Protocol[State]):
@@ -292,7 +311,7 @@ class RoundRecord:
     """What happened in one round: sampled and unavailable clients, phase metrics, the cost
     ledger (one entry per client and phase), simulated round time and virtual clock, and the
     clients whose update was rejected in each phase (``{phase: [client, ...]}``; see
-    :func:`update_problem`)."""
+    :func:`update_problem`) and those that dropped out in each phase."""
 
     round: int
     clients: list[int]
@@ -305,6 +324,7 @@ class RoundRecord:
     unavailable: list[int] = field(default_factory=list)
     evaluation: dict[str, float] | None = None
     rejected: dict[str, list[int]] = field(default_factory=dict)
+    dropped: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def cost(self) -> dict[str, float]:
@@ -317,6 +337,7 @@ class RoundRecord:
             "clients": self.clients,
             "unavailable": self.unavailable,
             "rejected": self.rejected,
+            "dropped": self.dropped,
             "communication_rounds": self.communication_rounds,
             "wall_time_s": self.wall_time_s,
             "sim_round_time_s": self.round_time_s,
@@ -366,6 +387,8 @@ class Simulation(Generic[State]):
             ``never_trained_fraction_{b}`` (so far) and ``coverage_{b}_histogram``.
         local_steps: optional schedule ``(round, client, generator) -> tau`` overriding each
             budget's local steps every round (e.g. ``UniformLocalSteps``).
+        dropout: optional per-client probability of dropping out of a round it was sampled
+            for (see :meth:`dropouts`); ``None``: nobody drops out.
     """
 
     algorithm: Algorithm[State]
@@ -384,6 +407,7 @@ class Simulation(Generic[State]):
     flop_meter: FlopMeter | None = field(default_factory=FlopMeter)
     local_steps: Callable[[int, int, torch.Generator], int] | None = None
     coverage: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    dropout: Sequence[float] | None = None
     _trackers: dict[str, CoverageTracker] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -401,6 +425,12 @@ class Simulation(Generic[State]):
             raise ValueError(f"clients_per_round must be in [1, {n}], got {k}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
+        if self.dropout is not None:
+            if len(self.dropout) != n:
+                raise ValueError(f"got {n} clients but {len(self.dropout)} dropout probabilities")
+            bad = [q for q in self.dropout if not 0.0 <= q <= 1.0]
+            if bad:
+                raise ValueError(f"dropout probabilities must be in [0, 1], got {bad[0]}")
 
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The engine's cross-round state, ``(tensors, JSON data)``, for checkpoints.
@@ -447,6 +477,27 @@ class Simulation(Generic[State]):
             return list(range(n))
         draws = torch.rand(n, generator=self._generator(round, 0xA7A1), dtype=torch.float64)
         return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
+
+    def dropouts(self, round: int, sampled: Sequence[int], num_phases: int) -> dict[int, int]:
+        """Which sampled clients drop out of ``round``, and in which phase: ``{client: phase}``.
+
+        Client c drops with probability ``dropout[c]`` (one draw per client and round), in a
+        phase drawn uniformly from the round's phases. It receives that phase's broadcast and
+        computes, but its upload never arrives: the server aggregates without it, it takes no
+        part in the round's later phases, and the ledger charges its download and compute
+        (``bytes_up = 0``).
+        """
+        if self.dropout is None or num_phases == 0:
+            return {}
+        gen = self._generator(round, 0xD809)
+        n = len(self.clients)
+        drop = torch.rand(n, generator=gen, dtype=torch.float64)
+        when = torch.rand(n, generator=gen, dtype=torch.float64)
+        return {
+            c: min(int(float(when[c]) * num_phases), num_phases - 1)
+            for c in sampled
+            if float(drop[c]) < self.dropout[c]
+        }
 
     def sample_clients(self, round: int, available: Sequence[int] | None = None) -> list[int]:
         """Clients taking part in ``round`` (sorted): the available ones (drawn here unless
@@ -504,10 +555,11 @@ class Simulation(Generic[State]):
         """Run one round from ``state``; returns the new state and the round's record.
 
         A round where no client is available leaves the state unchanged (and is recorded).
+        Clients drawn by :meth:`dropouts` leave the round in their phase (``record.dropped``).
         In each phase, a client update that fails :func:`update_problem` (NaN/Inf, wrong
         shape, unknown tensor) is left out of the server's aggregation -- as if the client had
         not taken part in that phase -- and listed in ``record.rejected``; its cost stays in
-        the ledger. If every update of a phase is rejected, the server function still runs,
+        the ledger. If every update of a phase is left out, the server function still runs,
         with no results.
         """
         start = time.perf_counter()
@@ -548,56 +600,94 @@ class Simulation(Generic[State]):
         weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
         ledger: list[LedgerEntry] = []
         rejected: dict[str, list[int]] = {}
+        dropped: dict[str, list[int]] = {}
+        briefed: set[int] = set()  # clients that already received their index metadata
+        drops = self.dropouts(round, sampled, len(phases))
+        position = {c: i for i, c in enumerate(sampled)}
+        still_in = list(sampled)  # clients that have not dropped out of the round
+        communication_rounds = 0
         for p, phase in enumerate(phases):
+            if phase.select is None:
+                chosen = list(still_in)
+            else:
+                chosen = [
+                    int(c)
+                    for c in phase.select(state, list(still_in), self._generator(round, 0x5E1, p))
+                ]
+                unknown = sorted(set(chosen) - set(still_in))
+                if unknown or len(set(chosen)) != len(chosen):
+                    raise ValueError(
+                        f"phase {phase.name!r} selected clients {chosen}; each must be one of "
+                        f"the round's remaining clients {still_in}, at most once"
+                    )
+                if not chosen:
+                    continue
+            communication_rounds += 1
+            at = [position[c] for c in chosen]
             tasks = [
                 ClientTask(
-                    client=c,
+                    client=sampled[i],
                     round=round,
                     phase=phase.name,
-                    params=phase.broadcast(state, idx),
-                    index_set=idx,
-                    data=self.clients[c],
-                    seed=derive_seed(self.seed, round, p + 1, c),
-                    budget=b,
+                    params=phase.broadcast(state, index_sets[i], slot),
+                    index_set=index_sets[i],
+                    data=self.clients[sampled[i]],
+                    seed=derive_seed(self.seed, round, p + 1, sampled[i]),
+                    budget=budgets[i],
+                    slot=slot,
                 )
-                for c, idx, b in zip(sampled, index_sets, budgets, strict=True)
+                for slot, i in enumerate(at)
             ]
             client_fn = functools.partial(run_measured, phase.client, self.runtime, self.flop_meter)
-            results = self.backend.map(client_fn, tasks)
-            # the work was done and the bytes were sent, sound or not: all of it is charged
+            results = [
+                replace(r, slot=slot) for slot, r in enumerate(self.backend.map(client_fn, tasks))
+            ]
+            lost = [drops.get(r.client) == p for r in results]
+            # the work was done and the bytes were sent, sound or not: all of it is charged;
+            # a client that drops out computed but its upload never arrived. Index metadata
+            # travels with a client's first phase of the round.
             ledger += [
-                self._entry(round, phase.name, r, meta if p == 0 else 0)
-                for r, meta in zip(results, metadata, strict=True)
+                self._entry(
+                    round,
+                    phase.name,
+                    replace(r, cost=replace(r.cost, bytes_up=0)) if gone else r,
+                    0 if r.client in briefed else metadata[i],
+                )
+                for i, r, gone in zip(at, results, lost, strict=True)
             ]
-            keep = [
-                i
-                for i, (r, idx) in enumerate(zip(results, index_sets, strict=True))
-                if update_problem(r.update, idx, self.shapes) is None
-            ]
-            if len(keep) < len(results):
-                rejected[phase.name] = [
-                    results[i].client for i in range(len(results)) if i not in keep
-                ]
+            briefed.update(r.client for r in results)
+            keep = []
+            for j, (i, r, gone) in enumerate(zip(at, results, lost, strict=True)):
+                if gone:
+                    dropped.setdefault(phase.name, []).append(r.client)
+                elif update_problem(r.update, index_sets[i], self.shapes) is not None:
+                    rejected.setdefault(phase.name, []).append(r.client)
+                else:
+                    keep.append(j)
             state, phase_metrics = phase.server(
                 state,
-                [results[i] for i in keep],
-                [index_sets[i] for i in keep],
-                [weights[i] for i in keep],
+                [results[j] for j in keep],
+                [index_sets[at[j]] for j in keep],
+                [weights[at[j]] for j in keep],
             )
             metrics.update(phase_metrics)
+            gone_now = {r.client for r, gone in zip(results, lost, strict=True) if gone}
+            still_in = [c for c in still_in if c not in gone_now]
         metrics["rejected_updates"] = sum(len(c) for c in rejected.values())
+        metrics["dropped_clients"] = len(drops)
         duration = round_time(ledger)
         record = RoundRecord(
             round=round,
             clients=sampled,
             metrics=metrics,
             ledger=ledger,
-            communication_rounds=len(phases),
+            communication_rounds=communication_rounds,
             wall_time_s=time.perf_counter() - start,
             round_time_s=duration,
             clock_s=clock_s + duration,
             unavailable=unavailable,
             rejected=rejected,
+            dropped=dropped,
         )
         return state, record
 

@@ -1,0 +1,409 @@
+"""FedMBO: minibatch federated bilevel optimization (Alg. 1 + PHE Alg. 2 of ``papers/fedmbo.txt``).
+
+One outer iteration k is a sequence of communication rounds, each with its own sample of n
+clients (Alg. 1 line 5, Alg. 2 lines 1, 9, 19):
+
+1. ``inner.t`` for t = 0..T-1 -- minibatch SGD on y (Alg. 1 lines 3-13, Sec. 3.1): every
+   sampled client returns one minibatch gradient ``G_i = ∇_y g_i(x^k, y^{k,t}; S_i)``; the
+   server steps ``y^{k,t+1} = y^{k,t} - β mean_i G_i``. No local steps, hence no client drift.
+2. ``phe.init`` -- Alg. 2 lines 1-7: client slot i returns ``d_i = ∇_x f_i(x^k, y^{k+1}; φ^i)``
+   and ``p_{i,0} = (N/ℓ) ∇_y f_i(x^k, y^{k+1}; θ^i)``; the server keeps both per chain i and
+   draws ``N_i`` uniformly from {0, ..., N-1}.
+3. ``phe.l`` for l = 1..N-1 -- Alg. 2 lines 8-18: the chains with ``l <= N_i`` go to freshly
+   sampled clients, each returning ``p_{i,l} = (I - ∇²_yy g_c(x^k, y^{k+1}; ζ)/ℓ) p_{i,l-1}``.
+   A round in which no chain is still running is skipped (not counted as communication).
+4. ``phe.final`` -- Alg. 2 lines 19-23: each chain goes to one more fresh client, which returns
+   ``∇²_xy g_c(x^k, y^{k+1}; ω) p_{i,N_i}``; the server forms
+   ``H_i = d_i - ∇²_xy g p_{i,N_i}`` (eq. (6)), ``h = mean_i H_i`` and steps
+   ``x^{k+1} = x^k - α h`` (Alg. 1 lines 14-16).
+
+So an iteration costs ``T + max_i N_i + 2`` communication rounds. ``E[N/ℓ Π (I - H/ℓ)]``
+over ``N_i`` is the N-term Neumann series of ``H^{-1}`` (eq. (4)-(5)), with bias
+``(1 - μ/ℓ)^N / μ``; ``eta`` below is ``1/ℓ``.
+
+**Typo in the printed Alg. 2.** Line 4 prints ``d_i = ∇_y f``; eq. (6), which the line
+implements, has ``∇_x f_{c_i^0}(x^k, y^{k+1}; φ^i)``, which is also what ``H_i - d_i`` must be
+added to for a hypergradient of x. radbo uses eq. (6).
+
+**Partial participation and failures.** Clients are sampled without replacement from those
+available this round, ``clients_per_phase`` per communication round (all available when
+``None``). A chain whose client drops out or sends an unsound update ends; the final mean is
+over the chains that finished (the iteration leaves x unchanged if none did). FedMBO trains the
+full model on every client: use it without masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from radbo.aggregation import apply_step, average_buffers, coverage_weighted_mean
+from radbo.cost import tensor_bytes
+from radbo.hypergrad import InnerSystem
+from radbo.problem import bind_losses, sample_batch
+from radbo.simulation.engine import (
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    CostRecord,
+    Phase,
+    derive_seed,
+    mean_metric,
+)
+from radbo.typing import IndexSet, Params
+
+#: prefix of a Neumann chain's vector p (shaped like y) on the wire
+P = "p"
+
+
+@dataclass(frozen=True)
+class FedMBOState:
+    """Global state: x, y and buffers, plus the PHE chains of the current iteration.
+
+    ``chains`` holds, stacked over the ``n`` chains of Alg. 2, ``"d:<x name>"`` (the direct
+    terms d_i), ``"p:<y name>"`` (the vectors p_i), ``"terms"`` (N_i, int64) and ``"alive"``
+    (bool: the chain has not lost a client); it is empty between iterations.
+    """
+
+    x: Params
+    y: Params
+    buffers: Params
+    round: int = 0
+    chains: Params = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FedMBO:
+    """FedMBO (Alg. 1 with the PHE estimator, Alg. 2, of ``papers/fedmbo.txt``).
+
+    Args:
+        outer_names / inner_names / buffer_names: which model tensors are x, y and buffers.
+        inner_lr: β, the server's SGD step on y (Alg. 1 line 11).
+        outer_lr: α, the step on x (line 16).
+        inner_steps: T, minibatch-SGD communication rounds on y per iteration.
+        batch_size: S, the minibatch of each inner gradient and of each Hessian-vector
+            product.
+        outer_batch_size: the minibatch of ∇_x f and ∇_y f in ``phe.init``.
+        neumann_terms: N, the truncation of the randomized Neumann series (N_i < N).
+        eta: ``1/ℓ_{g,1}``, the Neumann step (``ℓ_{g,1}`` bounds the curvature of g in y).
+        clients_per_phase: n, clients sampled per communication round (and number of PHE
+            chains); ``None``: every client available in the round.
+        max_hypergrad_norm: optional clipping of h before the x step (off by default; the
+            paper has none).
+        seed: seeds the draws of N_i (one stream per iteration).
+        aggregate_buffers: clients return BatchNorm running statistics with their inner
+            gradients and the server averages them.
+    """
+
+    outer_names: tuple[str, ...]
+    inner_names: tuple[str, ...]
+    buffer_names: tuple[str, ...] = ()
+    inner_lr: float = 0.1
+    outer_lr: float = 0.1
+    inner_steps: int = 5
+    batch_size: int = 32
+    outer_batch_size: int = 32
+    neumann_terms: int = 10
+    eta: float = 0.1
+    clients_per_phase: int | None = None
+    max_hypergrad_norm: float | None = None
+    seed: int = 0
+    aggregate_buffers: bool = True
+    name: str = "fedmbo"
+
+    def __post_init__(self) -> None:
+        for name in ("inner_lr", "outer_lr", "eta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"FedMBO.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("inner_steps", "batch_size", "outer_batch_size", "neumann_terms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FedMBO.{name} must be >= 1, got {getattr(self, name)}")
+        if self.clients_per_phase is not None and self.clients_per_phase < 1:
+            raise ValueError(
+                f"FedMBO.clients_per_phase must be >= 1 or None, got {self.clients_per_phase}"
+            )
+        if self.max_hypergrad_norm is not None and not self.max_hypergrad_norm > 0:
+            raise ValueError(
+                f"FedMBO.max_hypergrad_norm must be > 0 or None, got {self.max_hypergrad_norm}"
+            )
+        if set(self.outer_names) & set(self.inner_names):
+            raise ValueError("outer and inner parameter names must be disjoint")
+
+    # -- state -------------------------------------------------------------------------------
+    def init(self, x: Params, y: Params, buffers: Params) -> FedMBOState:
+        clone = lambda d: {k: t.detach().clone() for k, t in d.items()}  # noqa: E731
+        return FedMBOState(x=clone(x), y=clone(y), buffers=clone(buffers))
+
+    def model_state(self, state: FedMBOState) -> Params:
+        return {**state.x, **state.y, **state.buffers}
+
+    def phases(self) -> Sequence[Phase[FedMBOState]]:
+        inner = [
+            Phase(
+                f"inner.{t}", self.broadcast, self.client_gradient, self.server_inner, self.sample
+            )
+            for t in range(self.inner_steps)
+        ]
+        steps = [
+            Phase(
+                f"phe.{level}",
+                self.chain_broadcast(level),
+                self.client_neumann_step,
+                self.chain_server(level),
+                self.chain_select(level),
+            )
+            for level in range(1, self.neumann_terms)
+        ]
+        return (
+            *inner,
+            Phase(
+                "phe.init", self.broadcast, self.client_phe_init, self.server_phe_init, self.sample
+            ),
+            *steps,
+            Phase(
+                "phe.final",
+                self.chain_broadcast(None),
+                self.client_mixed,
+                self.server_final,
+                self.chain_select(None),
+            ),
+        )
+
+    # -- who takes part ------------------------------------------------------------------------
+    def _draw(self, candidates: Sequence[int], k: int, generator: torch.Generator) -> list[int]:
+        """``k`` of ``candidates`` drawn uniformly without replacement (all if fewer)."""
+        if k >= len(candidates):
+            order = torch.randperm(len(candidates), generator=generator).tolist()
+        else:
+            order = torch.randperm(len(candidates), generator=generator)[:k].tolist()
+        return [candidates[i] for i in order]
+
+    def sample(
+        self, state: FedMBOState, candidates: Sequence[int], generator: torch.Generator
+    ) -> list[int]:
+        """A fresh sample of n clients for one communication round (Alg. 1 line 5)."""
+        k = len(candidates) if self.clients_per_phase is None else self.clients_per_phase
+        return self._draw(candidates, k, generator)
+
+    def running(self, state: FedMBOState, level: int | None) -> list[int]:
+        """The chains that take part in round ``level`` (``None``: the final round)."""
+        if not state.chains:
+            return []
+        alive = state.chains["alive"]
+        if level is None:
+            return [i for i in range(alive.numel()) if bool(alive[i])]
+        terms = state.chains["terms"]
+        return [i for i in range(alive.numel()) if bool(alive[i]) and int(terms[i]) >= level]
+
+    def chain_select(self, level: int | None):
+        def select(state, candidates, generator):
+            return self._draw(candidates, len(self.running(state, level)), generator)
+
+        return select
+
+    # -- broadcasts ------------------------------------------------------------------------------
+    def broadcast(self, state: FedMBOState, index_set: IndexSet, slot: int = 0) -> Params:
+        """The full model (x^k, y^{k,t}) and buffers."""
+        return {k: t for k, t in self.model_state(state).items()}
+
+    def chain_broadcast(self, level: int | None):
+        def broadcast(state: FedMBOState, index_set: IndexSet, slot: int = 0) -> Params:
+            chain = self.running(state, level)[slot]
+            p = {f"{P}:{n}": state.chains[f"{P}:{n}"][chain] for n in self.inner_names}
+            return {**self.model_state(state), **p}
+
+        return broadcast
+
+    # -- clients -------------------------------------------------------------------------------
+    def _unpack(self, runtime: ClientRuntime, task: ClientTask):
+        module = runtime.module_for(task.index_set)
+        x = {n: task.params[n] for n in self.outer_names}
+        y = {n: task.params[n] for n in self.inner_names}
+        buffers = {n: task.params[n].clone() for n in self.buffer_names}
+        return module, x, y, buffers
+
+    def _batch(self, runtime: ClientRuntime, indices, size: int, gen):
+        return sample_batch(runtime.features, runtime.labels, indices, size, gen)
+
+    def _result(self, task: ClientTask, update: Params, sent: Params, **counts) -> ClientResult:
+        metrics = counts.pop("metrics", {})
+        return ClientResult(
+            client=task.client,
+            update=update,
+            cost=CostRecord(bytes_down=tensor_bytes(sent), bytes_up=tensor_bytes(update), **counts),
+            metrics=metrics,
+        )
+
+    def client_gradient(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+        """One minibatch gradient of g_i in y (Alg. 1 line 8)."""
+        gen = task.generator()
+        module, x, y, buffers = self._unpack(runtime, task)
+        batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
+        y_var = {n: t.detach().clone().requires_grad_(True) for n, t in y.items()}
+        loss = runtime.problem.inner_loss(module, x, y_var, buffers, batch)
+        grads = torch.autograd.grad(loss, list(y_var.values()))
+        update = dict(zip(y_var, (g.detach() for g in grads), strict=True))
+        if self.aggregate_buffers:
+            update.update(buffers)
+        return self._result(
+            task,
+            update,
+            task.params,
+            n_grad=1,
+            samples=batch.targets.numel(),
+            metrics={"inner_loss": float(loss.detach())},
+        )
+
+    def client_phe_init(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+        """d_i = ∇_x f_i (batch φ) and p_{i,0} = (N/ℓ) ∇_y f_i (batch θ) (Alg. 2 lines 3-5)."""
+        gen = task.generator()
+        module, x, y, buffers = self._unpack(runtime, task)
+        phi = self._batch(runtime, task.data.outer, self.outer_batch_size, gen)
+        theta = self._batch(runtime, task.data.outer, self.outer_batch_size, gen)
+        inner_batch = phi  # unused by f; bind_losses wants one
+        outer_phi, _ = bind_losses(runtime.problem, module, buffers, inner_batch, phi)
+        outer_theta, _ = bind_losses(runtime.problem, module, buffers, inner_batch, theta)
+        x_var = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+        y_var = {n: t.detach().clone().requires_grad_(True) for n, t in y.items()}
+        f_phi = outer_phi(x_var, y_var)
+        d = torch.autograd.grad(f_phi, list(x_var.values()), allow_unused=True)
+        y_theta = {n: t.detach().clone().requires_grad_(True) for n, t in y.items()}
+        grad_y = torch.autograd.grad(outer_theta(x, y_theta), list(y_theta.values()))
+        scale = self.neumann_terms * self.eta
+        update = {
+            **{
+                n: (torch.zeros_like(t) if g is None else g.detach())
+                for (n, t), g in zip(x.items(), d, strict=True)
+            },
+            **{f"{P}:{n}": scale * g.detach() for n, g in zip(y, grad_y, strict=True)},
+        }
+        return self._result(
+            task,
+            update,
+            task.params,
+            n_grad=2,
+            samples=phi.targets.numel() + theta.targets.numel(),
+            metrics={"outer_loss": float(f_phi.detach())},
+        )
+
+    def client_neumann_step(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+        """p <- (I - ∇²_yy g_c(ζ)/ℓ) p, one product of the chain (Alg. 2 line 13)."""
+        gen = task.generator()
+        module, x, y, buffers = self._unpack(runtime, task)
+        batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
+        _, inner = bind_losses(runtime.problem, module, buffers, batch, batch)
+        system = InnerSystem(inner, x, y)
+        p = tuple(task.params[f"{P}:{n}"] for n in self.inner_names)
+        hp = system.hvp(p)
+        update = {
+            f"{P}:{n}": pi - self.eta * hi
+            for n, pi, hi in zip(self.inner_names, p, hp, strict=True)
+        }
+        return self._result(
+            task,
+            update,
+            task.params,
+            n_grad=system.n_grad,
+            n_hvp=system.n_hvp,
+            samples=batch.targets.numel(),
+        )
+
+    def client_mixed(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+        """∇²_xy g_c(ω) p_{i,N_i} (Alg. 2 line 22; the server subtracts it from d_i)."""
+        gen = task.generator()
+        module, x, y, buffers = self._unpack(runtime, task)
+        batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
+        _, inner = bind_losses(runtime.problem, module, buffers, batch, batch)
+        system = InnerSystem(inner, x, y)
+        p = tuple(task.params[f"{P}:{n}"] for n in self.inner_names)
+        jp = system.mixed(p)
+        update = dict(zip(self.outer_names, jp, strict=True))
+        return self._result(
+            task,
+            update,
+            task.params,
+            n_grad=system.n_grad,
+            n_hvp=system.n_hvp,
+            samples=batch.targets.numel(),
+        )
+
+    # -- servers -------------------------------------------------------------------------------
+    def server_inner(self, state, results, index_sets, weights):
+        """y <- y - β mean_i G_i (Alg. 1 lines 10-11); buffers averaged."""
+        updates = [r.update for r in results]
+        shapes = {n: state.y[n].shape for n in self.inner_names}
+        agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
+        y = apply_step(state.y, agg, self.inner_lr)
+        buffers = state.buffers
+        if self.aggregate_buffers:
+            buffers = average_buffers(buffers, updates, index_sets, weights)
+        return replace(state, y=y, buffers=buffers), {
+            "inner_loss": mean_metric(results, "inner_loss")
+        }
+
+    def server_phe_init(self, state, results, index_sets, weights):
+        """Start one chain per result: d_i, p_{i,0}, N_i ~ U{0..N-1} (Alg. 2 lines 1-7)."""
+        n = len(results)
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, state.round, 0xFED))
+        terms = torch.randint(0, self.neumann_terms, (n,), generator=gen, dtype=torch.int64)
+        metrics = {"outer_loss": mean_metric(results, "outer_loss")}
+        # the iteration counter moves here, so that it moves even when no chain finishes
+        state = replace(state, round=state.round + 1, chains={})
+        if n == 0:
+            return state, metrics
+        chains: Params = {"terms": terms, "alive": torch.ones(n, dtype=torch.bool)}
+        for name in self.outer_names:
+            chains[f"d:{name}"] = torch.stack([r.update[name] for r in results])
+        for name in self.inner_names:
+            key = f"{P}:{name}"
+            chains[key] = torch.stack([r.update[key] for r in results])
+        metrics["neumann_max_terms"] = float(terms.max())
+        return replace(state, chains=chains), metrics
+
+    def chain_server(self, level: int):
+        def server(state, results, index_sets, weights):
+            """p_{i,l} for the chains that got an answer; the others end."""
+            running = self.running(state, level)
+            chains = dict(state.chains)
+            alive = chains["alive"].clone()
+            answered = {r.slot: r for r in results}
+            for slot, chain in enumerate(running):
+                r = answered.get(slot)
+                if r is None:
+                    alive[chain] = False
+                    continue
+                for name in self.inner_names:
+                    key = f"{P}:{name}"
+                    stacked = chains[key].clone()
+                    stacked[chain] = r.update[key]
+                    chains[key] = stacked
+            chains["alive"] = alive
+            # chains live within one iteration: none left means nothing for phe.final to do
+            return replace(state, chains=chains if bool(alive.any()) else {}), {}
+
+        return server
+
+    def server_final(self, state, results, index_sets, weights):
+        """H_i = d_i - ∇²_xy g p_i (eq. (6)); x <- x - α mean_i H_i (Alg. 1 lines 15-16)."""
+        running = self.running(state, None)
+        answered = {r.slot: r for r in results}
+        finished = [
+            (chain, answered[slot]) for slot, chain in enumerate(running) if slot in answered
+        ]
+        x = state.x
+        metrics: dict[str, float] = {"phe_chains_finished": float(len(finished))}
+        if finished:
+            h = {
+                name: torch.stack(
+                    [state.chains[f"d:{name}"][chain] - r.update[name] for chain, r in finished]
+                ).mean(0)
+                for name in self.outer_names
+            }
+            norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in h.values())))
+            metrics["hypergrad_norm"] = norm
+            if self.max_hypergrad_norm is not None and norm > self.max_hypergrad_norm:
+                h = {k: t * (self.max_hypergrad_norm / norm) for k, t in h.items()}
+            x = {k: t - self.outer_lr * h[k] for k, t in state.x.items()}
+        return replace(state, x=x, chains={}), metrics
