@@ -23,14 +23,51 @@ class _Strict(BaseModel):
 
 
 # -- data -----------------------------------------------------------------------------------
+_OuterFraction = Annotated[
+    float, Field(gt=0, lt=1, description="share of each client's data used by the outer loss f_i")
+]
+_Limit = Annotated[int, Field(ge=1, description="keep at most this many examples of the split")]
+
+
 class DigitsData(_Strict):
     """scikit-learn's bundled handwritten digits (1797 8x8 images, no download)."""
 
     name: Literal["digits"] = "digits"
     test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out test share")
-    outer_fraction: float = Field(
-        0.3, gt=0, lt=1, description="share of each client's data used by the outer loss f_i"
-    )
+    outer_fraction: _OuterFraction = 0.3
+
+
+class _FileData(_Strict):
+    """A data set read from files the user already has in ``root`` (radbo never downloads).
+
+    The official training split is the training data, the official test split the test set.
+    ``limit_train`` / ``limit_test`` keep at most that many examples of each split: a
+    class-stratified subset drawn from the run seed (all of the split when it is smaller).
+    """
+
+    name: str
+    root: str = Field(min_length=1, description="folder holding the data set's files")
+    outer_fraction: _OuterFraction = 0.3
+    limit_train: _Limit | None = None
+    limit_test: _Limit | None = None
+
+
+class MNISTData(_FileData):
+    """MNIST from the IDX files in ``root`` (``train-images-idx3-ubyte`` ..., optionally
+    ``.gz``; also torchvision's ``root/MNIST/raw``): 60000 train and 10000 test 1x28x28."""
+
+    name: Literal["mnist"]
+
+
+class CIFAR10Data(_FileData):
+    """CIFAR-10, binary version, in ``root`` or ``root/cifar-10-batches-bin``
+    (``data_batch_1.bin`` ... ``data_batch_5.bin``, ``test_batch.bin``): 50000 train and
+    10000 test 3x32x32."""
+
+    name: Literal["cifar10"]
+
+
+DataConfig = Annotated[DigitsData | MNISTData | CIFAR10Data, Field(discriminator="name")]
 
 
 class IIDPartition(_Strict):
@@ -53,31 +90,72 @@ Partition = Annotated[
 
 
 # -- model and task -------------------------------------------------------------------------
+_Width = Annotated[int, Field(ge=1)]
+#: BatchNorm running statistics: averaged over clients like parameters, or static BN (sBN).
+BatchNormMode = Literal["aggregate", "static"]
+_Calibration = Annotated[
+    int, Field(ge=1, description="training examples the server recomputes static BN over")
+]
+
+
 class MLPModel(_Strict):
-    """Digits MLP: hidden layers are x, the head is y."""
+    """MLP on flattened inputs (any shape): hidden layers are x, the head is y."""
 
     name: Literal["mlp"] = "mlp"
-    hidden: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [128], min_length=1)
+    hidden: list[_Width] = Field(default_factory=lambda: [128], min_length=1)
 
 
 class CNNModel(_Strict):
-    """Small CNN with BatchNorm: conv backbone is x, head is y.
+    """Small CNN with BatchNorm (any image size and channel count): conv backbone is x, head is y.
 
-    ``batchnorm``: ``"aggregate"`` averages the clients' running statistics coordinate-wise
-    like parameters; ``"static"`` (HeteroFL's sBN) has clients normalise with batch statistics
-    only and the server recompute the statistics of the global model over
-    ``calibration_samples`` training examples before each evaluation.
+    ``batchnorm`` (every model with BatchNorm layers has it): ``"aggregate"`` averages the
+    clients' running statistics coordinate-wise like parameters; ``"static"`` (HeteroFL's sBN)
+    has clients normalise with batch statistics only and the server recompute the statistics of
+    the global model over ``calibration_samples`` training examples before each evaluation.
     """
 
     name: Literal["cnn"] = "cnn"
-    channels: list[Annotated[int, Field(ge=1)]] = Field(
-        default_factory=lambda: [16, 32], min_length=1
+    channels: list[_Width] = Field(default_factory=lambda: [16, 32], min_length=1)
+    batchnorm: BatchNormMode = "aggregate"
+    calibration_samples: _Calibration = 512
+
+
+class CNN7Model(_Strict):
+    """FedNest's 7-layer LeNet-5 CNN (no BatchNorm; images of at least 16x16): the two convs
+    and two hidden linear layers are x, the head is y."""
+
+    name: Literal["cnn7"]
+    channels: list[_Width] = Field(default_factory=lambda: [6, 16], min_length=2, max_length=2)
+    hidden: list[_Width] = Field(default_factory=lambda: [120, 84], min_length=2, max_length=2)
+
+
+class ResNet12Model(_Strict):
+    """ResNet-12 (MetaOptNet / RFS; images of at least 16x16): backbone is x, head is y."""
+
+    name: Literal["resnet12"]
+    widths: list[_Width] = Field(
+        default_factory=lambda: [64, 160, 320, 640], min_length=4, max_length=4
     )
-    batchnorm: Literal["aggregate", "static"] = "aggregate"
-    calibration_samples: int = Field(512, ge=1)
+    batchnorm: BatchNormMode = "aggregate"
+    calibration_samples: _Calibration = 512
 
 
-ModelConfig = Annotated[MLPModel | CNNModel, Field(discriminator="name")]
+class ResNet18Model(_Strict):
+    """ResNet-18, CIFAR-style stem (HeteroFL / FedRolex; images of at least 9x9): backbone is x,
+    head is y."""
+
+    name: Literal["resnet18"]
+    widths: list[_Width] = Field(
+        default_factory=lambda: [64, 128, 256, 512], min_length=4, max_length=4
+    )
+    batchnorm: BatchNormMode = "aggregate"
+    calibration_samples: _Calibration = 512
+
+
+ModelConfig = Annotated[
+    MLPModel | CNNModel | CNN7Model | ResNet12Model | ResNet18Model,
+    Field(discriminator="name"),
+]
 
 
 class HyperRepresentationTask(_Strict):
@@ -283,7 +361,7 @@ class RunConfig(_Strict):
     checkpoint_every: int | None = Field(
         None, ge=1, description="write a checkpoint every N rounds (and after the last)"
     )
-    data: DigitsData = Field(default_factory=DigitsData)
+    data: DataConfig = Field(default_factory=DigitsData)
     partition: Partition = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=MLPModel)
     task: HyperRepresentationTask = Field(default_factory=HyperRepresentationTask)
@@ -320,6 +398,7 @@ class RunConfig(_Strict):
 
 
 _DEFAULT_TAGS = (
+    ("data", "name", "digits"),
     ("partition", "kind", "dirichlet"),
     ("model", "name", "mlp"),
     ("algorithm", "name", "rabo"),
@@ -328,7 +407,8 @@ _DEFAULT_TAGS = (
 
 
 _TAGS = {
-    "iid", "shards", "dirichlet", "mlp", "cnn", "cg", "neumann", "finite_difference",
+    "digits", "mnist", "cifar10", "iid", "shards", "dirichlet", "mlp", "cnn", "cnn7", "resnet12",
+    "resnet18", "cg", "neumann", "finite_difference",
     "first_order", "rabo", "rafbo", "simfbo", "shrofbo",
 }  # fmt: skip
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}

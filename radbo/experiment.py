@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +26,21 @@ from radbo.algorithms.simfbo import SimFBO
 from radbo.checkpoint import CheckpointError, atomic_write_text, load_checkpoint, save_checkpoint
 from radbo.config import (
     CGEstimator,
+    CIFAR10Data,
+    CNN7Model,
     CNNModel,
     ConfigError,
+    DigitsData,
     DirichletPartition,
     FiniteDifferenceEstimator,
     FirstOrderEstimator,
     IIDPartition,
     MLPModel,
+    MNISTData,
     NeumannEstimator,
     RABOConfig,
+    ResNet12Model,
+    ResNet18Model,
     RunConfig,
     ShardsPartition,
     SimFBOConfig,
@@ -41,11 +48,14 @@ from radbo.config import (
 from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
 from radbo.data import (
     Dataset,
+    load_cifar10,
     load_digits,
+    load_mnist,
     partition_dirichlet,
     partition_iid,
     partition_shards,
     split_indices,
+    stratified_subset,
     train_test_split,
 )
 from radbo.devices import Fleet
@@ -69,7 +79,7 @@ from radbo.masks.policies import (
     RollingPolicy,
 )
 from radbo.masks.structure import StructurePlan
-from radbo.models import MLP, BilevelModel, SmallCNN
+from radbo.models import CNN7, MLP, BilevelModel, ResNet12, ResNet18, SmallCNN
 from radbo.problem import ClientData, forward
 from radbo.simulation.engine import (
     ClientBudget,
@@ -83,6 +93,9 @@ from radbo.typing import Params
 
 # Stream identifiers for derive_seed: each random choice of a run has its own stream.
 _SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT, _FLEET, _CALIBRATION = 11, 12, 13, 14, 15, 16
+_SUBSET = 17  # limit_train / limit_test: derive_seed(seed, _SUBSET, 0 for train, 1 for test)
+# Test examples per forward pass of the evaluator (bounds its memory on large test sets).
+_EVAL_BATCH = 1024
 
 
 @dataclass
@@ -128,19 +141,106 @@ class RunResult:
     savings: dict[str, float] | None = None
 
 
+def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
+    """Training and test set of the configured data, shaped for the configured model: flat
+    vectors for ``mlp``, images ``(C, H, W)`` for every other model.
+
+    ``digits`` is split by ``test_fraction`` (stratified, from the run seed); ``mnist`` and
+    ``cifar10`` use their official splits, cut to ``limit_train`` / ``limit_test`` examples by
+    :func:`radbo.data.stratified_subset` (from the run seed). A missing or unreadable data
+    file is a :class:`ConfigError` naming ``data.root``.
+    """
+    dc = config.data
+    flat = isinstance(config.model, MLPModel)
+    if isinstance(dc, DigitsData):
+        data = load_digits(flatten=flat)
+        split_gen = torch.Generator().manual_seed(derive_seed(config.seed, _SPLIT))
+        return train_test_split(data, dc.test_fraction, split_gen)
+    try:
+        if isinstance(dc, MNISTData):
+            train = load_mnist(dc.root, train=True, flatten=flat)
+            test = load_mnist(dc.root, train=False, flatten=flat)
+        elif isinstance(dc, CIFAR10Data):
+            train = load_cifar10(dc.root, train=True)
+            test = load_cifar10(dc.root, train=False)
+        else:  # pragma: no cover
+            raise TypeError(f"unsupported data config {dc!r}")
+    except (OSError, ValueError) as err:  # FileNotFoundError, corrupt or truncated files
+        raise ConfigError(f"config error: data.root = {dc.root!r}: {err}") from None
+    parts = []
+    for i, (split, limit) in enumerate(((train, dc.limit_train), (test, dc.limit_test))):
+        if len(split) == 0:
+            raise ConfigError(f"config error: data.root = {dc.root!r}: {split.name} is empty")
+        if flat and split.features.ndim > 2:
+            split = Dataset(split.features.flatten(1), split.labels, split.num_classes, split.name)
+        if limit is not None:
+            gen = torch.Generator().manual_seed(derive_seed(config.seed, _SUBSET, i))
+            split = stratified_subset(split, limit, gen)
+        parts.append(split)
+    return parts[0], parts[1]
+
+
+#: Smallest image side each convolutional model takes: CNN7 (two valid 5x5 convs and two 2x2
+#: pools) and ResNet12 (four 2x2 pools) need 16; ResNet18's three stride-2 stages must leave its
+#: last stage at least 2x2, or its BatchNorm fails on a training batch of one example.
+_MIN_IMAGE_SIZE = {"cnn": 1, "cnn7": 16, "resnet12": 16, "resnet18": 9}
+
+
 def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -> BilevelModel:
-    """The configured model, initialised from the run seed (global RNG state is restored)."""
+    """The configured model for inputs of ``input_shape`` (one example) and ``classes``
+    outputs, initialised from the run seed (global RNG state is restored).
+
+    ``mlp`` flattens inputs of any shape; the convolutional models need images ``(C, S, S)``
+    of at least ``_MIN_IMAGE_SIZE`` pixels a side, or raise :class:`ConfigError`.
+    """
+    mc = config.model
+    image = None if isinstance(mc, MLPModel) else _image_shape(config, input_shape)
     with torch.random.fork_rng():
         torch.manual_seed(derive_seed(config.seed, _INIT))
-        if isinstance(config.model, MLPModel):
-            in_features = 1
-            for d in input_shape:
-                in_features *= d
-            return MLP(in_features, config.model.hidden, classes)
-        if isinstance(config.model, CNNModel):
-            channels, size = input_shape[0], input_shape[-1]
-            return SmallCNN(channels, size, config.model.channels, classes)
-    raise TypeError(f"unsupported model config {config.model!r}")  # pragma: no cover
+        try:
+            return _make_model(mc, input_shape, image, classes)
+        except ValueError as err:  # sizes the model cannot take
+            raise ConfigError(
+                f"config error: model.name = {mc.name!r}: cannot take {config.data.name} inputs "
+                f"of shape {tuple(input_shape)}: {err}"
+            ) from None
+
+
+def _make_model(
+    mc: Any, input_shape: tuple[int, ...], image: tuple[int, int] | None, classes: int
+) -> BilevelModel:
+    if isinstance(mc, MLPModel):
+        return MLP(math.prod(input_shape), mc.hidden, classes)
+    assert image is not None
+    channels, size = image
+    if isinstance(mc, CNNModel):
+        return SmallCNN(channels, size, mc.channels, classes)
+    if isinstance(mc, CNN7Model):
+        return CNN7(classes, channels, size, mc.channels, mc.hidden)
+    if isinstance(mc, ResNet12Model):
+        return ResNet12(classes, channels, size, mc.widths)
+    if isinstance(mc, ResNet18Model):
+        return ResNet18(classes, channels, size, mc.widths)
+    raise TypeError(f"unsupported model config {mc!r}")  # pragma: no cover
+
+
+def _image_shape(config: RunConfig, input_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(channels, side) of square images ``(C, S, S)`` large enough for the model."""
+    name = config.model.name
+    if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
+        raise ConfigError(
+            f"config error: model.name = {name!r}: needs square images (C, S, S), but "
+            f"{config.data.name} gives inputs of shape {tuple(input_shape)}; use mlp"
+        )
+    channels, size = input_shape[0], input_shape[2]
+    least = _MIN_IMAGE_SIZE[name]
+    if size < least:
+        raise ConfigError(
+            f"config error: model.name = {name!r}: needs images of at least {least}x{least}, "
+            f"but {config.data.name} gives {channels}x{size}x{size}; use a larger data set or "
+            "another model"
+        )
+    return channels, size
 
 
 def build_estimator(config: RunConfig) -> HypergradEstimator:
@@ -262,7 +362,9 @@ def make_evaluator(
                 if calibration is not None:
                     b = calibrate_batchnorm(module, x, y, b, calibration)
                 module.eval()
-                logits = forward(module, x, y, b, test.features)
+                logits = torch.cat(
+                    [forward(module, x, y, b, part) for part in test.features.split(_EVAL_BATCH)]
+                )
                 loss = F.cross_entropy(logits, test.labels)
                 acc = (logits.argmax(1) == test.labels).float().mean()
         finally:
@@ -294,17 +396,24 @@ def calibrate_batchnorm(
     return fresh
 
 
+#: Model configs of models with BatchNorm layers: they have ``batchnorm`` and
+#: ``calibration_samples``.
+_BATCHNORM_MODELS = (CNNModel, ResNet12Model, ResNet18Model)
+
+
 def static_batchnorm(config: RunConfig) -> bool:
-    return isinstance(config.model, CNNModel) and config.model.batchnorm == "static"
+    """Whether the model's BatchNorm layers use static BN (sBN; see :class:`CNNModel`)."""
+    return isinstance(config.model, _BATCHNORM_MODELS) and config.model.batchnorm == "static"
 
 
 def calibration_inputs(config: RunConfig, train: Dataset) -> torch.Tensor | None:
     """The server's calibration set for static BN: the first ``calibration_samples`` of a
     seeded permutation of the training set (None without static BN)."""
-    if not static_batchnorm(config):
+    mc = config.model
+    if not static_batchnorm(config) or not isinstance(mc, _BATCHNORM_MODELS):
         return None
     gen = torch.Generator().manual_seed(derive_seed(config.seed, _CALIBRATION))
-    pick = torch.randperm(len(train), generator=gen)[: config.model.calibration_samples]
+    pick = torch.randperm(len(train), generator=gen)[: mc.calibration_samples]
     return train.features[pick]
 
 
@@ -372,10 +481,7 @@ def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) 
 
 def build(config: RunConfig) -> Experiment:
     """Build data, model, fleet, masks, algorithm and the simulation for ``config``."""
-    is_cnn = isinstance(config.model, CNNModel)
-    data = load_digits(flatten=not is_cnn)
-    split_gen = torch.Generator().manual_seed(derive_seed(config.seed, _SPLIT))
-    train, test = train_test_split(data, config.data.test_fraction, split_gen)
+    train, test = load_data(config)
     parts = partition(config, train.labels)
     client_gen = torch.Generator().manual_seed(derive_seed(config.seed, _CLIENT_SPLIT))
     clients = []

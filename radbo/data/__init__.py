@@ -2,8 +2,8 @@
 
 * :mod:`radbo.data.datasets` -- the :class:`Dataset` container, :func:`load_digits`
   (scikit-learn's bundled digits, the embedded default), loaders for MNIST (IDX),
-  CIFAR-10 (binary) and Omniglot (PNG folders) from a local directory, and a
-  stratified :func:`train_test_split`.
+  CIFAR-10 (binary) and Omniglot (PNG folders) from a local directory, a stratified
+  :func:`train_test_split` and a stratified :func:`stratified_subset`.
 * :mod:`radbo.data.partition` -- iid, shards, Dirichlet and FedMSA q-dominant
   client partitions, :func:`split_indices` and :func:`label_histogram`.
 * :mod:`radbo.data.readers` -- validating readers of the raw file formats.
@@ -15,6 +15,7 @@ from radbo.data.datasets import (
     load_digits,
     load_mnist,
     load_omniglot,
+    stratified_subset,
     train_test_split,
 )
 from radbo.data.partition import (
@@ -43,5 +44,6 @@ __all__ = [
     "read_mnist",
     "read_omniglot",
     "split_indices",
+    "stratified_subset",
     "train_test_split",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "load_mnist",
     "load_cifar10",
     "load_omniglot",
+    "stratified_subset",
     "train_test_split",
 ]
 
@@ -203,6 +204,41 @@ def _test_counts(class_sizes: Tensor, total: int) -> Tensor:
     return counts
 
 
+def _stratified_pick(labels: Tensor, total: int, generator: torch.Generator) -> Tensor:
+    """``total`` indices drawn at random, each class contributing its largest-remainder share
+    (see :func:`_test_counts`); grouped by class, in drawing order within a class."""
+    classes, class_sizes = torch.unique(labels, return_counts=True)
+    counts = _test_counts(class_sizes, total)
+    chosen = []
+    for cls, count in zip(classes.tolist(), counts.tolist(), strict=True):
+        members = torch.nonzero(labels == cls).flatten()
+        order = torch.randperm(members.numel(), generator=generator)
+        chosen.append(members[order[:count]])
+    return torch.cat(chosen)
+
+
+def stratified_subset(ds: Dataset, size: int, generator: torch.Generator) -> Dataset:
+    """``size`` samples of ``ds`` drawn at random, deterministically given ``generator``.
+
+    Every class contributes its proportional share (largest-remainder rounding, as in
+    :func:`train_test_split`); the subset keeps the original sample order, the classes and the
+    name. When ``size >= len(ds)`` the whole of ``ds`` is returned.
+
+    >>> ds = Dataset(torch.zeros(6, 1), torch.tensor([0, 0, 0, 0, 1, 1]), 2, "toy")
+    >>> sorted(stratified_subset(ds, 3, torch.Generator().manual_seed(0)).labels.tolist())
+    [0, 0, 1]
+
+    Raises:
+        ValueError: ``size`` is not a positive integer.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"stratified_subset: size must be a positive integer, got {size!r}.")
+    if size >= len(ds):
+        return ds
+    index = _stratified_pick(ds.labels.cpu(), size, generator)
+    return ds.subset(torch.sort(index).values)
+
+
 def train_test_split(
     ds: Dataset, test_fraction: float, generator: torch.Generator, *, stratify: bool = True
 ) -> tuple[Dataset, Dataset]:
@@ -231,16 +267,8 @@ def train_test_split(
             "for a non-empty train and test part."
         )
     n_test = min(max(round(test_fraction * n), 1), n - 1)
-    labels = ds.labels.cpu()
     if stratify:
-        classes, class_sizes = torch.unique(labels, return_counts=True)
-        counts = _test_counts(class_sizes, n_test)
-        chosen = []
-        for cls, count in zip(classes.tolist(), counts.tolist(), strict=True):
-            members = torch.nonzero(labels == cls).flatten()
-            order = torch.randperm(members.numel(), generator=generator)
-            chosen.append(members[order[:count]])
-        test_index = torch.cat(chosen)
+        test_index = _stratified_pick(ds.labels.cpu(), n_test, generator)
     else:
         test_index = torch.randperm(n, generator=generator)[:n_test]
     is_test = torch.zeros(n, dtype=torch.bool)
