@@ -198,6 +198,9 @@ class FleetConfig(_Strict):
         | None
     ) = Field(None, min_length=1)
     clients_per_round: int | None = Field(None, ge=1)
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="chance a sampled client drops out mid-round"
+    )
     devices: dict[str, Annotated[float, Field(ge=0)]] | None = None
     file: str | None = None
     trace: TraceConfig | None = None
@@ -338,7 +341,41 @@ class SimFBOConfig(_Strict):
     weighting: Literal["uniform", "data_size"] = "uniform"
 
 
-AlgorithmConfig = Annotated[RABOConfig | SimFBOConfig, Field(discriminator="name")]
+class FedMBOConfig(_Strict):
+    """FedMBO baseline (Alg. 1 + PHE Alg. 2 of ``papers/fedmbo.txt``): full model, minibatch
+    SGD on y and a randomized Neumann hypergradient built across freshly sampled clients."""
+
+    name: Literal["fedmbo"]
+    inner_lr: float = Field(0.1, gt=0, description="beta")
+    outer_lr: float = Field(0.1, gt=0, description="alpha")
+    inner_steps: int = Field(5, ge=1, description="T, minibatch-SGD rounds on y")
+    batch_size: int = Field(32, ge=1, description="S")
+    outer_batch_size: int = Field(32, ge=1)
+    neumann_terms: int = Field(10, ge=1, description="N")
+    eta: float = Field(0.1, gt=0, description="1 / l_g,1")
+    clients_per_phase: int | None = Field(None, ge=1, description="n; default all available")
+    max_hypergrad_norm: float | None = Field(None, gt=0)
+    weighting: Literal["uniform", "data_size"] = "uniform"
+
+
+class FedMSAConfig(_Strict):
+    """FedMSA baseline (Alg. 1 with eq. (10) of ``papers/fedmsa.txt``): momentum directions
+    from all sampled clients, then K local variance-reduced steps on one of them."""
+
+    name: Literal["fedmsa"]
+    outer_lr: float = Field(0.05, gt=0, description="alpha")
+    inner_lr: float = Field(0.1, gt=0, description="beta_w")
+    v_lr: float = Field(0.1, gt=0, description="beta_v")
+    momentum: float = Field(0.5, ge=0, le=1, description="rho")
+    local_steps: int = Field(5, ge=1, description="K")
+    batch_size: int = Field(32, ge=1)
+    outer_batch_size: int = Field(32, ge=1)
+    weighting: Literal["uniform", "data_size"] = "uniform"
+
+
+AlgorithmConfig = Annotated[
+    RABOConfig | SimFBOConfig | FedMBOConfig | FedMSAConfig, Field(discriminator="name")
+]
 
 
 class BaselineConfig(_Strict):
@@ -370,6 +407,15 @@ class RunConfig(_Strict):
     algorithm: AlgorithmConfig = Field(default_factory=RABOConfig)
     estimator: EstimatorConfig = Field(default_factory=CGEstimator)
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+
+    @model_validator(mode="after")
+    def _check_full_model_baselines(self) -> RunConfig:
+        if self.algorithm.name in ("fedmbo", "fedmsa") and self.mask.policy != "none":
+            raise ValueError(
+                f"algorithm {self.algorithm.name} trains the full model on every client; set "
+                f'[mask] policy = "none" (got {self.mask.policy!r})'
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_rafbo(self) -> RunConfig:
@@ -409,7 +455,7 @@ _DEFAULT_TAGS = (
 _TAGS = {
     "digits", "mnist", "cifar10", "iid", "shards", "dirichlet", "mlp", "cnn", "cnn7", "resnet12",
     "resnet18", "cg", "neumann", "finite_difference",
-    "first_order", "rabo", "rafbo", "simfbo", "shrofbo",
+    "first_order", "rabo", "rafbo", "simfbo", "shrofbo", "fedmbo", "fedmsa",
 }  # fmt: skip
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from radbo.algorithms.fedmbo import FedMBO
+from radbo.algorithms.fedmsa import FedMSA
 from radbo.algorithms.rabo import RABO
 from radbo.algorithms.shrofbo import ShroFBO
 from radbo.algorithms.simfbo import SimFBO
@@ -32,6 +34,8 @@ from radbo.config import (
     ConfigError,
     DigitsData,
     DirichletPartition,
+    FedMBOConfig,
+    FedMSAConfig,
     FiniteDifferenceEstimator,
     FirstOrderEstimator,
     IIDPartition,
@@ -94,6 +98,7 @@ from radbo.typing import Params
 # Stream identifiers for derive_seed: each random choice of a run has its own stream.
 _SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT, _FLEET, _CALIBRATION = 11, 12, 13, 14, 15, 16
 _SUBSET = 17  # limit_train / limit_test: derive_seed(seed, _SUBSET, 0 for train, 1 for test)
+_ALGORITHM = 18  # an algorithm's own draws (FedMBO's Neumann truncations)
 # Test examples per forward pass of the evaluator (bounds its memory on large test sets).
 _EVAL_BATCH = 1024
 
@@ -269,8 +274,8 @@ def build_estimator(config: RunConfig) -> HypergradEstimator:
 
 def build_algorithm(
     config: RunConfig, outer: list[str], inner: list[str], buffers: list[str]
-) -> RABO | SimFBO:
-    """The configured algorithm (RABO / RAFBO, SimFBO or ShroFBO)."""
+) -> RABO | SimFBO | FedMBO | FedMSA:
+    """The configured algorithm (RABO / RAFBO, SimFBO, ShroFBO, FedMBO or FedMSA)."""
     algo = config.algorithm
     names = {
         "outer_names": tuple(outer),
@@ -314,13 +319,41 @@ def build_algorithm(
             penalty=algo.penalty if algo.products == "first_order" else None,
             aggregate_buffers=not static_batchnorm(config),
         )
+    if isinstance(algo, FedMBOConfig):
+        return FedMBO(
+            **names,
+            inner_lr=algo.inner_lr,
+            outer_lr=algo.outer_lr,
+            inner_steps=algo.inner_steps,
+            batch_size=algo.batch_size,
+            outer_batch_size=algo.outer_batch_size,
+            neumann_terms=algo.neumann_terms,
+            eta=algo.eta,
+            clients_per_phase=algo.clients_per_phase,
+            max_hypergrad_norm=algo.max_hypergrad_norm,
+            seed=derive_seed(config.seed, _ALGORITHM),
+            aggregate_buffers=not static_batchnorm(config),
+        )
+    if isinstance(algo, FedMSAConfig):
+        return FedMSA(
+            **names,
+            outer_lr=algo.outer_lr,
+            inner_lr=algo.inner_lr,
+            v_lr=algo.v_lr,
+            momentum=algo.momentum,
+            local_steps=algo.local_steps,
+            batch_size=algo.batch_size,
+            outer_batch_size=algo.outer_batch_size,
+            aggregate_buffers=not static_batchnorm(config),
+        )
     raise TypeError(f"unsupported algorithm config {algo!r}")  # pragma: no cover
 
 
 def fixed_local_steps(config: RunConfig) -> int:
-    """T (RABO) or tau (SimFBO/ShroFBO) when every client runs the same number of steps."""
+    """T (RABO, FedMBO) or tau / K (SimFBO, ShroFBO, FedMSA) when every client runs the same
+    number of steps."""
     algo = config.algorithm
-    return algo.inner_steps if isinstance(algo, RABOConfig) else algo.local_steps
+    return algo.inner_steps if isinstance(algo, RABOConfig | FedMBOConfig) else algo.local_steps
 
 
 def partition(config: RunConfig, labels: torch.Tensor) -> list[torch.Tensor]:
@@ -543,6 +576,7 @@ def build(config: RunConfig) -> Experiment:
         eval_every=config.eval_every,
         profiles=None if fleet is None else list(fleet),
         coverage={"x": outer_names, "y": inner_names},
+        dropout=[config.fleet.dropout] * len(clients) if config.fleet.dropout > 0 else None,
         local_steps=(
             UniformLocalSteps(
                 *config.fleet.local_steps_range,
@@ -645,7 +679,7 @@ def baseline_config(config: RunConfig) -> RunConfig:
             "name": "rabo",
             "inner_lr": algo.inner_lr,
             "outer_lr": algo.outer_lr,
-            "inner_steps": algo.local_steps,
+            "inner_steps": getattr(algo, "inner_steps", getattr(algo, "local_steps", 5)),
             "batch_size": algo.batch_size,
             "outer_batch_size": algo.outer_batch_size,
             "weighting": algo.weighting,
@@ -773,6 +807,9 @@ def _run_once(
     run_totals["client_rounds"] = sum(len(r["clients"]) for r in rows)
     run_totals["unavailable_client_rounds"] = sum(len(r["unavailable"]) for r in rows)
     run_totals["rejected_updates"] = sum(len(c) for r in rows for c in r["rejected"].values())
+    run_totals["dropped_client_rounds"] = sum(
+        len(c) for r in rows for c in r.get("dropped", {}).values()
+    )
     run_totals["empty_rounds"] = sum(1 for r in rows if not r["clients"])
     meter = sim.flop_meter
     run_totals["flop_measurements"] = 0 if meter is None else meter.measurements

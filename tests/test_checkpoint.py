@@ -73,6 +73,16 @@ CASES = {
         fleet={"capacities": [1.0, 0.5], "local_steps": "uniform_per_round"},
     ),
     "first-order": dict(estimator={"name": "first_order", "inner_steps": 3}),
+    "fedmbo-dropout": dict(
+        algorithm={"name": "fedmbo", "inner_steps": 2, "neumann_terms": 3, "clients_per_phase": 4},
+        mask={"policy": "none"},
+        fleet={"capacities": [1.0], "dropout": 0.2},
+    ),
+    "fedmsa": dict(
+        algorithm={"name": "fedmsa", "local_steps": 2},
+        mask={"policy": "none"},
+        fleet={"capacities": [1.0]},
+    ),
 }
 
 

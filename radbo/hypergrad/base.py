@@ -299,6 +299,11 @@ class InnerSystem:
         g = _scalar("inner_loss", inner_loss(x_leaf, y_leaf))
         self._grad_y_g: TensorTuple = _grad([g], self._y, None, create_graph=True)
 
+    @property
+    def grad_y_g(self) -> TensorTuple:
+        """``∇_y g(x, y)`` (detached), one tensor per name of ``y``."""
+        return tuple(t.detach() for t in self._grad_y_g)
+
     def hvp(self, u: Sequence[Tensor]) -> TensorTuple:
         """``∇²_yy g(x, y) · u`` for ``u`` shaped like ``y`` (counts one product)."""
         self.n_hvp += 1
