@@ -6,6 +6,7 @@ FedMBO-style baseline on the same fleet (all ratios are measured within one run,
 noise does not enter), plus the per-tier compute fractions.
 
     .venv/bin/python benchmarks/savings.py                       # demo config, seeds 0 1 2
+    .venv/bin/python benchmarks/savings.py --baseline fedmbo     # against FedMBO itself
     .venv/bin/python benchmarks/savings.py --config my.toml --seeds 0 --json out.json
 """
 
@@ -27,15 +28,26 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument(
+        "--baseline",
+        choices=["fedmbo_style", "fedmbo"],
+        default=None,
+        help="baseline algorithm (default: the config's [baseline] algorithm)",
+    )
     args = parser.parse_args()
 
     base = load_config(args.config).model_dump()
     base["baseline"] = {**base["baseline"], "enabled": True}
+    if args.baseline is not None:
+        base["baseline"]["algorithm"] = args.baseline
     if args.rounds is not None:
         base["rounds"] = args.rounds
     rows = []
-    print("| seed | acc RABO | acc baseline | compute | bytes (up+down) | bytes up | sim. time |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| seed | acc RABO | acc baseline | compute | bytes (up+down) | bytes up | sim. time "
+        "| comm. rounds RABO / baseline |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seed in args.seeds:
         result = run(parse_config({**base, "seed": seed}), progress=False, save=False)
         sv, b = result.savings, result.baseline
@@ -57,7 +69,9 @@ def main() -> None:
         print(
             f"| {seed} | {row['accuracy']:.3f} | {row['baseline_accuracy']:.3f} "
             f"| {sv['compute_fraction']:.1%} | {sv['bytes_fraction']:.1%} "
-            f"| {sv['bytes_up_fraction']:.1%} | {sv['time_fraction']:.1%} |",
+            f"| {sv['bytes_up_fraction']:.1%} | {sv['time_fraction']:.1%} "
+            f"| {result.totals['communication_rounds']:.0f} / "
+            f"{b.totals['communication_rounds']:.0f} |",
             flush=True,
         )
     print()

@@ -379,13 +379,23 @@ AlgorithmConfig = Annotated[
 
 
 class BaselineConfig(_Strict):
-    """The full-model reference run a savings report compares with: every client trains the
-    full model (capacity 1, no masks) with a FedMBO-style truncated Neumann hypergradient, on
-    the same fleet, data, seed and number of rounds."""
+    """The full-model reference run a savings report compares with, on the same fleet, data,
+    seed and number of rounds (iterations), every client on the full model (capacity 1, no
+    masks).
+
+    ``algorithm = "fedmbo_style"`` (default) is RABO's two-phase round with a truncated Neumann
+    hypergradient of ``terms`` terms and step ``eta``: the same local work as the run, minus
+    the masks. ``"fedmbo"`` is FedMBO itself (``papers/fedmbo.txt``, Alg. 1 + PHE): T
+    minibatch-SGD communication rounds on y with the run's T, step sizes and batch sizes, and
+    the randomized Neumann chains with N = ``terms``, 1/l = ``eta`` and ``clients_per_phase``
+    clients per communication round (default: all available).
+    """
 
     enabled: bool = False
+    algorithm: Literal["fedmbo_style", "fedmbo"] = "fedmbo_style"
     terms: int = Field(10, ge=1, description="Neumann terms")
     eta: float = Field(0.1, gt=0, description="Neumann step")
+    clients_per_phase: int | None = Field(None, ge=1, description="FedMBO's n")
 
 
 class RunConfig(_Strict):

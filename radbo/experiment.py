@@ -667,23 +667,36 @@ def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
 
 
 def baseline_config(config: RunConfig) -> RunConfig:
-    """The paired full-model FedMBO-style run of ``config`` (see :class:`BaselineConfig`):
-    RABO's two-phase round with every client on the full model and a truncated Neumann
-    hypergradient; a SimFBO/ShroFBO config keeps its step sizes, batch sizes and tau as T."""
+    """The paired full-model run of ``config`` (see :class:`BaselineConfig`).
+
+    ``fedmbo_style``: RABO's two-phase round with every client on the full model and a
+    truncated Neumann hypergradient. ``fedmbo``: FedMBO with the run's T, step sizes, batch
+    sizes and clipping. A SimFBO/ShroFBO/FedMSA config gives its tau (K) as T.
+    """
     data = config.model_dump()
     algo = config.algorithm
-    if isinstance(algo, RABOConfig):
+    common = {
+        "inner_lr": algo.inner_lr,
+        "outer_lr": algo.outer_lr,
+        "inner_steps": getattr(algo, "inner_steps", getattr(algo, "local_steps", 5)),
+        "batch_size": algo.batch_size,
+        "outer_batch_size": algo.outer_batch_size,
+        "weighting": algo.weighting,
+    }
+    clip = getattr(algo, "max_hypergrad_norm", None)
+    if config.baseline.algorithm == "fedmbo":
+        data["algorithm"] = {
+            "name": "fedmbo",
+            **common,
+            "neumann_terms": config.baseline.terms,
+            "eta": config.baseline.eta,
+            "clients_per_phase": config.baseline.clients_per_phase,
+            "max_hypergrad_norm": clip,
+        }
+    elif isinstance(algo, RABOConfig):
         data["algorithm"] = {**data["algorithm"], "name": "rabo"}
     else:
-        data["algorithm"] = {
-            "name": "rabo",
-            "inner_lr": algo.inner_lr,
-            "outer_lr": algo.outer_lr,
-            "inner_steps": getattr(algo, "inner_steps", getattr(algo, "local_steps", 5)),
-            "batch_size": algo.batch_size,
-            "outer_batch_size": algo.outer_batch_size,
-            "weighting": algo.weighting,
-        }
+        data["algorithm"] = {"name": "rabo", **common, "max_hypergrad_norm": clip}
     data["mask"] = {**data["mask"], "policy": "none"}
     data["fleet"] = {**data["fleet"], "capacities": [1.0], "local_steps": "fixed"}
     data["estimator"] = {

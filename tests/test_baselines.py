@@ -45,3 +45,27 @@ def test_fleet_dropout_is_counted_and_training_goes_on():
     dropped = result.totals["dropped_client_rounds"]
     assert 0.15 * result.totals["client_rounds"] < dropped < 0.45 * result.totals["client_rounds"]
     assert result.final["test_accuracy"] > 0.5
+
+
+def test_fedmbo_as_the_savings_baseline_takes_the_runs_settings():
+    from radbo.experiment import baseline_config
+
+    data = demo_dict()
+    data["baseline"] = {"enabled": True, "algorithm": "fedmbo", "terms": 4, "eta": 0.3}
+    cfg = parse_config(data)
+    base = baseline_config(cfg)
+    algo, rabo = base.algorithm, cfg.algorithm
+    assert algo.name == "fedmbo" and base.mask.policy == "none"
+    assert base.fleet.capacities == [1.0] and not base.baseline.enabled
+    assert (algo.inner_lr, algo.outer_lr, algo.inner_steps) == (
+        rabo.inner_lr,
+        rabo.outer_lr,
+        rabo.inner_steps,
+    )
+    assert (algo.neumann_terms, algo.eta, algo.max_hypergrad_norm) == (4, 0.3, 0.5)
+
+    data.update(rounds=2, eval_every=1)
+    result = run(parse_config(data), progress=False, save=False)
+    assert result.baseline.config.algorithm.name == "fedmbo"
+    assert result.baseline.totals["communication_rounds"] >= 2 * (rabo.inner_steps + 2)
+    assert 0 < result.savings["bytes_fraction"] < 1
