@@ -152,15 +152,36 @@ class ResNet18Model(_Strict):
     calibration_samples: _Calibration = 512
 
 
+class LogisticModel(_Strict):
+    """Logistic regression on flattened inputs with one L2 weight per input feature: the
+    classifier is y, the log weights ``log_l2`` are x (task ``feature_l2``)."""
+
+    name: Literal["logistic"]
+    init_log_l2: float = Field(-3.0, description="initial log L2 weight of every feature")
+
+
 ModelConfig = Annotated[
-    MLPModel | CNNModel | CNN7Model | ResNet12Model | ResNet18Model,
+    MLPModel | CNNModel | CNN7Model | ResNet12Model | ResNet18Model | LogisticModel,
     Field(discriminator="name"),
 ]
 
 
 class HyperRepresentationTask(_Strict):
+    """Backbone = x, head = y (``papers/rabo_rafbo.txt`` Sec. V-A, FedNest, FedMSA)."""
+
     name: Literal["hyper_representation"] = "hyper_representation"
     inner_l2: float = Field(1e-2, ge=0, description="L2 weight on y making g strongly convex")
+
+
+class FeatureL2Task(_Strict):
+    """Hyperparameter optimization: x = one log L2 weight per input feature of a logistic
+    regression y (model ``logistic``); f is the validation cross-entropy."""
+
+    name: Literal["feature_l2"]
+    inner_l2: float = Field(1e-3, ge=0, description="extra L2 on all of y (the bias too)")
+
+
+TaskConfig = Annotated[HyperRepresentationTask | FeatureL2Task, Field(discriminator="name")]
 
 
 # -- fleet and masks ------------------------------------------------------------------------
@@ -411,12 +432,29 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DigitsData)
     partition: Partition = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=MLPModel)
-    task: HyperRepresentationTask = Field(default_factory=HyperRepresentationTask)
+    task: TaskConfig = Field(default_factory=HyperRepresentationTask)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     mask: MaskConfig = Field(default_factory=MaskConfig)
     algorithm: AlgorithmConfig = Field(default_factory=RABOConfig)
     estimator: EstimatorConfig = Field(default_factory=CGEstimator)
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+
+    @model_validator(mode="after")
+    def _check_task_and_model(self) -> RunConfig:
+        hpo, logistic = self.task.name == "feature_l2", self.model.name == "logistic"
+        if hpo != logistic:
+            raise ValueError(
+                f"task {self.task.name!r} does not go with model {self.model.name!r}: "
+                'task "feature_l2" needs model "logistic" and model "logistic" needs task '
+                '"feature_l2"'
+            )
+        if hpo and self.mask.policy != "none":
+            raise ValueError(
+                'task "feature_l2" has nothing to prune (x is not in the forward pass and the '
+                f'classifier keeps its outputs); set [mask] policy = "none" (got '
+                f"{self.mask.policy!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_full_model_baselines(self) -> RunConfig:
@@ -459,13 +497,15 @@ _DEFAULT_TAGS = (
     ("model", "name", "mlp"),
     ("algorithm", "name", "rabo"),
     ("estimator", "name", "cg"),
+    ("task", "name", "hyper_representation"),
 )
 
 
 _TAGS = {
     "digits", "mnist", "cifar10", "iid", "shards", "dirichlet", "mlp", "cnn", "cnn7", "resnet12",
     "resnet18", "cg", "neumann", "finite_difference",
-    "first_order", "rabo", "rafbo", "simfbo", "shrofbo", "fedmbo", "fedmsa",
+    "first_order", "rabo", "rafbo", "simfbo", "shrofbo", "fedmbo", "fedmsa", "logistic",
+    "hyper_representation", "feature_l2",
 }  # fmt: skip
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}
 

@@ -34,11 +34,13 @@ from radbo.config import (
     ConfigError,
     DigitsData,
     DirichletPartition,
+    FeatureL2Task,
     FedMBOConfig,
     FedMSAConfig,
     FiniteDifferenceEstimator,
     FirstOrderEstimator,
     IIDPartition,
+    LogisticModel,
     MLPModel,
     MNISTData,
     NeumannEstimator,
@@ -83,7 +85,7 @@ from radbo.masks.policies import (
     RollingPolicy,
 )
 from radbo.masks.structure import StructurePlan
-from radbo.models import CNN7, MLP, BilevelModel, ResNet12, ResNet18, SmallCNN
+from radbo.models import CNN7, MLP, BilevelModel, FeatureL2Logistic, ResNet12, ResNet18, SmallCNN
 from radbo.problem import ClientData, forward
 from radbo.simulation.engine import (
     ClientBudget,
@@ -92,7 +94,7 @@ from radbo.simulation.engine import (
     derive_seed,
 )
 from radbo.simulation.schedules import UniformLocalSteps
-from radbo.tasks import HyperRepresentation
+from radbo.tasks import FeatureL2, HyperRepresentation
 from radbo.typing import Params
 
 # Stream identifiers for derive_seed: each random choice of a run has its own stream.
@@ -156,7 +158,7 @@ def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
     file is a :class:`ConfigError` naming ``data.root``.
     """
     dc = config.data
-    flat = isinstance(config.model, MLPModel)
+    flat = isinstance(config.model, MLPModel | LogisticModel)
     if isinstance(dc, DigitsData):
         data = load_digits(flatten=flat)
         split_gen = torch.Generator().manual_seed(derive_seed(config.seed, _SPLIT))
@@ -199,7 +201,8 @@ def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -
     of at least ``_MIN_IMAGE_SIZE`` pixels a side, or raise :class:`ConfigError`.
     """
     mc = config.model
-    image = None if isinstance(mc, MLPModel) else _image_shape(config, input_shape)
+    flat = isinstance(mc, MLPModel | LogisticModel)
+    image = None if flat else _image_shape(config, input_shape)
     with torch.random.fork_rng():
         torch.manual_seed(derive_seed(config.seed, _INIT))
         try:
@@ -216,6 +219,8 @@ def _make_model(
 ) -> BilevelModel:
     if isinstance(mc, MLPModel):
         return MLP(math.prod(input_shape), mc.hidden, classes)
+    if isinstance(mc, LogisticModel):
+        return FeatureL2Logistic(math.prod(input_shape), classes, mc.init_log_l2)
     assert image is not None
     channels, size = image
     if isinstance(mc, CNNModel):
@@ -246,6 +251,13 @@ def _image_shape(config: RunConfig, input_shape: tuple[int, ...]) -> tuple[int, 
             "another model"
         )
     return channels, size
+
+
+def build_task(config: RunConfig) -> HyperRepresentation | FeatureL2:
+    """The configured bilevel task (its inner and outer losses)."""
+    if isinstance(config.task, FeatureL2Task):
+        return FeatureL2(inner_l2=config.task.inner_l2)
+    return HyperRepresentation(inner_l2=config.task.inner_l2)
 
 
 def build_estimator(config: RunConfig) -> HypergradEstimator:
@@ -554,7 +566,7 @@ def build(config: RunConfig) -> Experiment:
     if config.algorithm.weighting == "data_size":
         weights = [float(c.inner.numel()) for c in clients]
     runtime = ClientRuntime(
-        problem=HyperRepresentation(inner_l2=config.task.inner_l2),
+        problem=build_task(config),
         features=train.features,
         labels=train.labels,
         model=model,

@@ -124,8 +124,14 @@ class StructurePlan:
         modes = {m: m.training for m in model.modules()}
         try:
             with torch.enable_grad():
+                # parameters only a loss reads (a hyperparameter x) are outside the forward
+                # graph; declaring them keeps Torch-Pruning from warning about them. They
+                # belong to no group, so no plan ever prunes them.
+                loss_only = [
+                    (model.get_parameter(n), 0) for n in getattr(model, "loss_only_parameters", ())
+                ]
                 self._graph = tp.DependencyGraph().build_dependency(
-                    model, example_inputs=example_inputs
+                    model, example_inputs=example_inputs, unwrapped_parameters=loss_only or None
                 )
         finally:
             for m, mode in modes.items():

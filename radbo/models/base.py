@@ -11,12 +11,16 @@ class BilevelModel(nn.Module):
     Subclasses set :attr:`inner_modules` (names of the submodules whose parameters are the
     inner variables y; every other parameter is outer, x), :attr:`output_layers` (layers whose
     output channels must never be pruned, e.g. the classifier) and :attr:`input_shape` (shape of
-    one example, without the batch dimension).
+    one example, without the batch dimension), and list in :attr:`loss_only_parameters` any
+    parameter only a loss reads.
     """
 
     inner_modules: tuple[str, ...] = ()
     output_layers: tuple[str, ...] = ()
     input_shape: tuple[int, ...] = ()
+    #: parameters the forward pass does not use, only a loss (hyperparameters such as
+    #: :class:`~radbo.models.logistic.FeatureL2Logistic`'s ``log_l2``); never pruned
+    loss_only_parameters: tuple[str, ...] = ()
 
     def inner_param_names(self) -> list[str]:
         """Names (as in ``named_parameters``) of the inner variables y, in model order."""

@@ -1,0 +1,123 @@
+"""Hyperparameter optimization task: per-feature L2 on a logistic regression."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from radbo.config import ConfigError, load_config, parse_config
+from radbo.experiment import build, run
+from radbo.hypergrad import ImplicitCG
+from radbo.models import FeatureL2Logistic
+from radbo.problem import Batch, bind_losses
+from radbo.tasks import FeatureL2
+from tests.configs import demo_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_problem():
+    gen = torch.Generator().manual_seed(0)
+    model = FeatureL2Logistic(6, 3, init_log_l2=-1.0).double()
+    train = Batch(
+        torch.randn(30, 6, generator=gen, dtype=torch.float64),
+        torch.randint(0, 3, (30,), generator=gen),
+    )
+    val = Batch(
+        torch.randn(20, 6, generator=gen, dtype=torch.float64),
+        torch.randint(0, 3, (20,), generator=gen),
+    )
+    outer, inner = bind_losses(FeatureL2(inner_l2=1e-3), model, {}, train, val)
+    x = {"log_l2": torch.linspace(-2.0, 0.5, 6, dtype=torch.float64)}
+    y = {k: t.detach() for k, t in model.state_dict().items() if k.startswith("linear.")}
+    return outer, inner, x, y
+
+
+def solve_inner(inner, x, y):
+    """y*(x) by Newton's method on the (strongly convex) inner loss, to machine precision."""
+    names = list(y)
+    flat = torch.cat([y[n].reshape(-1) for n in names])
+    sizes = [y[n].numel() for n in names]
+
+    def g(v):
+        parts = dict(
+            zip(
+                names,
+                (p.reshape(y[n].shape) for n, p in zip(names, v.split(sizes), strict=True)),
+                strict=True,
+            )
+        )
+        return inner(x, parts)
+
+    for _ in range(30):
+        grad = torch.autograd.functional.jacobian(g, flat)
+        hess = torch.autograd.functional.hessian(g, flat)
+        flat = flat - torch.linalg.solve(hess, grad)
+    assert float(torch.autograd.functional.jacobian(g, flat).norm()) < 1e-12
+    return {n: p.reshape(y[n].shape) for n, p in zip(names, flat.split(sizes), strict=True)}
+
+
+def test_implicit_hypergradient_equals_the_derivative_of_the_validation_loss():
+    outer, inner, x, y = tiny_problem()
+    y_star = solve_inner(inner, x, y)
+    grad = ImplicitCG(max_iter=200, tol=1e-30)(outer, inner, x, y_star).grad["log_l2"]
+
+    def phi(log_l2):
+        xx = {"log_l2": log_l2}
+        return float(outer(xx, solve_inner(inner, xx, y_star)))
+
+    h = 1e-5
+    numeric = torch.tensor(
+        [
+            (phi(x["log_l2"] + h * e) - phi(x["log_l2"] - h * e)) / (2 * h)
+            for e in torch.eye(6, dtype=torch.float64)
+        ]
+    )
+    assert float((grad - numeric).norm() / numeric.norm()) < 1e-6
+
+
+def test_learning_the_weights_beats_keeping_them_fixed():
+    """examples/feature_l2.toml: measured test loss 0.82 learned vs 1.88 fixed, accuracy 0.88
+    vs 0.80."""
+    cfg = load_config(ROOT / "examples" / "feature_l2.toml")
+    learned = run(cfg, progress=False, save=False)
+    data = cfg.model_dump()
+    data["algorithm"]["outer_lr"] = 1e-12  # x stays put
+    fixed = run(parse_config(data), progress=False, save=False)
+    assert learned.final["test_loss"] < 0.6 * fixed.final["test_loss"]
+    assert learned.final["test_accuracy"] >= 0.85
+    x = learned.state.x["log_l2"]
+    assert float(x.min()) < -3.0  # some features are regularized far less than at the start
+    assert float((fixed.state.x["log_l2"] + 1.0).abs().max()) < 1e-6
+
+
+def test_fleet_build_is_silent_and_x_is_never_pruned():
+    cfg = load_config(ROOT / "examples" / "feature_l2.toml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exp = build(cfg)
+    assert exp.model.outer_param_names() == ["log_l2"]
+    assert exp.model.inner_param_names() == ["linear.weight", "linear.bias"]
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"task": {"name": "feature_l2"}}, 'task "feature_l2" needs model "logistic"'),
+        (
+            {"model": {"name": "logistic"}, "mask": {"policy": "none"}},
+            'model "logistic" needs task',
+        ),
+        (
+            {"model": {"name": "logistic"}, "task": {"name": "feature_l2"}},
+            'task "feature_l2" has nothing to prune',
+        ),
+    ],
+)
+def test_task_and_model_must_go_together(patch, message):
+    data = demo_dict()
+    data.update(patch)
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert message in str(err.value) and "\n" not in str(err.value)
