@@ -607,21 +607,9 @@ class Simulation(Generic[State]):
         still_in = list(sampled)  # clients that have not dropped out of the round
         communication_rounds = 0
         for p, phase in enumerate(phases):
-            if phase.select is None:
-                chosen = list(still_in)
-            else:
-                chosen = [
-                    int(c)
-                    for c in phase.select(state, list(still_in), self._generator(round, 0x5E1, p))
-                ]
-                unknown = sorted(set(chosen) - set(still_in))
-                if unknown or len(set(chosen)) != len(chosen):
-                    raise ValueError(
-                        f"phase {phase.name!r} selected clients {chosen}; each must be one of "
-                        f"the round's remaining clients {still_in}, at most once"
-                    )
-                if not chosen:
-                    continue
+            chosen = self._participants(phase, p, state, still_in, round)
+            if not chosen:
+                continue
             communication_rounds += 1
             at = [position[c] for c in chosen]
             tasks = [
@@ -656,14 +644,13 @@ class Simulation(Generic[State]):
                 for i, r, gone in zip(at, results, lost, strict=True)
             ]
             briefed.update(r.client for r in results)
-            keep = []
-            for j, (i, r, gone) in enumerate(zip(at, results, lost, strict=True)):
-                if gone:
-                    dropped.setdefault(phase.name, []).append(r.client)
-                elif update_problem(r.update, index_sets[i], self.shapes) is not None:
-                    rejected.setdefault(phase.name, []).append(r.client)
-                else:
-                    keep.append(j)
+            keep, gone_clients, bad_clients = self._screen(
+                results, [index_sets[i] for i in at], lost
+            )
+            if gone_clients:
+                dropped[phase.name] = gone_clients
+            if bad_clients:
+                rejected[phase.name] = bad_clients
             state, phase_metrics = phase.server(
                 state,
                 [results[j] for j in keep],
@@ -671,10 +658,9 @@ class Simulation(Generic[State]):
                 [weights[at[j]] for j in keep],
             )
             metrics.update(phase_metrics)
-            gone_now = {r.client for r, gone in zip(results, lost, strict=True) if gone}
-            still_in = [c for c in still_in if c not in gone_now]
+            still_in = [c for c in still_in if c not in gone_clients]
         metrics["rejected_updates"] = sum(len(c) for c in rejected.values())
-        metrics["dropped_clients"] = len(drops)
+        metrics["dropped_clients"] = sum(len(c) for c in dropped.values())
         duration = round_time(ledger)
         record = RoundRecord(
             round=round,
@@ -690,6 +676,37 @@ class Simulation(Generic[State]):
             dropped=dropped,
         )
         return state, record
+
+    def _participants(
+        self, phase: Phase[State], p: int, state: State, still_in: list[int], round: int
+    ) -> list[int]:
+        """The clients of phase ``p``, in slot order: every remaining client, or
+        ``phase.select``'s choice among them (checked)."""
+        if phase.select is None:
+            return list(still_in)
+        gen = self._generator(round, 0x5E1, p)
+        chosen = [int(c) for c in phase.select(state, list(still_in), gen)]
+        if set(chosen) - set(still_in) or len(set(chosen)) != len(chosen):
+            raise ValueError(
+                f"phase {phase.name!r} selected clients {chosen}; each must be one of the "
+                f"round's remaining clients {still_in}, at most once"
+            )
+        return chosen
+
+    def _screen(
+        self, results: Sequence[ClientResult], index_sets: Sequence[IndexSet], lost: list[bool]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Split a phase's results into (positions to aggregate, clients that dropped out,
+        clients whose update fails :func:`update_problem`)."""
+        keep, gone, bad = [], [], []
+        for j, (r, idx, dropped) in enumerate(zip(results, index_sets, lost, strict=True)):
+            if dropped:
+                gone.append(r.client)
+            elif update_problem(r.update, idx, self.shapes) is not None:
+                bad.append(r.client)
+            else:
+                keep.append(j)
+        return keep, gone, bad
 
     def iterate(
         self, state: State, rounds: int, start_round: int = 0, clock_s: float = 0.0
