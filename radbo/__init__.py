@@ -1,11 +1,20 @@
 """radbo: resource-aware federated bilevel optimization on heterogeneous edge devices."""
 
 from radbo.aggregation import CoverageMean, apply_step, coverage_stats, coverage_weighted_mean
-from radbo.algorithms import RABO, RABOState, ShroFBO, SimFBO, SimFBOState
+from radbo.algorithms import (
+    RABO,
+    FedMBO,
+    FedMSA,
+    RABOState,
+    ShroFBO,
+    SimFBO,
+    SimFBOState,
+)
 from radbo.config import ConfigError, RunConfig, load_config, parse_config
 from radbo.cost import LedgerEntry
 from radbo.devices import BudgetPlanner, DeviceProfile, Fleet, load_catalog, probe_host
 from radbo.experiment import Experiment, RunResult, build, fleet_table, run
+from radbo.export import export_submodels
 from radbo.hypergrad import (
     AutogradProducts,
     FiniteDifference,
@@ -19,8 +28,9 @@ from radbo.hypergrad import (
 from radbo.masks import StructurePlan, extract, scatter
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.problem import Batch, BilevelProblem, ClientData
+from radbo.report import compare, load_run
 from radbo.simulation import ClientBudget, SequentialBackend, Simulation
-from radbo.tasks import HyperRepresentation
+from radbo.tasks import FeatureL2, HyperRepresentation
 
 __version__ = "0.1.0"
 
@@ -29,6 +39,9 @@ __all__ = [
     "AutogradProducts",
     "FiniteDifference",
     "FiniteDifferenceProducts",
+    "FeatureL2",
+    "FedMBO",
+    "FedMSA",
     "FirstOrder",
     "ShroFBO",
     "SimFBO",
@@ -59,6 +72,9 @@ __all__ = [
     "__version__",
     "apply_step",
     "build",
+    "compare",
+    "export_submodels",
+    "load_run",
     "coverage_stats",
     "coverage_weighted_mean",
     "extract",

@@ -64,10 +64,18 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        # mkstemp makes the file private (0600); give it the permissions a plain open() would
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def atomic_write_text(path: Path, text: str) -> None:

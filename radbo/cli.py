@@ -1,4 +1,4 @@
-"""Command line: ``radbo run CONFIG.toml``."""
+"""Command line: ``radbo run CONFIG.toml``, ``radbo fleet``, ``radbo report``, ``radbo export``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from collections.abc import Sequence
 from radbo.checkpoint import CheckpointError
 from radbo.config import ConfigError, load_config
 from radbo.devices.budget import DeviceTooSmallError
+from radbo.export import ExportCheckError, ExportError
+from radbo.report import ReportError
 
 EXIT_CONFIG = 2
+EXIT_CHECK = 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +38,33 @@ def _parser() -> argparse.ArgumentParser:
     fleet = sub.add_parser("fleet", help="show the fleet of a config: devices, r, tau, memory fit")
     fleet.add_argument("config", help="path to the TOML run configuration")
     fleet.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    report = sub.add_parser(
+        "report",
+        help="compare finished runs: accuracy vs round, time, bytes, FLOPs; cost per tier",
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders written by radbo run")
+    report.add_argument(
+        "--output",
+        default="radbo-report",
+        metavar="DIR",
+        help="where to write the plots, report.md and report.json (default: ./radbo-report)",
+    )
+    export = sub.add_parser(
+        "export",
+        help="write each client's round-0 submodel (safetensors + manifest.json) and check it",
+    )
+    export.add_argument("config", help="path to the TOML run configuration")
+    export.add_argument(
+        "--output",
+        default="radbo-export",
+        metavar="DIR",
+        help="where to write the submodels and manifest.json (default: ./radbo-export)",
+    )
+    export.add_argument(
+        "--torch-export",
+        action="store_true",
+        help="also write a torch.export program (client-<i>.pt2) per submodel",
+    )
     return parser
 
 
@@ -130,15 +160,70 @@ def _fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from radbo.report import compare
+
+    result = compare(args.runs, args.output)
+    print(result.table)
+    print(f"report: {result.markdown}")
+    print(f"json:   {result.json}")
+    print(f"plots:  {', '.join(str(p) for p in result.plots)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from radbo.export import export_submodels
+
+    config = load_config(args.config)
+    try:
+        result = export_submodels(config, args.output, torch_export=args.torch_export)
+    except ExportCheckError as err:
+        _print_export(err.result.manifest)
+        print(str(err), file=sys.stderr)
+        return EXIT_CHECK
+    _print_export(result.manifest)
+    print(
+        f"{len(result.clients)} clients, {result.manifest['submodels']} distinct submodels; "
+        f"check passed (max |diff| {result.max_abs_diff:.3g})"
+    )
+    print(f"manifest: {result.manifest_path}")
+    return 0
+
+
+def _print_export(manifest: dict) -> None:
+    print(
+        f"{'client':>6}  {'device':<24}  {'tier':<10}  {'r':>6}  {'tau':>4}  {'params':>9}  "
+        f"{'MB':>8}  {'MFLOP/step':>10}  {'max|diff|':>9}  file"
+    )
+    for c in manifest["clients"]:
+        te = c["torch_export"]
+        extra = ""
+        if te is not None:
+            extra = (
+                f" + {te['file']}" if te.get("file") else f" (torch.export failed: {te['error']})"
+            )
+        print(
+            f"{c['client']:>6}  {str(c['device'] or '-'):<24.24}  {str(c['tier'] or '-'):<10.10}  "
+            f"{c['capacity']:>6.4g}  {c['local_steps']:>4}  {c['parameters']:>9}  "
+            f"{c['bytes'] / 1e6:>8.3f}  {c['flops_per_step'] / 1e6:>10.2f}  "
+            f"{c['max_abs_diff']:>9.2g}  {c['file']}{extra}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``radbo`` command; returns the exit code (2 for bad configs)."""
+    """Entry point of the ``radbo`` command; returns the exit code: 2 for bad configs, run
+    folders or output folders, 1 when ``radbo export``'s check fails."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
         if args.command == "fleet":
             return _fleet(args)
-    except (ConfigError, DeviceTooSmallError, CheckpointError) as err:
+        if args.command == "report":
+            return _report(args)
+        if args.command == "export":
+            return _export(args)
+    except (ConfigError, DeviceTooSmallError, CheckpointError, ReportError, ExportError) as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG
     return 1  # pragma: no cover

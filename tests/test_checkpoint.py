@@ -280,3 +280,15 @@ def test_only_tensors_and_scalars_are_checkpointable():
         state_to_tensors(Odd({"a": 1.0}, None))
     tensors, scalars = state_to_tensors(Odd({"a": torch.ones(1)}, None))
     assert state_from_tensors(Odd({"a": torch.zeros(1)}, 3), tensors, scalars).model is None
+
+
+def test_atomic_files_get_the_usual_permissions(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        checkpoint.atomic_write_text(tmp_path / "a.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+    assert list(tmp_path.iterdir()) == [tmp_path / "a.json"]  # no temporary file left

@@ -579,22 +579,8 @@ class Simulation(Generic[State]):
                 unavailable=unavailable,
             )
             return state, record
-        budgets = [self.budgets[c] for c in sampled]
-        if self.local_steps is not None:
-            schedule = self.local_steps
-            when = round if getattr(schedule, "per_round", True) else 0xF1ED
-            budgets = [
-                replace(b, local_steps=schedule(round, c, self._generator(when, 0x7A0, c)))
-                for c, b in zip(sampled, budgets, strict=True)
-            ]
-        if self.masks is None:
-            index_sets = [full_index_set(self.shapes) for _ in sampled]
-        else:
-            self.masks.prepare(self.algorithm.model_state(state), round, sampled, budgets)
-            index_sets = [
-                self.masks.assign(b, c, round, self._generator(round, 0x3A5C, c))
-                for c, b in zip(sampled, budgets, strict=True)
-            ]
+        budgets = self.round_budgets(round, sampled)
+        index_sets = self.round_index_sets(state, round, sampled, budgets)
         metadata = [index_metadata_bytes(idx) for idx in index_sets]
         metrics: dict[str, Any] = self._coverage(index_sets)
         weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
@@ -676,6 +662,37 @@ class Simulation(Generic[State]):
             dropped=dropped,
         )
         return state, record
+
+    def round_budgets(self, round: int, clients: Sequence[int]) -> list[ClientBudget]:
+        """The budgets of ``clients`` in ``round``: their own, with the local-steps schedule
+        (if any) drawn from the simulation's generators, as :meth:`step` uses them."""
+        budgets = [self.budgets[c] for c in clients]
+        schedule = self.local_steps
+        if schedule is None:
+            return budgets
+        when = round if getattr(schedule, "per_round", True) else 0xF1ED
+        return [
+            replace(b, local_steps=schedule(round, c, self._generator(when, 0x7A0, c)))
+            for c, b in zip(clients, budgets, strict=True)
+        ]
+
+    def round_index_sets(
+        self,
+        state: State,
+        round: int,
+        clients: Sequence[int],
+        budgets: Sequence[ClientBudget],
+    ) -> list[IndexSet]:
+        """The index sets of ``clients`` in ``round`` from ``state``, as :meth:`step` assigns
+        them: the mask assigner is prepared with exactly these clients (full models without
+        masks). ``radbo export`` calls it for round 0."""
+        if self.masks is None:
+            return [full_index_set(self.shapes) for _ in clients]
+        self.masks.prepare(self.algorithm.model_state(state), round, list(clients), list(budgets))
+        return [
+            self.masks.assign(b, c, round, self._generator(round, 0x3A5C, c))
+            for c, b in zip(clients, budgets, strict=True)
+        ]
 
     def _participants(
         self, phase: Phase[State], p: int, state: State, still_in: list[int], round: int

@@ -1,0 +1,270 @@
+"""``radbo export``: each client's round-0 submodel, its manifest, the check, the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import radbo.export
+from radbo.cli import main
+from radbo.config import load_config
+from radbo.cost import index_metadata_bytes
+from radbo.experiment import build, fleet_table
+from radbo.export import ExportCheckError, export_submodels
+from radbo.masks.index import extract
+from radbo.masks.structure import StructurePlan
+from tests.configs import DEMO, small_config
+
+SMALL_TOML = """
+seed = 3
+[model]
+name = "mlp"
+hidden = [16]
+[fleet]
+num_clients = 3
+capacities = [1.0, 0.5]
+[mask]
+policy = "leading"
+"""
+
+
+def _index_set(kept: dict) -> dict:
+    return {
+        name: tuple(None if e is None else torch.tensor(e, dtype=torch.long) for e in dims)
+        for name, dims in kept.items()
+    }
+
+
+def _plan(config):
+    model = build(config).model
+    return model, StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("export")
+    config = load_config(DEMO)
+    result = export_submodels(config, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    return config, out, result, manifest
+
+
+def test_manifest_matches_the_fleet_table(demo) -> None:
+    # Arrange
+    config, _, result, manifest = demo
+
+    # Act
+    rows = fleet_table(config)
+
+    # Assert
+    assert manifest == json.loads(json.dumps(result.manifest))  # written as returned
+    assert len(manifest["clients"]) == len(rows) == 10
+    for entry, row in zip(manifest["clients"], rows, strict=True):
+        assert entry["client"] == row["client"]
+        assert entry["capacity"] == row["capacity"]
+        assert entry["local_steps"] == row["local_steps"]
+        assert (entry["device"], entry["tier"]) == (row["device"], row["tier"])
+    assert {e["capacity"] for e in manifest["clients"]} == {1.0, 0.5, 0.25}
+
+
+def test_files_load_into_the_submodel_shapes_and_equal_extract_bitwise(demo) -> None:
+    # Arrange
+    config, out, _, manifest = demo
+    model, plan = _plan(config)
+    full = model.state_dict()
+
+    for entry in manifest["clients"]:
+        # Act
+        loaded = load_file(out / entry["file"])
+        index_set = _index_set(entry["kept"])
+        sub = plan.submodel(index_set)
+
+        # Assert
+        expected = extract(full, index_set)
+        assert {k: v.shape for k, v in loaded.items()} == {
+            k: v.shape for k, v in sub.state_dict().items()
+        }
+        assert set(loaded) == set(expected)
+        for key, tensor in loaded.items():
+            assert tensor.dtype == expected[key].dtype
+            assert torch.equal(tensor, expected[key]), (entry["client"], key)
+        sub.load_state_dict(loaded, strict=True)
+        assert entry["shapes"] == {k: list(v.shape) for k, v in loaded.items()}
+
+
+def test_counts_bytes_and_flops_are_consistent(demo) -> None:
+    config, out, _, manifest = demo
+    model, _ = _plan(config)
+    param_names = {n for n, _ in model.named_parameters()}
+    by_capacity = {}
+    for entry in manifest["clients"]:
+        loaded = load_file(out / entry["file"])
+        assert entry["parameters"] == sum(t.numel() for k, t in loaded.items() if k in param_names)
+        assert entry["parameters"] == entry["parameters_x"] + entry["parameters_y"]
+        assert entry["bytes"] == sum(t.numel() * t.element_size() for t in loaded.values())
+        assert entry["index_metadata_bytes"] == index_metadata_bytes(_index_set(entry["kept"]))
+        by_capacity.setdefault(entry["capacity"], set()).add(entry["flops_per_step"])
+    assert all(len(v) == 1 for v in by_capacity.values())  # one submodel size per capacity
+    flops = {r: next(iter(v)) for r, v in by_capacity.items()}
+    assert flops[0.25] < flops[0.5] < flops[1.0] == manifest["model"]["flops_per_step"]
+    full = next(e for e in manifest["clients"] if e["capacity"] == 1.0)
+    assert full["parameters"] == manifest["model"]["parameters"]
+    assert full["index_metadata_bytes"] == 0  # the full model needs no index metadata
+
+
+def test_check_differences_are_tiny_and_files_are_shared(demo) -> None:
+    _, out, result, manifest = demo
+    assert result.passed and manifest["check"]["passed"]
+    assert manifest["check"]["failed_clients"] == []
+    assert all(e["max_abs_diff"] <= 1e-6 for e in manifest["clients"])
+    assert manifest["check"]["max_abs_diff"] <= 1e-6
+    files = {e["file"] for e in manifest["clients"]}
+    assert len(files) == manifest["submodels"] == 3  # importance: one submodel per capacity
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(files)
+    for entry in manifest["clients"]:
+        assert (
+            entry["file"] == f"client-{min([entry['client'], *entry['shared_with']])}.safetensors"
+        )
+
+
+@pytest.mark.parametrize("policy", ["importance", "coverage"])
+def test_exported_masks_are_those_of_the_runs_round_0(policy: str, tmp_path: Path) -> None:
+    # Arrange: record the index sets the engine assigns in round 0 of a real run that samples
+    # 6 of the 10 clients (coverage forms its teams from them, so its masks may differ)
+    config = small_config(
+        rounds=1,
+        mask={"policy": policy},
+        algorithm={"inner_steps": 1},
+        fleet={"clients_per_round": 6},
+    )
+    manifest = export_submodels(config, tmp_path).manifest
+    exp = build(config)
+    assigned = {}
+    assign = exp.simulation.masks.assign
+
+    def recording(budget, client, round, generator):
+        assigned[client] = assign(budget, client, round, generator)
+        return assigned[client]
+
+    exp.simulation.masks.assign = recording
+
+    # Act
+    exp.simulation.step(exp.initial_state, 0)
+
+    # Assert
+    assert len(assigned) == 6
+    for entry in manifest["clients"]:
+        assert entry["round0"]["takes_part"] == (entry["client"] in assigned)
+        if entry["client"] not in assigned:
+            assert entry["round0"]["mask_equal"] is None
+            continue
+        actual = assigned[entry["client"]]
+        same = all(
+            (a is None and e is None) or (a is not None and e is not None and a.tolist() == e)
+            for name, dims in entry["kept"].items()
+            for a, e in zip(actual[name], dims, strict=True)
+        )
+        assert entry["round0"]["mask_equal"] == same
+        if policy == "importance":  # independent of the other clients: always round 0's mask
+            assert same
+
+
+def test_torch_export_writes_programs_that_load_and_match(tmp_path: Path) -> None:
+    # Arrange
+    config = small_config(model={"name": "mlp", "hidden": [32]})
+    result = export_submodels(config, tmp_path, torch_export=True)
+    _, plan = _plan(config)
+    inputs = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+
+    for entry in result.clients:
+        export = entry["torch_export"]
+        assert export["file"] == entry["file"].replace(".safetensors", ".pt2")
+        assert export["max_abs_diff"] <= 1e-6
+        # Act
+        program = torch.export.load(tmp_path / export["file"])
+        sub = plan.submodel(_index_set(entry["kept"]))
+        sub.load_state_dict(load_file(tmp_path / entry["file"]))
+        with torch.no_grad():
+            got = program.module()(inputs)
+            want = sub.eval()(inputs)
+
+        # Assert
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert export["dynamic_batch"]  # batch of 5, exported with the check batch of 32
+
+
+def test_torch_export_failure_is_recorded_not_raised(monkeypatch, tmp_path: Path) -> None:
+    def fail(*args, **kwargs):
+        raise RuntimeError("no export for this model\nsecond line")
+
+    monkeypatch.setattr(radbo.export, "_torch_export", fail)
+    config = small_config(model={"name": "mlp", "hidden": [16]})
+
+    result = export_submodels(config, tmp_path, torch_export=True)
+
+    assert result.passed
+    for entry in result.clients:
+        assert entry["torch_export"] == {
+            "file": None,
+            "error": "RuntimeError: no export for this model",
+        }
+    assert not list(tmp_path.glob("*.pt2"))
+
+
+def test_cli_export_exit_codes(monkeypatch, tmp_path: Path, capsys) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_TOML)
+
+    # success
+    assert main(["export", str(config), "--output", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert "check passed" in out and (tmp_path / "ok" / "manifest.json").is_file()
+
+    # a bad config: one line, exit 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text(SMALL_TOML.replace("num_clients = 3", "num_clients = -3"))
+    assert main(["export", str(bad), "--output", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fleet.num_clients" in err
+
+    # an output "folder" that is a file: one line, exit 2
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["export", str(config), "--output", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(blocker / "sub") in err
+
+    # a check that fails: exit 1, with the manifest written
+    real = radbo.export._masked_full_logits
+    monkeypatch.setattr(radbo.export, "_masked_full_logits", lambda *args: real(*args) + 1e-3)
+    assert main(["export", str(config), "--output", str(tmp_path / "fail")]) == 1
+    err = capsys.readouterr().err
+    assert "export check failed" in err and "tolerance 1e-05" in err
+    manifest = json.loads((tmp_path / "fail" / "manifest.json").read_text())
+    assert not manifest["check"]["passed"]
+    assert manifest["check"]["failed_clients"] == [0, 1, 2]
+
+
+def test_failed_check_raises_with_the_result(monkeypatch, tmp_path: Path) -> None:
+    real = radbo.export._masked_full_logits
+    monkeypatch.setattr(radbo.export, "_masked_full_logits", lambda *args: real(*args) + 1.0)
+    config = small_config(model={"name": "mlp", "hidden": [16]})
+
+    with pytest.raises(ExportCheckError, match="export check failed") as info:
+        export_submodels(config, tmp_path)
+
+    assert not info.value.result.passed
+    assert info.value.result.max_abs_diff == pytest.approx(1.0)
+
+
+def test_batchnorm_cnn_submodels_reproduce_the_masked_full_model(tmp_path: Path) -> None:
+    config = small_config(model={"name": "cnn"}, mask={"policy": "random"})
+
+    result = export_submodels(config, tmp_path)
+
+    assert result.passed and result.max_abs_diff <= 1e-6
+    assert result.manifest["submodels"] > 3  # random: one draw per client below r = 1
+    flops = {e["capacity"]: e["flops_per_step"] for e in result.clients}
+    assert flops[0.25] < flops[0.5] < flops[1.0]
