@@ -27,6 +27,15 @@ _OuterFraction = Annotated[
     float, Field(gt=0, lt=1, description="share of each client's data used by the outer loss f_i")
 ]
 _Limit = Annotated[int, Field(ge=1, description="keep at most this many examples of the split")]
+_Imbalance = Annotated[
+    float,
+    Field(
+        ge=1,
+        allow_inf_nan=False,
+        description="long-tailed training set: class c of C keeps imbalance**(-c/(C-1)) of "
+        "its examples (1 = unchanged)",
+    ),
+]
 
 
 class DigitsData(_Strict):
@@ -35,6 +44,7 @@ class DigitsData(_Strict):
     name: Literal["digits"] = "digits"
     test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out test share")
     outer_fraction: _OuterFraction = 0.3
+    imbalance: _Imbalance = 1.0
 
 
 class _FileData(_Strict):
@@ -43,6 +53,8 @@ class _FileData(_Strict):
     The official training split is the training data, the official test split the test set.
     ``limit_train`` / ``limit_test`` keep at most that many examples of each split: a
     class-stratified subset drawn from the run seed (all of the split when it is smaller).
+    ``imbalance`` (every kind) makes the training set long-tailed after that (see
+    :func:`radbo.data.long_tail_subset`); the test set stays as it is.
     """
 
     name: str
@@ -50,6 +62,7 @@ class _FileData(_Strict):
     outer_fraction: _OuterFraction = 0.3
     limit_train: _Limit | None = None
     limit_test: _Limit | None = None
+    imbalance: _Imbalance = 1.0
 
 
 class MNISTData(_FileData):
@@ -160,8 +173,17 @@ class LogisticModel(_Strict):
     init_log_l2: float = Field(-3.0, description="initial log L2 weight of every feature")
 
 
+class VSMLPModel(_Strict):
+    """MLP classifier on flattened inputs with per-class VS-loss hyperparameters (task
+    ``vs_loss``): the whole network is y (its hidden layers are prunable), the VS-loss weights,
+    shifts and logit scales are x. ``hidden = []`` is a linear classifier."""
+
+    name: Literal["vs_mlp"]
+    hidden: list[_Width] = Field(default_factory=lambda: [128])
+
+
 ModelConfig = Annotated[
-    MLPModel | CNNModel | CNN7Model | ResNet12Model | ResNet18Model | LogisticModel,
+    MLPModel | CNNModel | CNN7Model | ResNet12Model | ResNet18Model | LogisticModel | VSMLPModel,
     Field(discriminator="name"),
 ]
 
@@ -181,7 +203,18 @@ class FeatureL2Task(_Strict):
     inner_l2: float = Field(1e-3, ge=0, description="extra L2 on all of y (the bias too)")
 
 
-TaskConfig = Annotated[HyperRepresentationTask | FeatureL2Task, Field(discriminator="name")]
+class VSLossTask(_Strict):
+    """Loss-function tuning on long-tailed data: x = the per-class VS-loss hyperparameters
+    (weight, additive shift, logit scale) of model ``vs_mlp``, y = the network; g is the VS loss
+    on the training split, f the class-balanced cross-entropy on the validation split."""
+
+    name: Literal["vs_loss"]
+    inner_l2: float = Field(1e-3, ge=0, description="L2 on all of y")
+
+
+TaskConfig = Annotated[
+    HyperRepresentationTask | FeatureL2Task | VSLossTask, Field(discriminator="name")
+]
 
 
 # -- fleet and masks ------------------------------------------------------------------------
@@ -441,13 +474,15 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_task_and_model(self) -> RunConfig:
-        hpo, logistic = self.task.name == "feature_l2", self.model.name == "logistic"
-        if hpo != logistic:
-            raise ValueError(
-                f"task {self.task.name!r} does not go with model {self.model.name!r}: "
-                'task "feature_l2" needs model "logistic" and model "logistic" needs task '
-                '"feature_l2"'
-            )
+        # tasks whose x lives in a dedicated model, and that model
+        for task, model in (("feature_l2", "logistic"), ("vs_loss", "vs_mlp")):
+            if (self.task.name == task) != (self.model.name == model):
+                raise ValueError(
+                    f"task {self.task.name!r} does not go with model {self.model.name!r}: "
+                    f'task "{task}" needs model "{model}" and model "{model}" needs task '
+                    f'"{task}"'
+                )
+        hpo = self.task.name == "feature_l2"
         if hpo and self.mask.policy != "none":
             raise ValueError(
                 'task "feature_l2" has nothing to prune (x is not in the forward pass and the '
@@ -505,7 +540,7 @@ _TAGS = {
     "digits", "mnist", "cifar10", "iid", "shards", "dirichlet", "mlp", "cnn", "cnn7", "resnet12",
     "resnet18", "cg", "neumann", "finite_difference",
     "first_order", "rabo", "rafbo", "simfbo", "shrofbo", "fedmbo", "fedmsa", "logistic",
-    "hyper_representation", "feature_l2",
+    "hyper_representation", "feature_l2", "vs_mlp", "vs_loss",
 }  # fmt: skip
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}
 

@@ -50,6 +50,8 @@ from radbo.config import (
     RunConfig,
     ShardsPartition,
     SimFBOConfig,
+    VSLossTask,
+    VSMLPModel,
 )
 from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
 from radbo.data import (
@@ -57,6 +59,7 @@ from radbo.data import (
     load_cifar10,
     load_digits,
     load_mnist,
+    long_tail_subset,
     partition_dirichlet,
     partition_iid,
     partition_shards,
@@ -85,7 +88,16 @@ from radbo.masks.policies import (
     RollingPolicy,
 )
 from radbo.masks.structure import StructurePlan
-from radbo.models import CNN7, MLP, BilevelModel, FeatureL2Logistic, ResNet12, ResNet18, SmallCNN
+from radbo.models import (
+    CNN7,
+    MLP,
+    VSMLP,
+    BilevelModel,
+    FeatureL2Logistic,
+    ResNet12,
+    ResNet18,
+    SmallCNN,
+)
 from radbo.problem import ClientData, forward
 from radbo.simulation.engine import (
     ClientBudget,
@@ -94,13 +106,16 @@ from radbo.simulation.engine import (
     derive_seed,
 )
 from radbo.simulation.schedules import UniformLocalSteps
-from radbo.tasks import FeatureL2, HyperRepresentation
+from radbo.tasks import FeatureL2, HyperRepresentation, VSLoss
 from radbo.typing import Params
 
 # Stream identifiers for derive_seed: each random choice of a run has its own stream.
 _SPLIT, _PARTITION, _INIT, _CLIENT_SPLIT, _FLEET, _CALIBRATION = 11, 12, 13, 14, 15, 16
 _SUBSET = 17  # limit_train / limit_test: derive_seed(seed, _SUBSET, 0 for train, 1 for test)
 _ALGORITHM = 18  # an algorithm's own draws (FedMBO's Neumann truncations)
+_LONG_TAIL = 19  # data.imbalance: which training examples a long-tailed training set keeps
+#: Model configs whose models take flat vectors (they flatten any input themselves).
+_FLAT_MODELS = (MLPModel, LogisticModel, VSMLPModel)
 # Test examples per forward pass of the evaluator (bounds its memory on large test sets).
 _EVAL_BATCH = 1024
 
@@ -150,19 +165,23 @@ class RunResult:
 
 def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
     """Training and test set of the configured data, shaped for the configured model: flat
-    vectors for ``mlp``, images ``(C, H, W)`` for every other model.
+    vectors for ``mlp``, ``logistic`` and ``vs_mlp``, images ``(C, H, W)`` for every other
+    model.
 
     ``digits`` is split by ``test_fraction`` (stratified, from the run seed); ``mnist`` and
     ``cifar10`` use their official splits, cut to ``limit_train`` / ``limit_test`` examples by
-    :func:`radbo.data.stratified_subset` (from the run seed). A missing or unreadable data
-    file is a :class:`ConfigError` naming ``data.root``.
+    :func:`radbo.data.stratified_subset` (from the run seed). Then ``imbalance > 1`` makes the
+    training set long-tailed (:func:`radbo.data.long_tail_subset`, from the run seed); the
+    test set stays as it is. A missing or unreadable data file is a :class:`ConfigError`
+    naming ``data.root``.
     """
     dc = config.data
-    flat = isinstance(config.model, MLPModel | LogisticModel)
+    flat = isinstance(config.model, _FLAT_MODELS)
     if isinstance(dc, DigitsData):
         data = load_digits(flatten=flat)
         split_gen = torch.Generator().manual_seed(derive_seed(config.seed, _SPLIT))
-        return train_test_split(data, dc.test_fraction, split_gen)
+        train, test = train_test_split(data, dc.test_fraction, split_gen)
+        return _long_tail(config, train), test
     try:
         if isinstance(dc, MNISTData):
             train = load_mnist(dc.root, train=True, flatten=flat)
@@ -184,7 +203,15 @@ def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
             gen = torch.Generator().manual_seed(derive_seed(config.seed, _SUBSET, i))
             split = stratified_subset(split, limit, gen)
         parts.append(split)
-    return parts[0], parts[1]
+    return _long_tail(config, parts[0]), parts[1]
+
+
+def _long_tail(config: RunConfig, train: Dataset) -> Dataset:
+    """``train`` made long-tailed as ``data.imbalance`` asks (itself when it is 1)."""
+    if config.data.imbalance == 1:
+        return train
+    gen = torch.Generator().manual_seed(derive_seed(config.seed, _LONG_TAIL))
+    return long_tail_subset(train, config.data.imbalance, gen)
 
 
 #: Smallest image side each convolutional model takes: CNN7 (two valid 5x5 convs and two 2x2
@@ -201,7 +228,7 @@ def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -
     of at least ``_MIN_IMAGE_SIZE`` pixels a side, or raise :class:`ConfigError`.
     """
     mc = config.model
-    flat = isinstance(mc, MLPModel | LogisticModel)
+    flat = isinstance(mc, _FLAT_MODELS)
     image = None if flat else _image_shape(config, input_shape)
     with torch.random.fork_rng():
         torch.manual_seed(derive_seed(config.seed, _INIT))
@@ -221,6 +248,8 @@ def _make_model(
         return MLP(math.prod(input_shape), mc.hidden, classes)
     if isinstance(mc, LogisticModel):
         return FeatureL2Logistic(math.prod(input_shape), classes, mc.init_log_l2)
+    if isinstance(mc, VSMLPModel):
+        return VSMLP(math.prod(input_shape), mc.hidden, classes)
     assert image is not None
     channels, size = image
     if isinstance(mc, CNNModel):
@@ -253,10 +282,20 @@ def _image_shape(config: RunConfig, input_shape: tuple[int, ...]) -> tuple[int, 
     return channels, size
 
 
-def build_task(config: RunConfig) -> HyperRepresentation | FeatureL2:
-    """The configured bilevel task (its inner and outer losses)."""
+def build_task(
+    config: RunConfig, train: Dataset | None = None
+) -> HyperRepresentation | FeatureL2 | VSLoss:
+    """The configured bilevel task (its inner and outer losses).
+
+    ``vs_loss`` needs the training set ``train``: its outer loss weights each class by the
+    inverse of its frequency there (:func:`radbo.tasks.balanced_class_weights`).
+    """
     if isinstance(config.task, FeatureL2Task):
         return FeatureL2(inner_l2=config.task.inner_l2)
+    if isinstance(config.task, VSLossTask):
+        if train is None:
+            raise ValueError("build_task: task vs_loss needs the training set (train=...)")
+        return VSLoss.balanced(train.labels, train.num_classes, inner_l2=config.task.inner_l2)
     return HyperRepresentation(inner_l2=config.task.inner_l2)
 
 
@@ -566,7 +605,7 @@ def build(config: RunConfig) -> Experiment:
     if config.algorithm.weighting == "data_size":
         weights = [float(c.inner.numel()) for c in clients]
     runtime = ClientRuntime(
-        problem=build_task(config),
+        problem=build_task(config, train),
         features=train.features,
         labels=train.labels,
         model=model,

@@ -6,6 +6,8 @@
   :func:`train_test_split` and a stratified :func:`stratified_subset`.
 * :mod:`radbo.data.partition` -- iid, shards, Dirichlet and FedMSA q-dominant
   client partitions, :func:`split_indices` and :func:`label_histogram`.
+* :mod:`radbo.data.imbalance` -- long-tailed subsets (:func:`long_tail_subset`, the
+  exponential profile of Cao et al. 2019 / Kini et al. 2021).
 * :mod:`radbo.data.readers` -- validating readers of the raw file formats.
 """
 
@@ -18,6 +20,7 @@ from radbo.data.datasets import (
     stratified_subset,
     train_test_split,
 )
+from radbo.data.imbalance import long_tail_counts, long_tail_subset
 from radbo.data.partition import (
     label_histogram,
     partition_dirichlet,
@@ -35,6 +38,8 @@ __all__ = [
     "load_digits",
     "load_mnist",
     "load_omniglot",
+    "long_tail_counts",
+    "long_tail_subset",
     "partition_dirichlet",
     "partition_iid",
     "partition_q_dominant",
