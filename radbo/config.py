@@ -11,7 +11,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -38,7 +46,19 @@ _Imbalance = Annotated[
 ]
 
 
-class DigitsData(_Strict):
+class _DataSection(_Strict):
+    """A ``[data]`` kind. Its dump leaves out ``imbalance`` at the default 1, so that configs
+    without it dump (in ``results.json`` and checkpoints) as they did before it existed."""
+
+    @model_serializer(mode="wrap")
+    def _omit_default_imbalance(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and getattr(self, "imbalance", None) == 1.0:
+            data.pop("imbalance", None)
+        return data
+
+
+class DigitsData(_DataSection):
     """scikit-learn's bundled handwritten digits (1797 8x8 images, no download)."""
 
     name: Literal["digits"] = "digits"
@@ -47,7 +67,7 @@ class DigitsData(_Strict):
     imbalance: _Imbalance = 1.0
 
 
-class _FileData(_Strict):
+class _FileData(_DataSection):
     """A data set read from files the user already has in ``root`` (radbo never downloads).
 
     The official training split is the training data, the official test split the test set.

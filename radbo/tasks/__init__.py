@@ -2,6 +2,12 @@
 
 from radbo.tasks.feature_l2 import FeatureL2
 from radbo.tasks.hyper_representation import HyperRepresentation
-from radbo.tasks.vs_loss import VSLoss, balanced_class_weights, vs_loss
+from radbo.tasks.vs_loss import VSLoss, balanced_class_weights, vs_cross_entropy
 
-__all__ = ["FeatureL2", "HyperRepresentation", "VSLoss", "balanced_class_weights", "vs_loss"]
+__all__ = [
+    "FeatureL2",
+    "HyperRepresentation",
+    "VSLoss",
+    "balanced_class_weights",
+    "vs_cross_entropy",
+]

@@ -1,0 +1,63 @@
+"""MLP classifier with VS-loss hyperparameters: the loss-function-tuning model (x = the per-class
+VS-loss parameters, y = the whole network)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from radbo.models.base import BilevelModel
+from radbo.typing import Params
+
+
+class VSMLP(BilevelModel):
+    """``in -> hidden[0] -> ... -> hidden[-1] -> classes`` with ReLU, flattening its input; the
+    whole network (``body`` and ``head``) is y. x is three per-class vectors that only the
+    inner loss reads (:meth:`vs_parameters`), the hyperparameters of the VS loss of Kini et al.
+    (2021) for logits z and label c::
+
+        VS(z, c) = -w_c log( exp(D_c z_c + l_c) / sum_k exp(D_k z_k + l_k) ),
+
+    with ``w = exp(vs_log_weight)`` and ``D = exp(vs_log_scale)`` (positive) and
+    ``l = vs_shift``. All start at zero, so that the VS loss starts as plain cross-entropy
+    (w = 1, l = 0, D = 1).
+
+    The hidden layers are prunable (RABO's masks prune y: the "mask y only" case of the RABO
+    paper); the head keeps all its outputs and x, not in the forward pass, is never pruned.
+    ``hidden = []`` is a linear classifier, on which the VS inner loss plus an L2 term is
+    strongly convex in y.
+    """
+
+    inner_modules = ("body", "head")
+    output_layers = ("head",)
+    loss_only_parameters = ("vs_log_weight", "vs_shift", "vs_log_scale")
+
+    def __init__(self, in_features: int = 64, hidden: Sequence[int] = (128,), classes: int = 10):
+        super().__init__()
+        if in_features < 1 or classes < 1 or any(h < 1 for h in hidden):
+            raise ValueError(
+                f"VSMLP sizes must be positive, got in_features={in_features}, "
+                f"hidden={list(hidden)}, classes={classes}"
+            )
+        self.input_shape = (in_features,)
+        layers: list[nn.Module] = []
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, classes)
+        self.vs_log_weight = nn.Parameter(torch.zeros(classes))
+        self.vs_shift = nn.Parameter(torch.zeros(classes))
+        self.vs_log_scale = nn.Parameter(torch.zeros(classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(torch.flatten(x, 1)))
+
+    @staticmethod
+    def vs_parameters(x: Params) -> tuple[Tensor, Tensor, Tensor]:
+        """``(w, l, D)``: the per-class weight, additive shift and multiplicative logit scale of
+        the VS loss, read from x."""
+        return torch.exp(x["vs_log_weight"]), x["vs_shift"], torch.exp(x["vs_log_scale"])
