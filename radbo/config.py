@@ -275,6 +275,12 @@ class FleetConfig(_Strict):
     dropout: float = Field(
         0.0, ge=0, lt=1, description="chance a sampled client drops out mid-round"
     )
+    overcommit: float = Field(
+        0.0, ge=0, description="sample ceil(K (1 + oc)) clients, aggregate the first K results"
+    )
+    phase_deadline_s: float | None = Field(
+        None, gt=0, description="discard results arriving later in a phase (simulated s)"
+    )
     devices: dict[str, Annotated[float, Field(ge=0)]] | None = None
     file: str | None = None
     trace: TraceConfig | None = None

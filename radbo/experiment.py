@@ -628,6 +628,8 @@ def build(config: RunConfig) -> Experiment:
         profiles=None if fleet is None else list(fleet),
         coverage={"x": outer_names, "y": inner_names},
         dropout=[config.fleet.dropout] * len(clients) if config.fleet.dropout > 0 else None,
+        overcommit=config.fleet.overcommit,
+        phase_deadline_s=config.fleet.phase_deadline_s,
         local_steps=(
             UniformLocalSteps(
                 *config.fleet.local_steps_range,
@@ -874,6 +876,7 @@ def _run_once(
     run_totals["dropped_client_rounds"] = sum(
         len(c) for r in rows for c in r.get("dropped", {}).values()
     )
+    run_totals["late_results"] = sum(len(c) for r in rows for c in r.get("late", {}).values())
     run_totals["empty_rounds"] = sum(1 for r in rows if not r["clients"])
     meter = sim.flop_meter
     run_totals["flop_measurements"] = 0 if meter is None else meter.measurements

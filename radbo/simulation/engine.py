@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,6 @@ from radbo.cost import (
     LedgerEntry,
     index_metadata_bytes,
     phase_times,
-    round_time,
     shape_signature,
     totals,
 )
@@ -325,6 +325,7 @@ class RoundRecord:
     evaluation: dict[str, float] | None = None
     rejected: dict[str, list[int]] = field(default_factory=dict)
     dropped: dict[str, list[int]] = field(default_factory=dict)
+    late: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def cost(self) -> dict[str, float]:
@@ -338,6 +339,7 @@ class RoundRecord:
             "unavailable": self.unavailable,
             "rejected": self.rejected,
             "dropped": self.dropped,
+            "late": self.late,
             "communication_rounds": self.communication_rounds,
             "wall_time_s": self.wall_time_s,
             "sim_round_time_s": self.round_time_s,
@@ -389,6 +391,13 @@ class Simulation(Generic[State]):
             budget's local steps every round (e.g. ``UniformLocalSteps``).
         dropout: optional per-client probability of dropping out of a round it was sampled
             for (see :meth:`dropouts`); ``None``: nobody drops out.
+        overcommit: FedScale's over-commitment ``oc >= 0``: sample ``ceil(K (1 + oc))`` of the
+            available clients for a round that needs K (``clients_per_round``, or all
+            available), and in each phase aggregate the first K results to arrive on the
+            virtual clock; the later ones are discarded (``RoundRecord.late``).
+        phase_deadline_s: results arriving later than this many simulated seconds after a
+            phase starts are discarded, and the phase lasts at most that long (``None``: no
+            deadline). Needs ``profiles`` (there is no clock without them).
     """
 
     algorithm: Algorithm[State]
@@ -408,6 +417,8 @@ class Simulation(Generic[State]):
     local_steps: Callable[[int, int, torch.Generator], int] | None = None
     coverage: Mapping[str, Sequence[str]] = field(default_factory=dict)
     dropout: Sequence[float] | None = None
+    overcommit: float = 0.0
+    phase_deadline_s: float | None = None
     _trackers: dict[str, CoverageTracker] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -425,6 +436,10 @@ class Simulation(Generic[State]):
             raise ValueError(f"clients_per_round must be in [1, {n}], got {k}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
+        if not self.overcommit >= 0:
+            raise ValueError(f"overcommit must be >= 0, got {self.overcommit}")
+        if self.phase_deadline_s is not None and not self.phase_deadline_s > 0:
+            raise ValueError(f"phase_deadline_s must be > 0 or None, got {self.phase_deadline_s}")
         if self.dropout is not None:
             if len(self.dropout) != n:
                 raise ValueError(f"got {n} clients but {len(self.dropout)} dropout probabilities")
@@ -499,13 +514,18 @@ class Simulation(Generic[State]):
             if float(drop[c]) < self.dropout[c]
         }
 
+    def needed_clients(self, num_available: int) -> int:
+        """K: the results a round needs, ``clients_per_round`` or all available clients."""
+        k = self.clients_per_round
+        return num_available if k is None else min(k, num_available)
+
     def sample_clients(self, round: int, available: Sequence[int] | None = None) -> list[int]:
         """Clients taking part in ``round`` (sorted): the available ones (drawn here unless
-        given), then drawn without replacement down to ``clients_per_round``."""
+        given), then drawn without replacement down to ``ceil(K (1 + overcommit))``."""
         if available is None:
             available = self.available_clients(round)
         available = list(available)
-        k = len(available) if self.clients_per_round is None else self.clients_per_round
+        k = math.ceil(self.needed_clients(len(available)) * (1.0 + self.overcommit))
         if k >= len(available):
             return available
         pick = torch.randperm(len(available), generator=self._generator(round, 0x5A3F))[:k]
@@ -588,6 +608,9 @@ class Simulation(Generic[State]):
         rejected: dict[str, list[int]] = {}
         dropped: dict[str, list[int]] = {}
         briefed: set[int] = set()  # clients that already received their index metadata
+        late: dict[str, list[int]] = {}
+        durations: list[float] = []
+        needed = self.needed_clients(len(available))
         drops = self.dropouts(round, sampled, len(phases))
         position = {c: i for i, c in enumerate(sampled)}
         still_in = list(sampled)  # clients that have not dropped out of the round
@@ -630,13 +653,19 @@ class Simulation(Generic[State]):
                 for i, r, gone in zip(at, results, lost, strict=True)
             ]
             briefed.update(r.client for r in results)
+            target = len(chosen) if phase.select is not None else min(needed, len(chosen))
+            slow, duration = self._arrivals(ledger[-len(results) :], lost, target)
+            durations.append(duration)
             keep, gone_clients, bad_clients = self._screen(
-                results, [index_sets[i] for i in at], lost
+                results, [index_sets[i] for i in at], lost, slow
             )
             if gone_clients:
                 dropped[phase.name] = gone_clients
             if bad_clients:
                 rejected[phase.name] = bad_clients
+            late_clients = [r.client for r, s_ in zip(results, slow, strict=True) if s_]
+            if late_clients:
+                late[phase.name] = late_clients
             state, phase_metrics = phase.server(
                 state,
                 [results[j] for j in keep],
@@ -644,10 +673,11 @@ class Simulation(Generic[State]):
                 [weights[at[j]] for j in keep],
             )
             metrics.update(phase_metrics)
-            still_in = [c for c in still_in if c not in gone_clients]
+            still_in = [c for c in still_in if c not in gone_clients and c not in late_clients]
         metrics["rejected_updates"] = sum(len(c) for c in rejected.values())
         metrics["dropped_clients"] = sum(len(c) for c in dropped.values())
-        duration = round_time(ledger)
+        metrics["late_clients"] = sum(len(c) for c in late.values())
+        duration = sum(durations)
         record = RoundRecord(
             round=round,
             clients=sampled,
@@ -660,6 +690,7 @@ class Simulation(Generic[State]):
             unavailable=unavailable,
             rejected=rejected,
             dropped=dropped,
+            late=late,
         )
         return state, record
 
@@ -710,15 +741,47 @@ class Simulation(Generic[State]):
             )
         return chosen
 
+    def _arrivals(
+        self, entries: Sequence[LedgerEntry], lost: list[bool], target: int
+    ) -> tuple[list[bool], float]:
+        """Which results of a phase arrive too late, and how long the phase lasts.
+
+        The server takes the first ``target`` results to arrive (ties by client id) and none
+        after ``phase_deadline_s``; dropped-out clients never arrive. Without late results
+        the phase lasts as long as its slowest client (dropped ones included: the server only
+        learns of a drop when it times out), otherwise until the last accepted arrival, or
+        the deadline when the deadline cut it short.
+        """
+        times = [e.time_s for e in entries]
+        deadline = self.phase_deadline_s
+        order = sorted(
+            (i for i in range(len(entries)) if not lost[i]),
+            key=lambda i: (times[i], entries[i].client),
+        )
+        accepted = [i for i in order if deadline is None or times[i] <= deadline][:target]
+        slow = [not lost[i] and i not in accepted for i in range(len(entries))]
+        if not any(slow):
+            return slow, max(times, default=0.0)
+        if len(accepted) == target:  # the K-th result arrived: the server stops waiting
+            return slow, max(times[i] for i in accepted)
+        assert deadline is not None  # without one, only surplus results can be late
+        return slow, float(deadline)
+
     def _screen(
-        self, results: Sequence[ClientResult], index_sets: Sequence[IndexSet], lost: list[bool]
+        self,
+        results: Sequence[ClientResult],
+        index_sets: Sequence[IndexSet],
+        lost: list[bool],
+        slow: list[bool],
     ) -> tuple[list[int], list[int], list[int]]:
         """Split a phase's results into (positions to aggregate, clients that dropped out,
-        clients whose update fails :func:`update_problem`)."""
+        clients whose update fails :func:`update_problem`); late results are left out."""
         keep, gone, bad = [], [], []
         for j, (r, idx, dropped) in enumerate(zip(results, index_sets, lost, strict=True)):
             if dropped:
                 gone.append(r.client)
+            elif slow[j]:
+                continue
             elif update_problem(r.update, idx, self.shapes) is not None:
                 bad.append(r.client)
             else:
