@@ -427,7 +427,8 @@ def make_evaluator(
     inner_names: list[str],
     calibration: torch.Tensor | None = None,
 ) -> Callable[[Params], dict[str, float]]:
-    """Accuracy and cross-entropy of the global model on the held-out test set.
+    """Accuracy, balanced accuracy (mean per-class recall) and cross-entropy of the global
+    model on the held-out test set.
 
     With ``calibration`` inputs (static BatchNorm), the BatchNorm running statistics are first
     recomputed from scratch over them (cumulative average, in training mode) for the model
@@ -450,10 +451,17 @@ def make_evaluator(
                     [forward(module, x, y, b, part) for part in test.features.split(_EVAL_BATCH)]
                 )
                 loss = F.cross_entropy(logits, test.labels)
-                acc = (logits.argmax(1) == test.labels).float().mean()
+                hit = (logits.argmax(1) == test.labels).float()
+                acc = hit.mean()
+                # mean per-class recall over the classes present: the figure of merit on
+                # long-tailed training data (task vs_loss), equal to acc on balanced test sets
+                counts = torch.bincount(test.labels, minlength=test.num_classes).float()
+                hits = torch.bincount(test.labels, weights=hit, minlength=test.num_classes)
+                present = counts > 0
+                balanced = (hits[present] / counts[present]).mean()
         finally:
             module.train(was_training)
-        return {"accuracy": float(acc), "loss": float(loss)}
+        return {"accuracy": float(acc), "loss": float(loss), "balanced_accuracy": float(balanced)}
 
     return evaluate
 

@@ -121,3 +121,17 @@ def test_task_and_model_must_go_together(patch, message):
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_evaluator_reports_balanced_accuracy_by_hand():
+    from radbo.data import Dataset
+    from radbo.experiment import make_evaluator
+
+    model = FeatureL2Logistic(2, 2)
+    features = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    test = Dataset(features, torch.tensor([0, 0, 0, 1]), 2, "hand")
+    evaluate = make_evaluator(model, test, ["log_l2"], ["linear.weight", "linear.bias"])
+    state = {"log_l2": torch.zeros(2), "linear.weight": torch.eye(2), "linear.bias": torch.zeros(2)}
+    metrics = evaluate(state)  # predictions 0, 0, 1, 1
+    assert metrics["accuracy"] == pytest.approx(0.75)
+    assert metrics["balanced_accuracy"] == pytest.approx((2 / 3 + 1) / 2)
