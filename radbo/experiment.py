@@ -100,6 +100,7 @@ from radbo.models import (
 )
 from radbo.problem import ClientData, forward
 from radbo.simulation.engine import (
+    Backend,
     ClientBudget,
     ClientRuntime,
     Simulation,
@@ -776,6 +777,7 @@ def run(
     output_dir: str | Path | None = None,
     save: bool = True,
     resume: bool = False,
+    backend_factory: Callable[[RunConfig], Backend] | None = None,
 ) -> RunResult:
     """Run ``config`` end to end (and its full-model baseline when ``baseline.enabled``).
 
@@ -790,11 +792,20 @@ def run(
     ``checkpoint_every`` may differ too). One caveat when extending a finished run: its last
     round was evaluated even if ``eval_every`` does not divide it, so the extended
     ``results.json`` has one more evaluation row than a run made at the new length at once.
+
+    ``backend_factory(run_config)``, when given, makes the backend that runs the client work of
+    each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
+    place of the simulation's default sequential backend.
     """
     out = Path(output_dir if output_dir is not None else config.output_dir)
     checkpoints = out / "checkpoints"
     result = _run_once(
-        config, progress=progress, desc="radbo", checkpoints=checkpoints / "run", resume=resume
+        config,
+        progress=progress,
+        desc="radbo",
+        checkpoints=checkpoints / "run",
+        resume=resume,
+        backend_factory=backend_factory,
     )
     if config.baseline.enabled:
         base = _run_once(
@@ -803,6 +814,7 @@ def run(
             desc="baseline",
             checkpoints=checkpoints / "baseline",
             resume=resume,
+            backend_factory=backend_factory,
         )
         result.baseline = base
         result.savings = savings(result.totals, base.totals)
@@ -823,9 +835,12 @@ def _run_once(
     desc: str,
     checkpoints: Path | None = None,
     resume: bool = False,
+    backend_factory: Callable[[RunConfig], Backend] | None = None,
 ) -> RunResult:
     exp = build(config)
     sim = exp.simulation
+    if backend_factory is not None:
+        sim.backend = backend_factory(config)
     config_data = config.model_dump(mode="json")
     state, clock_s, done = exp.initial_state, 0.0, 0
     rows: list[dict[str, Any]] = []

@@ -1,0 +1,221 @@
+"""radbo on Flower: the codec, the FlowerBackend against an in-process fake Grid, and a
+Flower simulation (Ray) that must reproduce the in-process engine bit for bit."""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="flwr is not installed (pip install 'radbo[flower]')")
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+
+from radbo.experiment import build, run  # noqa: E402
+from radbo.flower import (  # noqa: E402
+    FlowerBackend,
+    FlowerTaskError,
+    client_work,
+    decode_result,
+    decode_task,
+    encode_result,
+    encode_task,
+    message_type,
+    run_on_flower,
+)
+from radbo.flower.apps import CONFIG_KEY  # noqa: E402
+from radbo.simulation.engine import SequentialBackend  # noqa: E402
+from tests.configs import small_config  # noqa: E402
+
+
+class Recording(SequentialBackend):
+    """The sequential backend, keeping every task and result it saw."""
+
+    def __init__(self):
+        self.tasks, self.results = [], []
+
+    def map(self, fn, tasks):
+        results = super().map(fn, tasks)
+        self.tasks += tasks
+        self.results += results
+        return results
+
+
+def same_tensor(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def same_params(a, b):
+    return list(a) == list(b) and all(same_tensor(a[k], b[k]) for k in a)
+
+
+def flatten(value, prefix=""):
+    """Every leaf of a (nested dataclass / dict / sequence) state, keyed by its path."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple):
+        items = list(enumerate(value))
+    else:
+        return {prefix: value}
+    out = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}/{k}"))
+    return out
+
+
+def assert_same_state(a, b):
+    fa, fb = flatten(a), flatten(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        if isinstance(fa[k], torch.Tensor):
+            assert same_tensor(fa[k], fb[k]), k
+        else:
+            assert fa[k] == fb[k], k
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """Tasks and results of round 0 of the masked RABO demo (both phases)."""
+    exp = build(small_config(rounds=1, baseline={"enabled": False}))
+    backend = Recording()
+    exp.simulation.backend = backend
+    exp.simulation.step(exp.initial_state, 0)
+    return backend
+
+
+def test_codec_round_trip_is_exact(recorded):
+    assert {t.phase for t in recorded.tasks} == {"train.inner", "train.outer"}
+    # masked submodels: some index sets keep part of a dimension, some keep all of it
+    dims = [i for t in recorded.tasks for idx in t.index_set.values() for i in idx]
+    assert any(i is None for i in dims) and any(i is not None for i in dims)
+    for task in recorded.tasks:
+        back = decode_task(encode_task(task))
+        for f in ("client", "round", "phase", "seed", "budget", "slot"):
+            assert getattr(back, f) == getattr(task, f), f
+        assert same_params(back.params, task.params)
+        assert list(back.index_set) == list(task.index_set)
+        for name, idx in task.index_set.items():
+            assert len(back.index_set[name]) == len(idx)
+            for i, j in zip(idx, back.index_set[name], strict=True):
+                assert (i is None and j is None) or same_tensor(i, j)
+        assert same_tensor(back.data.inner, task.data.inner)
+        assert same_tensor(back.data.outer, task.data.outer)
+    for result in recorded.results:
+        back = decode_result(encode_result(result))
+        assert back.client == result.client and back.slot == result.slot
+        assert back.cost == result.cost and back.cost.flops > 0
+        assert dict(back.metrics) == dict(result.metrics)
+        assert same_params(back.update, result.update)
+
+
+def test_message_types():
+    assert message_type("train.inner") == "train.inner"
+    assert message_type("train.outer") == "train.outer"
+    assert message_type("train") == "train"
+    assert message_type("train.local") == "train.local"
+    for other in ("inner.3", "phe.init", "phe.2", "phe.final", "train.unknown"):
+        assert message_type(other) == "train.radbo"
+
+
+@pytest.fixture
+def flower_identity(monkeypatch):
+    """Flower messages read the run, node and task ids of the current process, which
+    Flower's runtimes set; outside them the fake grid tests set them here."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+class FakeGrid:
+    """An in-process Grid: each node runs radbo's client handler as client ``partition``.
+
+    Like Flower's grids it sets each message's id when pushing; it answers in reverse order
+    (so the backend must reorder) and can drop or fail the reply to one client.
+    """
+
+    def __init__(self, partitions, drop=None, fail=None):
+        self.partitions = partitions  # node id -> radbo client id
+        self.sent, self.drop, self.fail = [], drop, fail
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for n, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}-{n}"
+            self.sent.append(msg)
+            client = self.partitions[msg.metadata.dst_node_id]
+            if client == self.drop:
+                continue
+            if client == self.fail:
+                replies.append(Message(Error(code=7, reason="boom"), reply_to=msg))
+                continue
+            context = Context(
+                0, msg.metadata.dst_node_id, {"partition-id": client}, RecordDict(), {}
+            )
+            replies.append(client_work(msg, context))
+        return replies[::-1]
+
+
+def test_flower_backend_with_fake_grid_matches_engine(flower_identity):
+    config = small_config(rounds=1, baseline={"enabled": False})
+    ref = build(config)
+    ref_state, ref_record = ref.simulation.step(ref.initial_state, 0)
+
+    exp = build(config)
+    nodes = {c: 1000 + 7 * c for c in range(config.fleet.num_clients)}
+    grid = FakeGrid({n: c for c, n in nodes.items()})
+    exp.simulation.backend = FlowerBackend(
+        grid, nodes, extra={CONFIG_KEY: config.model_dump_json()}
+    )
+    state, record = exp.simulation.step(exp.initial_state, 0)
+
+    assert_same_state(state, ref_state)
+    assert record.ledger == ref_record.ledger
+    clients = record.clients
+    types = [m.metadata.message_type for m in grid.sent]
+    assert types == ["train.inner"] * len(clients) + ["train.outer"] * len(clients)
+    assert [m.metadata.dst_node_id for m in grid.sent] == [nodes[c] for c in clients] * 2
+    # results come back in task order although the grid answers in reverse
+    assert [e.client for e in record.ledger] == clients * 2
+
+
+def test_flower_backend_reports_missing_and_failed_replies(recorded, flower_identity):
+    config = small_config(rounds=1, baseline={"enabled": False})
+    tasks = [t for t in recorded.tasks if t.phase == "train.inner"][:3]
+    nodes = list(range(config.fleet.num_clients))
+    extra = {CONFIG_KEY: config.model_dump_json()}
+    grid = FakeGrid(dict(enumerate(nodes)), drop=tasks[1].client)
+    with pytest.raises(FlowerTaskError, match=f"no reply .* client {tasks[1].client}"):
+        FlowerBackend(grid, nodes, extra=extra).map(None, tasks)
+    grid = FakeGrid(dict(enumerate(nodes)), fail=tasks[2].client)
+    with pytest.raises(FlowerTaskError, match="code 7: boom"):
+        FlowerBackend(grid, nodes, extra=extra).map(None, tasks)
+    with pytest.raises(FlowerTaskError, match="no Flower node serves radbo client"):
+        FlowerBackend(grid, {}, extra=extra).map(None, tasks)
+
+
+def test_flower_simulation_matches_engine():
+    """RABO with masks on the demo fleet, 2 rounds on Flower's Ray runtime (one SuperNode per
+    client) gives bitwise the state, ledger and per-round records of ``radbo.experiment.run``."""
+    config = small_config(rounds=2, baseline={"enabled": False})
+    ref = run(config, progress=False, save=False)
+    got = run_on_flower(
+        config,
+        num_supernodes=config.fleet.num_clients,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
+    assert_same_state(got.state, ref.state)
+    assert got.ledger == ref.ledger
+    assert len(got.rounds) == len(ref.rounds) == 2
+    for a, b in zip(got.rounds, ref.rounds, strict=True):
+        a, b = dict(a), dict(b)
+        a.pop("wall_time_s"), b.pop("wall_time_s")
+        assert a == b
+    assert got.final == ref.final
+    # FLOPs are measured on the nodes, so the server's own meter measured nothing
+    skip = {"flop_measurements"}
+    assert {k: v for k, v in got.totals.items() if k not in skip} == {
+        k: v for k, v in ref.totals.items() if k not in skip
+    }
+    assert got.totals_by_tier == ref.totals_by_tier
