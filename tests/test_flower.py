@@ -199,12 +199,19 @@ def test_flower_simulation_matches_engine():
     """RABO with masks on the demo fleet, 2 rounds on Flower's Ray runtime (one SuperNode per
     client) gives bitwise the state, ledger and per-round records of ``radbo.experiment.run``."""
     config = small_config(rounds=2, baseline={"enabled": False})
-    ref = run(config, progress=False, save=False)
-    got = run_on_flower(
-        config,
-        num_supernodes=config.fleet.num_clients,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-    )
+    # Bitwise equality needs the same float summation order everywhere: Ray gives each
+    # SuperNode one CPU (one intra-op thread), so the in-process run uses one thread too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = run(config, progress=False, save=False)
+        got = run_on_flower(
+            config,
+            num_supernodes=config.fleet.num_clients,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+        )
+    finally:
+        torch.set_num_threads(threads)
     assert_same_state(got.state, ref.state)
     assert got.ledger == ref.ledger
     assert len(got.rounds) == len(ref.rounds) == 2
