@@ -1,5 +1,6 @@
 """The simulation engine and its backends."""
 
+from radbo.simulation.batched import BatchedBackend, register_batched
 from radbo.simulation.engine import (
     Algorithm,
     Backend,
@@ -20,6 +21,7 @@ from radbo.simulation.engine import (
 __all__ = [
     "Algorithm",
     "Backend",
+    "BatchedBackend",
     "ClientBudget",
     "ClientResult",
     "ClientRuntime",
@@ -31,5 +33,6 @@ __all__ = [
     "SequentialBackend",
     "Simulation",
     "derive_seed",
+    "register_batched",
     "update_problem",
 ]
