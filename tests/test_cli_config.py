@@ -190,3 +190,11 @@ def test_every_estimator_key_reaches_the_estimator(section):
     for key, value in section.items():
         if key != "name":
             assert getattr(estimator, key) == value, key
+
+
+@pytest.mark.parametrize("path", sorted((DEMO.parent).glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_config_validates_and_builds(path):
+    from radbo.experiment import build
+
+    exp = build(load_config(path))
+    assert exp.simulation.clients and exp.config.rounds >= 1
