@@ -139,6 +139,11 @@ def coverage_weighted_mean(
     )
 
 
+def axpy(alpha: float, d: Params, p: Params) -> Params:
+    """``p + alpha * d``, tensor by tensor over the names of ``p``."""
+    return {k: p[k] + alpha * d[k] for k in p}
+
+
 def apply_step(params: Params, agg: CoverageMean, lr: float) -> Params:
     """``p_k <- p_k - lr * mean_k`` on covered coordinates; uncovered ones stay unchanged."""
     out: Params = {}

@@ -39,18 +39,24 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from radbo.aggregation import apply_step, average_buffers, coverage_weighted_mean
-from radbo.cost import tensor_bytes
+from radbo.aggregation import (
+    apply_step,
+    average_buffers,
+    axpy,
+    coverage_weighted_mean,
+    global_norm,
+    project_ball,
+)
 from radbo.hypergrad import InnerSystem
 from radbo.problem import bind_losses, sample_batch
 from radbo.simulation.engine import (
     ClientResult,
     ClientRuntime,
     ClientTask,
-    CostRecord,
     Phase,
     derive_seed,
     mean_metric,
+    reply,
 )
 from radbo.typing import IndexSet, Params
 
@@ -227,15 +233,6 @@ class FedMBO:
     def _batch(self, runtime: ClientRuntime, indices, size: int, gen):
         return sample_batch(runtime.features, runtime.labels, indices, size, gen)
 
-    def _result(self, task: ClientTask, update: Params, sent: Params, **counts) -> ClientResult:
-        metrics = counts.pop("metrics", {})
-        return ClientResult(
-            client=task.client,
-            update=update,
-            cost=CostRecord(bytes_down=tensor_bytes(sent), bytes_up=tensor_bytes(update), **counts),
-            metrics=metrics,
-        )
-
     def client_gradient(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
         """One minibatch gradient of g_i in y (Alg. 1 line 8)."""
         gen = task.generator()
@@ -247,13 +244,12 @@ class FedMBO:
         update = dict(zip(y_var, (g.detach() for g in grads), strict=True))
         if self.aggregate_buffers:
             update.update(buffers)
-        return self._result(
+        return reply(
             task,
             update,
-            task.params,
+            {"inner_loss": float(loss.detach())},
             n_grad=1,
             samples=batch.targets.numel(),
-            metrics={"inner_loss": float(loss.detach())},
         )
 
     def client_phe_init(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
@@ -279,55 +275,40 @@ class FedMBO:
             },
             **{f"{P}:{n}": scale * g.detach() for n, g in zip(y, grad_y, strict=True)},
         }
-        return self._result(
+        return reply(
             task,
             update,
-            task.params,
+            {"outer_loss": float(f_phi.detach())},
             n_grad=2,
             samples=phi.targets.numel() + theta.targets.numel(),
-            metrics={"outer_loss": float(f_phi.detach())},
         )
 
-    def client_neumann_step(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """p <- (I - ∇²_yy g_c(ζ)/ℓ) p, one product of the chain (Alg. 2 line 13)."""
+    def _chain_product(self, runtime: ClientRuntime, task: ClientTask, mixed: bool):
+        """One second-order product of g_c with the chain's p on an inner minibatch: the
+        Hessian ``∇²_yy g p`` or the mixed ``∇²_xy g p``; returns it with the work counts."""
         gen = task.generator()
         module, x, y, buffers = self._unpack(runtime, task)
         batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
         _, inner = bind_losses(runtime.problem, module, buffers, batch, batch)
         system = InnerSystem(inner, x, y)
         p = tuple(task.params[f"{P}:{n}"] for n in self.inner_names)
-        hp = system.hvp(p)
+        product = system.mixed(p) if mixed else system.hvp(p)
+        counts = {"n_grad": system.n_grad, "n_hvp": system.n_hvp, "samples": batch.targets.numel()}
+        return p, product, counts
+
+    def client_neumann_step(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+        """p <- (I - ∇²_yy g_c(ζ)/ℓ) p, one product of the chain (Alg. 2 line 13)."""
+        p, hp, counts = self._chain_product(runtime, task, mixed=False)
         update = {
             f"{P}:{n}": pi - self.eta * hi
             for n, pi, hi in zip(self.inner_names, p, hp, strict=True)
         }
-        return self._result(
-            task,
-            update,
-            task.params,
-            n_grad=system.n_grad,
-            n_hvp=system.n_hvp,
-            samples=batch.targets.numel(),
-        )
+        return reply(task, update, **counts)
 
     def client_mixed(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
         """∇²_xy g_c(ω) p_{i,N_i} (Alg. 2 line 22; the server subtracts it from d_i)."""
-        gen = task.generator()
-        module, x, y, buffers = self._unpack(runtime, task)
-        batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
-        _, inner = bind_losses(runtime.problem, module, buffers, batch, batch)
-        system = InnerSystem(inner, x, y)
-        p = tuple(task.params[f"{P}:{n}"] for n in self.inner_names)
-        jp = system.mixed(p)
-        update = dict(zip(self.outer_names, jp, strict=True))
-        return self._result(
-            task,
-            update,
-            task.params,
-            n_grad=system.n_grad,
-            n_hvp=system.n_hvp,
-            samples=batch.targets.numel(),
-        )
+        _, jp, counts = self._chain_product(runtime, task, mixed=True)
+        return reply(task, dict(zip(self.outer_names, jp, strict=True)), **counts)
 
     # -- servers -------------------------------------------------------------------------------
     def server_inner(self, state, results, index_sets, weights):
@@ -401,9 +382,8 @@ class FedMBO:
                 ).mean(0)
                 for name in self.outer_names
             }
-            norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in h.values())))
-            metrics["hypergrad_norm"] = norm
-            if self.max_hypergrad_norm is not None and norm > self.max_hypergrad_norm:
-                h = {k: t * (self.max_hypergrad_norm / norm) for k, t in h.items()}
-            x = {k: t - self.outer_lr * h[k] for k, t in state.x.items()}
+            metrics["hypergrad_norm"] = global_norm(h)
+            if self.max_hypergrad_norm is not None:
+                h = project_ball(h, self.max_hypergrad_norm)  # clipping = projection
+            x = axpy(-self.outer_lr, h, state.x)
         return replace(state, x=x, chains={}), metrics

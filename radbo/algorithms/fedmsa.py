@@ -37,16 +37,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from radbo.cost import tensor_bytes
+from radbo.aggregation import axpy
 from radbo.hypergrad import ImplicitSystem
 from radbo.problem import bind_losses, sample_batch
 from radbo.simulation.engine import (
     ClientResult,
     ClientRuntime,
     ClientTask,
-    CostRecord,
     Phase,
     mean_metric,
+    reply,
 )
 from radbo.typing import IndexSet, Params
 
@@ -71,10 +71,6 @@ class FedMSAState:
     q_w: Params
     q_v: Params
     round: int = 0
-
-
-def _add(a: Params, b: Params, scale: float = 1.0) -> Params:
-    return {k: a[k] + scale * b[k] for k in a}
 
 
 @dataclass(frozen=True)
@@ -212,9 +208,9 @@ class FedMSA:
             h_prev = {n: task.params[f"{H}:{n}"] for n in self.outer_names}
             qw_prev = {n: task.params[f"{QW}:{n}"] for n in self.inner_names}
             qv_prev = {n: task.params[f"{QV}:{n}"] for n in self.inner_names}
-            p = _add(p, _add(h_prev, p0, -1.0), 1.0 - rho)
-            s_w = _add(s_w, _add(qw_prev, s_w0, -1.0), 1.0 - rho)
-            s_v = _add(s_v, _add(qv_prev, s_v0, -1.0), 1.0 - rho)
+            p = axpy(1.0 - rho, axpy(-1.0, p0, h_prev), p)
+            s_w = axpy(1.0 - rho, axpy(-1.0, s_w0, qw_prev), s_w)
+            s_v = axpy(1.0 - rho, axpy(-1.0, s_v0, qv_prev), s_v)
         update = {
             **{f"{H}:{k}": t for k, t in p.items()},
             **{f"{QW}:{k}": t for k, t in s_w.items()},
@@ -223,18 +219,7 @@ class FedMSA:
         with torch.no_grad():
             x, w, _ = self._point(task.params)
             losses = {"outer_loss": float(outer(x, w)), "inner_loss": float(inner(x, w))}
-        return ClientResult(
-            client=task.client,
-            update=update,
-            cost=CostRecord(
-                n_grad=n_grad,
-                n_hvp=n_hvp,
-                samples=samples,
-                bytes_down=tensor_bytes(task.params),
-                bytes_up=tensor_bytes(update),
-            ),
-            metrics=losses,
-        )
+        return reply(task, update, losses, n_grad=n_grad, n_hvp=n_hvp, samples=samples)
 
     def server_momentum(self, state, results, index_sets, weights):
         """(h_r, q_r) = the weighted mean of the clients' directions (line 8)."""
@@ -302,29 +287,25 @@ class FedMSA:
                         runtime.problem.inner_loss(module, x, w, buffers, batches[0])
                 p1, sw1, sv1, c1 = self.maps(outer, inner, x, w, v)
                 p0, sw0, sv0, c0 = self.maps(outer, inner, *previous)
-                h = _add(h, _add(p1, p0, -1.0))
-                q_w = _add(q_w, _add(sw1, sw0, -1.0))
-                q_v = _add(q_v, _add(sv1, sv0, -1.0))
+                h = axpy(1.0, axpy(-1.0, p0, p1), h)
+                q_w = axpy(1.0, axpy(-1.0, sw0, sw1), q_w)
+                q_v = axpy(1.0, axpy(-1.0, sv0, sv1), q_v)
                 n_grad, n_hvp = n_grad + c1[0] + c0[0], n_hvp + c1[1] + c0[1]
                 samples += used
             previous = (x, w, v)
-            x = _add(x, h, -self.outer_lr)
-            w = _add(w, q_w, -self.inner_lr)
-            v = _add(v, q_v, -self.v_lr)
+            x = axpy(-self.outer_lr, h, x)
+            w = axpy(-self.inner_lr, q_w, w)
+            v = axpy(-self.v_lr, q_v, v)
         update = {**x, **w, **{f"{V}:{k}": t for k, t in v.items()}}
         if self.aggregate_buffers:
             update.update(buffers)
-        return ClientResult(
-            client=task.client,
-            update=update,
-            cost=CostRecord(
-                n_grad=n_grad,
-                n_hvp=n_hvp,
-                samples=samples,
-                bytes_down=tensor_bytes(task.params),
-                bytes_up=tensor_bytes(update),
-            ),
-            metrics={"local_steps": float(steps)},
+        return reply(
+            task,
+            update,
+            {"local_steps": float(steps)},
+            n_grad=n_grad,
+            n_hvp=n_hvp,
+            samples=samples,
         )
 
     def server_local(self, state, results, index_sets, weights):

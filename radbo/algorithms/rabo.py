@@ -39,7 +39,6 @@ from radbo.aggregation import (
     global_norm,
     project_ball,
 )
-from radbo.cost import tensor_bytes
 from radbo.hypergrad import HypergradEstimator, ImplicitCG, init_state
 from radbo.masks.index import alias, extract
 from radbo.problem import bind_losses, sample_batch
@@ -47,9 +46,9 @@ from radbo.simulation.engine import (
     ClientResult,
     ClientRuntime,
     ClientTask,
-    CostRecord,
     Phase,
     mean_metric,
+    reply,
 )
 from radbo.typing import IndexSet, Params
 
@@ -165,17 +164,7 @@ class RABO:
             loss_value = float(loss.detach())
             samples += batch.targets.numel()
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        return ClientResult(
-            client=task.client,
-            update=update,
-            cost=CostRecord(
-                n_grad=steps,
-                samples=samples,
-                bytes_down=tensor_bytes(task.params),
-                bytes_up=tensor_bytes(update),
-            ),
-            metrics={"inner_loss": loss_value},
-        )
+        return reply(task, update, {"inner_loss": loss_value}, n_grad=steps, samples=samples)
 
     def server_inner(
         self,
@@ -231,17 +220,14 @@ class RABO:
         # x and buffers are already on the client from the inner phase
         sent = {n: task.params[n] for n in (*self.inner_names, *aux)}
         update = {**grad, **result.state}
-        return ClientResult(
-            client=task.client,
-            update=update,
-            cost=CostRecord(
-                n_grad=result.n_grad,
-                n_hvp=result.n_hvp,
-                samples=inner_batch.targets.numel() + outer_batch.targets.numel(),
-                bytes_down=tensor_bytes(sent),
-                bytes_up=tensor_bytes(update),
-            ),
-            metrics={"outer_loss": outer_value, "hypergrad_norm": norm},
+        return reply(
+            task,
+            update,
+            {"outer_loss": outer_value, "hypergrad_norm": norm},
+            received=sent,
+            n_grad=result.n_grad,
+            n_hvp=result.n_hvp,
+            samples=inner_batch.targets.numel() + outer_batch.targets.numel(),
         )
 
     def server_outer(

@@ -37,10 +37,10 @@ from radbo.aggregation import (
     CoverageMean,
     apply_step,
     average_buffers,
+    axpy,
     coverage_weighted_mean,
     project_ball,
 )
-from radbo.cost import tensor_bytes
 from radbo.hypergrad import AutogradProducts, SecondOrderProducts
 from radbo.masks.index import alias, extract
 from radbo.problem import bind_losses, sample_batch
@@ -48,9 +48,9 @@ from radbo.simulation.engine import (
     ClientResult,
     ClientRuntime,
     ClientTask,
-    CostRecord,
     Phase,
     mean_metric,
+    reply,
 )
 from radbo.typing import IndexSet, Params
 
@@ -87,10 +87,6 @@ def _grad(loss: torch.Tensor, blocks: Sequence[Params]) -> list[Params]:
 
 def _leaf(params: Params) -> Params:
     return {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-
-
-def _axpy(alpha: float, d: Params, p: Params) -> Params:
-    return {k: p[k] + alpha * d[k] for k in p}
 
 
 @dataclass(frozen=True)
@@ -203,31 +199,27 @@ class SimFBO:
             n_hvp += counts[1]
             if first_losses is None:
                 first_losses = losses
-            x = _axpy(-a * self.outer_lr, d_x, x)
-            y = _axpy(-a * self.inner_lr, d_y, y)
-            v = _axpy(-a * self.v_lr, d_v, v)
-            q_x, q_y, q_v = _axpy(a, d_x, q_x), _axpy(a, d_y, q_y), _axpy(a, d_v, q_v)
+            x = axpy(-a * self.outer_lr, d_x, x)
+            y = axpy(-a * self.inner_lr, d_y, y)
+            v = axpy(-a * self.v_lr, d_v, v)
+            q_x, q_y, q_v = axpy(a, d_x, q_x), axpy(a, d_y, q_y), axpy(a, d_v, q_v)
         a_norm = a * tau
         update = self.local_message(q_x, q_y, q_v, a_norm)
         if self.aggregate_buffers:
             update.update(buffers)
         inner_loss, outer_loss = first_losses if first_losses is not None else (0.0, 0.0)
-        return ClientResult(
-            client=task.client,
-            update=update,
-            cost=CostRecord(
-                n_grad=n_grad,
-                n_hvp=n_hvp,
-                samples=samples,
-                bytes_down=tensor_bytes(task.params),
-                bytes_up=tensor_bytes(update),
-            ),
-            metrics={
+        return reply(
+            task,
+            update,
+            {
                 "inner_loss": inner_loss,
                 "outer_loss": outer_loss,
                 "a_norm": a_norm,
                 "local_steps": float(tau),
             },
+            n_grad=n_grad,
+            n_hvp=n_hvp,
+            samples=samples,
         )
 
     def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: float) -> Params:

@@ -36,13 +36,13 @@ from typing import Any, Protocol
 
 import torch
 
-from radbo.cost import shape_signature, tensor_bytes
+from radbo.cost import shape_signature
 from radbo.problem import Batch, sample_batch
 from radbo.simulation.engine import (
     ClientResult,
     ClientRuntime,
     ClientTask,
-    CostRecord,
+    reply,
     run_measured,
 )
 
@@ -217,16 +217,12 @@ class RABOInnerBatched:
                 )
             update = {n: t[c].clone() for n, t in total.items()}
             out.append(
-                ClientResult(
-                    client=task.client,
-                    update=update,
-                    cost=CostRecord(
-                        n_grad=steps,
-                        samples=steps * int(ts.shape[2]),
-                        bytes_down=tensor_bytes(task.params),
-                        bytes_up=tensor_bytes(update),
-                    ),
-                    metrics={"inner_loss": float(value)},
+                reply(
+                    task,
+                    update,
+                    {"inner_loss": float(value)},
+                    n_grad=steps,
+                    samples=steps * int(ts.shape[2]),
                 )
             )
         return out

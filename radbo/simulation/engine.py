@@ -30,6 +30,7 @@ from radbo.cost import (
     index_metadata_bytes,
     phase_times,
     shape_signature,
+    tensor_bytes,
     totals,
 )
 from radbo.masks.coverage_report import CoverageTracker
@@ -202,6 +203,26 @@ class SequentialBackend:
         self, fn: Callable[[ClientTask], ClientResult], tasks: Sequence[ClientTask]
     ) -> list[ClientResult]:
         return [fn(task) for task in tasks]
+
+
+def reply(
+    task: ClientTask,
+    update: Params,
+    metrics: Mapping[str, float] | None = None,
+    *,
+    received: Params | None = None,
+    **counts: int,
+) -> ClientResult:
+    """A client's result for ``task``: ``update``, its work ``counts`` (``n_grad``, ``n_hvp``,
+    ``samples``) and the bytes that crossed the wire: ``received`` down (default: all of
+    ``task.params``) and ``update`` up."""
+    down = task.params if received is None else received
+    return ClientResult(
+        client=task.client,
+        update=update,
+        cost=CostRecord(bytes_down=tensor_bytes(down), bytes_up=tensor_bytes(update), **counts),
+        metrics=dict(metrics or {}),
+    )
 
 
 def mean_metric(results: Sequence[ClientResult], key: str) -> float:
