@@ -78,6 +78,14 @@ def forward(module: nn.Module, x: Params, y: Params, buffers: Params, inputs: Te
     return functional_call(module, {**x, **y, **buffers}, (inputs,), strict=True)
 
 
+def l2_penalty(y: Params, weight: float) -> Tensor | float:
+    """``weight/2 * ||y||^2`` over all tensors of ``y`` (0 when ``weight`` is 0): the term the
+    tasks add to the inner loss to make it strongly convex in y."""
+    if not weight:
+        return 0.0
+    return 0.5 * weight * sum((t * t).sum() for t in y.values())
+
+
 def bind_losses(
     problem: BilevelProblem,
     module: nn.Module,

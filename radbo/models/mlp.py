@@ -25,7 +25,7 @@ class MLP(BilevelModel):
         super().__init__()
         if in_features < 1 or classes < 1 or any(h < 1 for h in hidden):
             raise ValueError(
-                f"MLP sizes must be positive, got in_features={in_features}, "
+                f"{type(self).__name__} sizes must be positive, got in_features={in_features}, "
                 f"hidden={list(hidden)}, classes={classes}"
             )
         self.input_shape = (in_features,)

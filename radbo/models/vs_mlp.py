@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.mlp import MLP
 from radbo.typing import Params
 
 
-class VSMLP(BilevelModel):
+class VSMLP(MLP):
     """``in -> hidden[0] -> ... -> hidden[-1] -> classes`` with ReLU, flattening its input; the
     whole network (``body`` and ``head``) is y. x is three per-class vectors that only the
     inner loss reads (:meth:`vs_parameters`), the hyperparameters of the VS loss of Kini et al.
@@ -35,26 +35,10 @@ class VSMLP(BilevelModel):
     loss_only_parameters = ("vs_log_weight", "vs_shift", "vs_log_scale")
 
     def __init__(self, in_features: int = 64, hidden: Sequence[int] = (128,), classes: int = 10):
-        super().__init__()
-        if in_features < 1 or classes < 1 or any(h < 1 for h in hidden):
-            raise ValueError(
-                f"VSMLP sizes must be positive, got in_features={in_features}, "
-                f"hidden={list(hidden)}, classes={classes}"
-            )
-        self.input_shape = (in_features,)
-        layers: list[nn.Module] = []
-        width = in_features
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        self.body = nn.Sequential(*layers)
-        self.head = nn.Linear(width, classes)
+        super().__init__(in_features, hidden, classes)
         self.vs_log_weight = nn.Parameter(torch.zeros(classes))
         self.vs_shift = nn.Parameter(torch.zeros(classes))
         self.vs_log_scale = nn.Parameter(torch.zeros(classes))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.body(torch.flatten(x, 1)))
 
     @staticmethod
     def vs_parameters(x: Params) -> tuple[Tensor, Tensor, Tensor]:

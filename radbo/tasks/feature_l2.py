@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from radbo.problem import Batch, forward
+from radbo.problem import Batch, forward, l2_penalty
 from radbo.typing import Params
 
 
@@ -36,7 +36,7 @@ class FeatureL2:
         logits = forward(module, x, y, buffers, batch.inputs)
         loss = F.cross_entropy(logits, batch.targets) + module.regularizer(x, y)
         if self.inner_l2:
-            loss = loss + 0.5 * self.inner_l2 * sum((t * t).sum() for t in y.values())
+            loss = loss + l2_penalty(y, self.inner_l2)
         return loss
 
     def outer_loss(

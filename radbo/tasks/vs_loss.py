@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from radbo.problem import Batch, forward
+from radbo.problem import Batch, forward, l2_penalty
 from radbo.typing import Params
 
 
@@ -108,7 +108,7 @@ class VSLoss:
         weight, shift, scale = module.vs_parameters(x)
         loss = vs_cross_entropy(logits, batch.targets, weight, shift, scale)
         if self.inner_l2:
-            loss = loss + 0.5 * self.inner_l2 * sum((t * t).sum() for t in y.values())
+            loss = loss + l2_penalty(y, self.inner_l2)
         return loss
 
     def outer_loss(
