@@ -217,6 +217,26 @@ def average_buffers(
     return apply_mean(buffers, coverage_weighted_mean(updates, index_sets, shapes, weights))
 
 
+def step_inner(
+    y: Params,
+    buffers: Params,
+    updates: Sequence[Params],
+    index_sets: Sequence[IndexSet],
+    weights: Sequence[float],
+    lr: float,
+    *,
+    with_buffers: bool,
+) -> tuple[Params, Params]:
+    """The server's inner step of RABO (eq. (6)) and FedMBO (Alg. 1 line 11): y moves by
+    ``lr`` times the coverage-weighted mean of the clients' gradients, and with
+    ``with_buffers`` the clients' BatchNorm statistics are averaged the same way."""
+    shapes = {n: t.shape for n, t in y.items()}
+    y = apply_step(y, coverage_weighted_mean(updates, index_sets, shapes, weights), lr)
+    if with_buffers:
+        buffers = average_buffers(buffers, updates, index_sets, weights)
+    return y, buffers
+
+
 @dataclass(frozen=True)
 class CoverageStats:
     """Coverage of one variable block in one round (RABO Definition 3, Table I).

@@ -40,12 +40,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from radbo.aggregation import (
-    apply_step,
-    average_buffers,
     axpy,
-    coverage_weighted_mean,
     global_norm,
     project_ball,
+    step_inner,
 )
 from radbo.hypergrad import InnerSystem
 from radbo.problem import bind_losses, sample_batch
@@ -313,16 +311,17 @@ class FedMBO:
     # -- servers -------------------------------------------------------------------------------
     def server_inner(self, state, results, index_sets, weights):
         """y <- y - β mean_i G_i (Alg. 1 lines 10-11); buffers averaged."""
-        updates = [r.update for r in results]
-        shapes = {n: state.y[n].shape for n in self.inner_names}
-        agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
-        y = apply_step(state.y, agg, self.inner_lr)
-        buffers = state.buffers
-        if self.aggregate_buffers:
-            buffers = average_buffers(buffers, updates, index_sets, weights)
-        return replace(state, y=y, buffers=buffers), {
-            "inner_loss": mean_metric(results, "inner_loss")
-        }
+        y, buffers = step_inner(
+            state.y,
+            state.buffers,
+            [r.update for r in results],
+            index_sets,
+            weights,
+            self.inner_lr,
+            with_buffers=self.aggregate_buffers,
+        )
+        metrics = {"inner_loss": mean_metric(results, "inner_loss")}
+        return replace(state, y=y, buffers=buffers), metrics
 
     def server_phe_init(self, state, results, index_sets, weights):
         """Start one chain per result: d_i, p_{i,0}, N_i ~ U{0..N-1} (Alg. 2 lines 1-7)."""

@@ -34,10 +34,10 @@ import torch
 from radbo.aggregation import (
     apply_mean,
     apply_step,
-    average_buffers,
     coverage_weighted_mean,
     global_norm,
     project_ball,
+    step_inner,
 )
 from radbo.hypergrad import HypergradEstimator, ImplicitCG, init_state
 from radbo.masks.index import alias, extract
@@ -174,13 +174,15 @@ class RABO:
         weights: Sequence[float],
     ) -> tuple[RABOState, dict[str, float]]:
         """Coverage-weighted step on y (eq. (6)) and coverage-weighted mean of buffers."""
-        updates = [r.update for r in results]
-        shapes = {n: state.y[n].shape for n in self.inner_names}
-        agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
-        y = apply_step(state.y, agg, self.inner_lr)
-        buffers = state.buffers
-        if self.aggregate_buffers:
-            buffers = average_buffers(buffers, updates, index_sets, weights)
+        y, buffers = step_inner(
+            state.y,
+            state.buffers,
+            [r.update for r in results],
+            index_sets,
+            weights,
+            self.inner_lr,
+            with_buffers=self.aggregate_buffers,
+        )
         metrics = {"inner_loss": mean_metric(results, "inner_loss")}
         return replace(state, y=y, buffers=buffers), metrics
 

@@ -13,33 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from radbo.problem import Batch, forward, l2_penalty
+from radbo.tasks.hyper_representation import HyperRepresentation
 from radbo.typing import Params
 
 
 @dataclass(frozen=True)
-class FeatureL2:
-    """Cross-entropy losses; the inner one adds the model's per-feature L2 regularizer."""
+class FeatureL2(HyperRepresentation):
+    """Cross-entropy losses (:class:`HyperRepresentation`'s); the inner one adds the model's
+    per-feature L2 regularizer before the ``inner_l2`` term."""
 
     inner_l2: float = 1e-3
 
-    def __post_init__(self) -> None:
-        if not self.inner_l2 >= 0:
-            raise ValueError(f"FeatureL2.inner_l2 must be >= 0, got {self.inner_l2}")
-
-    def inner_loss(
-        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
-    ) -> Tensor:
-        logits = forward(module, x, y, buffers, batch.inputs)
-        loss = F.cross_entropy(logits, batch.targets) + module.regularizer(x, y)
-        if self.inner_l2:
-            loss = loss + l2_penalty(y, self.inner_l2)
-        return loss
-
-    def outer_loss(
-        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
-    ) -> Tensor:
-        return F.cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
+    def regularizer(self, module: nn.Module, x: Params, y: Params) -> Tensor:
+        return module.regularizer(x, y)

@@ -28,13 +28,17 @@ class HyperRepresentation:
 
     def __post_init__(self) -> None:
         if not self.inner_l2 >= 0:
-            raise ValueError(f"HyperRepresentation.inner_l2 must be >= 0, got {self.inner_l2}")
+            raise ValueError(f"{type(self).__name__}.inner_l2 must be >= 0, got {self.inner_l2}")
+
+    def regularizer(self, module: nn.Module, x: Params, y: Params) -> Tensor | float:
+        """A further term of the inner loss after the cross-entropy (none here)."""
+        return 0.0
 
     def inner_loss(
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
         logits = forward(module, x, y, buffers, batch.inputs)
-        loss = F.cross_entropy(logits, batch.targets)
+        loss = F.cross_entropy(logits, batch.targets) + self.regularizer(module, x, y)
         if self.inner_l2:
             loss = loss + l2_penalty(y, self.inner_l2)
         return loss
