@@ -35,7 +35,9 @@ from radbo.config import parse_config
 from radbo.experiment import Experiment, build
 from radbo.simulation import BatchedBackend, SequentialBackend
 from radbo.simulation.batched import batched_impl
-from radbo.simulation.engine import ClientTask, derive_seed, full_index_set, run_measured
+from radbo.client import ClientTask, run_measured
+from radbo.simulation import full_index_set
+from radbo.randomness import derive_seed
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
 

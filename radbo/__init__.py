@@ -1,14 +1,27 @@
 """radbo: resource-aware federated bilevel optimization on heterogeneous edge devices."""
 
-from radbo.aggregation import CoverageMean, apply_step, coverage_stats, coverage_weighted_mean
+from radbo.aggregation import CoverageMean, apply_step, coverage_weighted_mean
 from radbo.algorithms import (
+    ALGORITHMS,
     RABO,
+    AlgorithmConfig,
     FedMBO,
     FedMSA,
     RABOState,
     ShroFBO,
     SimFBO,
     SimFBOState,
+    Wiring,
+)
+from radbo.client import (
+    ClientBudget,
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    ClientWork,
+    Cohort,
+    Phase,
+    Prepared,
 )
 from radbo.config import ConfigError, RunConfig, load_config, parse_config
 from radbo.cost import LedgerEntry
@@ -16,73 +29,88 @@ from radbo.devices import BudgetPlanner, DeviceProfile, Fleet, load_catalog, pro
 from radbo.experiment import Experiment, RunResult, build, fleet_table, run
 from radbo.export import export_submodels
 from radbo.hypergrad import (
-    AutogradProducts,
+    ESTIMATORS,
+    Autograd,
+    Estimator,
     FiniteDifference,
-    FiniteDifferenceProducts,
     FirstOrder,
-    HypergradEstimator,
     HypergradResult,
     ImplicitCG,
     Neumann,
 )
 from radbo.masks import StructurePlan, extract, scatter
 from radbo.masks.assigner import SubmodelAssigner
+from radbo.masks.coverage_report import coverage_stats
 from radbo.problem import Batch, BilevelProblem, ClientData
+from radbo.registry import Registry, Section
 from radbo.report import compare, load_run
-from radbo.simulation import ClientBudget, SequentialBackend, Simulation
+from radbo.simulation import BatchedBackend, SequentialBackend, Simulation
 from radbo.tasks import FeatureL2, HyperRepresentation
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALGORITHMS",
+    "ESTIMATORS",
     "RABO",
-    "AutogradProducts",
-    "FiniteDifference",
-    "FiniteDifferenceProducts",
+    "AlgorithmConfig",
+    "Autograd",
+    "Batch",
+    "BatchedBackend",
+    "BilevelProblem",
+    "BudgetPlanner",
+    "ClientBudget",
+    "ClientData",
+    "ClientResult",
+    "ClientRuntime",
+    "ClientTask",
+    "ClientWork",
+    "Cohort",
+    "ConfigError",
+    "CoverageMean",
+    "DeviceProfile",
+    "Estimator",
+    "Experiment",
     "FeatureL2",
     "FedMBO",
     "FedMSA",
+    "FiniteDifference",
     "FirstOrder",
+    "Fleet",
+    "HyperRepresentation",
+    "HypergradResult",
+    "ImplicitCG",
+    "LedgerEntry",
+    "Neumann",
+    "Phase",
+    "Prepared",
+    "RABOState",
+    "Registry",
+    "RunConfig",
+    "RunResult",
+    "Section",
+    "SequentialBackend",
     "ShroFBO",
     "SimFBO",
     "SimFBOState",
-    "Batch",
-    "BudgetPlanner",
-    "DeviceProfile",
-    "Fleet",
-    "LedgerEntry",
-    "BilevelProblem",
-    "ClientBudget",
-    "ClientData",
-    "ConfigError",
-    "CoverageMean",
-    "Experiment",
-    "HyperRepresentation",
-    "HypergradEstimator",
-    "HypergradResult",
-    "ImplicitCG",
-    "Neumann",
-    "RABOState",
-    "RunConfig",
-    "RunResult",
-    "SequentialBackend",
     "Simulation",
     "StructurePlan",
     "SubmodelAssigner",
+    "Wiring",
     "__version__",
     "apply_step",
     "build",
     "compare",
-    "export_submodels",
-    "load_run",
     "coverage_stats",
     "coverage_weighted_mean",
+    "export_submodels",
     "extract",
     "fleet_table",
     "load_catalog",
-    "probe_host",
     "load_config",
+    "load_run",
     "parse_config",
+    "probe_host",
     "run",
     "scatter",
 ]

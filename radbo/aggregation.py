@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from radbo.masks.index import coverage_counts
 from radbo.typing import IndexSet, Params
 
 
@@ -28,7 +29,8 @@ class CoverageMean:
         mean: per tensor, the weighted mean over the clients holding each coordinate (zero
             where nobody holds it).
         weight: per tensor, the summed weights ``sum_{i in N_k} w_i`` (zero where nobody holds it).
-        count: per tensor, the number of clients holding each coordinate, ``C^k = |N_k|`` (int64).
+        count: per tensor, the number of clients holding each coordinate, ``C^k = |N_k|``
+            (int64; clients of weight 0 hold nothing).
         scale: with per-client ``scales`` s_i, the weighted mean of s_i over the clients
             holding each coordinate (ShroFBO's per-coordinate rho), else ``None``.
     """
@@ -102,12 +104,10 @@ def coverage_weighted_mean(
         raise ValueError(f"got {len(updates)} updates but {len(scales)} scales")
     mean: Params = {}
     weight_sum: Params = {}
-    count: Params = {}
     scale: Params = {}
     for name, shape in shapes.items():
         num = torch.zeros(shape, dtype=torch.float64)
         den = torch.zeros(shape, dtype=torch.float64)
-        cnt = torch.zeros(shape, dtype=torch.int64)
         sc = torch.zeros(shape, dtype=torch.float64)
         client_scales = [0.0] * len(updates) if scales is None else scales
         for update, index_set, w, s_i in zip(
@@ -125,23 +125,17 @@ def coverage_weighted_mean(
                 )
             num[key] += w * sub.detach().to(torch.float64)
             den[key] += w
-            cnt[key] += 1
             sc[key] += w * s_i
         dtype = updates[0][name].dtype if updates else torch.float32
         held = den > 0
         safe = den.clamp_min(1e-300)
         mean[name] = torch.where(held, num / safe, 0.0).to(dtype)
         weight_sum[name] = den.to(dtype)
-        count[name] = cnt
         scale[name] = torch.where(held, sc / safe, 0.0).to(dtype)
+    count = coverage_counts(index_sets, shapes, weights)
     return CoverageMean(
         mean=mean, weight=weight_sum, count=count, scale=None if scales is None else scale
     )
-
-
-def axpy(alpha: float, d: Params, p: Params) -> Params:
-    """``p + alpha * d``, tensor by tensor over the names of ``p``."""
-    return {k: p[k] + alpha * d[k] for k in p}
 
 
 def apply_step(params: Params, agg: CoverageMean, lr: float) -> Params:
@@ -176,20 +170,6 @@ def apply_normalized_step(params: Params, agg: CoverageMean, lr: float) -> Param
         step = lr * agg.scale[name] * agg.mean[name]
         out[name] = torch.where(agg.covered(name), value - step, value)
     return out
-
-
-def global_norm(tensors: Params) -> float:
-    """L2 norm of all tensors together (in float64)."""
-    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
-
-
-def project_ball(tensors: Params, radius: float) -> Params:
-    """``P_r(v) = min(1, r / ||v||) v`` over the global L2 norm of all tensors (SimFBO eq. (5));
-    also clipping by global norm."""
-    norm = global_norm(tensors)
-    if norm <= radius:
-        return tensors
-    return {k: t * (radius / norm) for k, t in tensors.items()}
 
 
 def apply_mean(params: Params, agg: CoverageMean) -> Params:
@@ -235,32 +215,3 @@ def step_inner(
     if with_buffers:
         buffers = average_buffers(buffers, updates, index_sets, weights)
     return y, buffers
-
-
-@dataclass(frozen=True)
-class CoverageStats:
-    """Coverage of one variable block in one round (RABO Definition 3, Table I).
-
-    Attributes:
-        min_coverage: ``C* = min_k C^k`` over the coordinates trained this round (0 if none).
-        untrained_fraction: fraction of the block's coordinates no sampled client held.
-        histogram: ``histogram[c]`` = number of coordinates held by exactly c clients.
-    """
-
-    min_coverage: int
-    untrained_fraction: float
-    histogram: list[int]
-
-
-def coverage_stats(count: Mapping[str, Tensor], names: Sequence[str]) -> CoverageStats:
-    """Summarise per-coordinate client counts over the tensors ``names``."""
-    if not names:
-        return CoverageStats(min_coverage=0, untrained_fraction=0.0, histogram=[])
-    flat = torch.cat([count[n].reshape(-1) for n in names])
-    trained = flat[flat > 0]
-    min_cov = int(trained.min()) if trained.numel() else 0
-    return CoverageStats(
-        min_coverage=min_cov,
-        untrained_fraction=float((flat == 0).sum()) / flat.numel(),
-        histogram=torch.bincount(flat).tolist(),
-    )

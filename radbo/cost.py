@@ -34,9 +34,31 @@ INDEX_BYTES = 4
 class LinkProfile(Protocol):
     """What the time model needs from a device profile (:class:`radbo.devices.DeviceProfile`)."""
 
-    compute_flops: float
-    uplink_bps: float
-    downlink_bps: float
+    @property
+    def compute_flops(self) -> float: ...
+
+    @property
+    def uplink_bps(self) -> float: ...
+
+    @property
+    def downlink_bps(self) -> float: ...
+
+
+class DeviceLike(LinkProfile, Protocol):
+    """What the engine and the budget planner read from a device profile
+    (:class:`radbo.devices.DeviceProfile`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tier(self) -> str: ...
+
+    @property
+    def availability(self) -> float: ...
+
+    @property
+    def memory_bytes(self) -> int: ...
 
 
 def index_metadata_bytes(index_set: IndexSet) -> int:

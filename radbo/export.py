@@ -56,7 +56,7 @@ from radbo.flops import training_step_flops
 from radbo.masks.index import dense_mask, extract
 from radbo.masks.policies import RoundPreparedPolicy
 from radbo.masks.structure import StructurePlan
-from radbo.simulation.engine import ClientBudget
+from radbo.client import ClientBudget
 from radbo.typing import IndexSet, Params
 
 __all__ = [

@@ -121,7 +121,9 @@ def meta_training_inputs(
         state[name] = torch.empty_like(p, device="meta").requires_grad_(name in keep)
     for name, b in module.named_buffers():
         state[name] = torch.empty_like(b, device="meta")
-    inputs = torch.empty((batch_size, *shape), device="meta")
+    first = next(module.parameters(), None)
+    dtype = torch.get_default_dtype() if first is None else first.dtype
+    inputs = torch.empty((batch_size, *shape), device="meta", dtype=dtype)
     targets = torch.zeros(batch_size, dtype=torch.long, device="meta")
     return state, inputs, targets
 

@@ -8,6 +8,7 @@ submodel: only tensor shapes must match.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,13 +46,18 @@ class ClientData:
             )
 
 
+def draw_indices(indices: Tensor, batch_size: int, generator: torch.Generator) -> Tensor:
+    """``min(batch_size, len(indices))`` of ``indices`` drawn without replacement."""
+    n = indices.numel()
+    pick = torch.randperm(n, generator=generator)[: min(batch_size, n)]
+    return indices[pick]
+
+
 def sample_batch(
     features: Tensor, labels: Tensor, indices: Tensor, batch_size: int, generator: torch.Generator
 ) -> Batch:
     """Draw ``min(batch_size, len(indices))`` samples without replacement using ``generator``."""
-    n = indices.numel()
-    pick = torch.randperm(n, generator=generator)[: min(batch_size, n)]
-    chosen = indices[pick]
+    chosen = draw_indices(indices, batch_size, generator)
     return Batch(features[chosen], labels[chosen])
 
 
@@ -86,12 +92,22 @@ def l2_penalty(y: Params, weight: float) -> Tensor | float:
     return 0.5 * weight * sum((t * t).sum() for t in y.values())
 
 
+#: ``call(loss_fn, module, x, y, buffers, batch)``: how a bound loss is evaluated (directly, or
+#: per client of a cohort; see :meth:`radbo.client.Cohort.loss`).
+LossCall = Callable[..., Tensor]
+
+
+def _direct(fn: Callable[..., Tensor], *args: object) -> Tensor:
+    return fn(*args)
+
+
 def bind_losses(
     problem: BilevelProblem,
     module: nn.Module,
     buffers: Params,
     inner_batch: Batch,
     outer_batch: Batch,
+    call: LossCall = _direct,
 ) -> tuple[BilevelLoss, BilevelLoss]:
     """Close the losses over module, buffers and batches: returns ``(outer(x, y), inner(x, y))``.
 
@@ -101,9 +117,9 @@ def bind_losses(
     scratch = {k: v.clone() for k, v in buffers.items()}
 
     def outer(x: Params, y: Params) -> Tensor:
-        return problem.outer_loss(module, x, y, scratch, outer_batch)
+        return call(problem.outer_loss, module, x, y, scratch, outer_batch)
 
     def inner(x: Params, y: Params) -> Tensor:
-        return problem.inner_loss(module, x, y, scratch, inner_batch)
+        return call(problem.inner_loss, module, x, y, scratch, inner_batch)
 
     return outer, inner

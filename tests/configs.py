@@ -14,8 +14,13 @@ def demo_dict() -> dict:
 
 
 def small_config(**overrides) -> RunConfig:
+    """The demo config, 4 rounds, with ``overrides`` merged into its sections (a section with
+    another kind replaces the demo's). An algorithm override without an ``estimator`` drops the
+    demo's ``[estimator]`` (cg): the algorithm then runs with its own default estimator."""
     data = demo_dict()
     data.update(rounds=4, eval_every=2)
+    if "algorithm" in overrides and "estimator" not in overrides:
+        data.pop("estimator", None)
     for key, value in overrides.items():
         replaces = key in ("model", "estimator") or (
             isinstance(value, dict)

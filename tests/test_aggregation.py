@@ -6,10 +6,10 @@ from radbo.aggregation import (
     apply_mean,
     apply_normalized_step,
     apply_step,
-    coverage_stats,
     coverage_weighted_mean,
-    project_ball,
 )
+from radbo.autodiff import project_ball
+from radbo.masks.coverage_report import coverage_stats
 
 SHAPE = {"w": torch.Size([2, 3])}
 

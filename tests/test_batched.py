@@ -24,7 +24,8 @@ from radbo.experiment import build
 from radbo.problem import ClientData
 from radbo.simulation import BatchedBackend, SequentialBackend
 from radbo.simulation import batched as batched_module
-from radbo.simulation.engine import ClientResult, ClientTask, full_index_set, run_measured
+from radbo.client import ClientResult, ClientTask, run_measured
+from radbo.simulation import full_index_set
 from tests.configs import small_config
 
 FULL = dict(rounds=3, fleet={"capacities": [1.0]}, mask={"policy": "none"})

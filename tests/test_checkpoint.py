@@ -16,7 +16,7 @@ from radbo.checkpoint import (
 )
 from radbo.cli import main
 from radbo.experiment import run
-from radbo.simulation.engine import Simulation
+from radbo.simulation import Simulation
 from tests.configs import small_config
 
 

@@ -13,15 +13,8 @@ from radbo.cost import LedgerEntry, index_metadata_bytes, phase_times, round_tim
 from radbo.devices.budget import DeviceTooSmallError
 from radbo.experiment import build, fleet_table, run
 from radbo.problem import ClientData
-from radbo.simulation.engine import (
-    ClientBudget,
-    ClientResult,
-    ClientRuntime,
-    ClientTask,
-    CostRecord,
-    Phase,
-    Simulation,
-)
+from radbo.client import ClientBudget, ClientResult, ClientRuntime, ClientTask, CostRecord, Phase
+from radbo.simulation import Simulation
 from tests.configs import DEMO, demo_dict, small_config
 
 

@@ -77,7 +77,7 @@ def test_dataset_len_shape_and_subset() -> None:
 @pytest.mark.parametrize(
     ("features", "labels", "num_classes", "message"),
     [
-        (torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), 2, "float32"),
+        (torch.zeros(3, 2, dtype=torch.float16), torch.zeros(3, dtype=torch.int64), 2, "float32"),
         (torch.zeros(3), torch.zeros(3, dtype=torch.int64), 2, "at least 2 dimensions"),
         (torch.zeros(3, 2), torch.zeros(3, dtype=torch.int32), 2, "int64"),
         (torch.zeros(3, 2), torch.zeros(4, dtype=torch.int64), 2, r"shape \(N,\)"),

@@ -196,7 +196,7 @@ def test_new_model_kinds_validate_with_their_defaults(model: dict, expected: dic
         (
             {"model": {"name": "vgg"}},
             "config error: model = {...}: Input tag 'vgg' found using 'name' does not match any "
-            "of the expected tags: 'mlp', 'cnn', 'cnn7', 'resnet12', 'resnet18'",
+            "of the expected tags: 'cnn', 'cnn7', 'logistic', 'mlp', 'resnet18', 'resnet12', 'vs_mlp'",
         ),
     ],
 )
@@ -474,7 +474,7 @@ def test_evaluation_in_chunks_matches_one_pass(
     state = {**exp.initial_state.x, **exp.initial_state.y, **exp.initial_state.buffers}
     whole = exp.simulation.evaluate(state)
 
-    monkeypatch.setattr(radbo.experiment, "_EVAL_BATCH", 7)  # 20 test images: 7 + 7 + 6
+    monkeypatch.setattr(radbo.experiment.evaluation, "_EVAL_BATCH", 7)  # 20 test images: 7 + 7 + 6
     chunked = build(cfg).simulation.evaluate(state)
 
     assert chunked["accuracy"] == whole["accuracy"]

@@ -6,12 +6,9 @@ import torch
 from radbo.algorithms.fedmbo import FedMBO
 from radbo.models import MLP
 from radbo.problem import Batch, ClientData
-from radbo.simulation.engine import (
-    ClientBudget,
-    ClientRuntime,
-    Simulation,
-    derive_seed,
-)
+from radbo.client import ClientBudget, ClientRuntime
+from radbo.simulation import Simulation
+from radbo.randomness import derive_seed
 from radbo.tasks import HyperRepresentation
 
 TASK = HyperRepresentation(inner_l2=0.1)
@@ -159,10 +156,10 @@ def test_a_chain_that_loses_its_client_ends_the_others_finish():
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"eta": 0.0}, "eta must be > 0"),
-        ({"neumann_terms": 0}, "neumann_terms must be >= 1"),
-        ({"clients_per_phase": 0}, "clients_per_phase must be >= 1"),
-        ({"max_hypergrad_norm": -1.0}, "max_hypergrad_norm must be > 0"),
+        ({"eta": 0.0}, "eta\n  Input should be greater than 0"),
+        ({"neumann_terms": 0}, "neumann_terms\n  Input should be greater than or equal to 1"),
+        ({"clients_per_phase": 0}, "clients_per_phase\n  Input should be greater than or equal to 1"),
+        ({"max_hypergrad_norm": -1.0}, "max_hypergrad_norm\n  Input should be greater than 0"),
     ],
 )
 def test_bad_hyperparameters(kw, message):

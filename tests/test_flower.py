@@ -23,7 +23,7 @@ from radbo.flower import (  # noqa: E402
     run_on_flower,
 )
 from radbo.flower.apps import CONFIG_KEY  # noqa: E402
-from radbo.simulation.engine import SequentialBackend  # noqa: E402
+from radbo.simulation import SequentialBackend  # noqa: E402
 from tests.configs import small_config  # noqa: E402
 
 
@@ -33,8 +33,8 @@ class Recording(SequentialBackend):
     def __init__(self):
         self.tasks, self.results = [], []
 
-    def map(self, fn, tasks):
-        results = super().map(fn, tasks)
+    def run(self, work, runtime, meter, tasks):
+        results = super().run(work, runtime, meter, tasks)
         self.tasks += tasks
         self.results += results
         return results
@@ -187,12 +187,12 @@ def test_flower_backend_reports_missing_and_failed_replies(recorded, flower_iden
     extra = {CONFIG_KEY: config.model_dump_json()}
     grid = FakeGrid(dict(enumerate(nodes)), drop=tasks[1].client)
     with pytest.raises(FlowerTaskError, match=f"no reply .* client {tasks[1].client}"):
-        FlowerBackend(grid, nodes, extra=extra).map(None, tasks)
+        FlowerBackend(grid, nodes, extra=extra).run(None, None, None, tasks)
     grid = FakeGrid(dict(enumerate(nodes)), fail=tasks[2].client)
     with pytest.raises(FlowerTaskError, match="code 7: boom"):
-        FlowerBackend(grid, nodes, extra=extra).map(None, tasks)
+        FlowerBackend(grid, nodes, extra=extra).run(None, None, None, tasks)
     with pytest.raises(FlowerTaskError, match="no Flower node serves radbo client"):
-        FlowerBackend(grid, {}, extra=extra).map(None, tasks)
+        FlowerBackend(grid, {}, extra=extra).run(None, None, None, tasks)
 
 
 def test_flower_simulation_matches_engine():

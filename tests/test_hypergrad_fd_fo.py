@@ -2,7 +2,8 @@
 
 * FiniteDifference (RAFBO, Alg. 2 / eq. (10), corrected) and its ``as_printed`` form;
 * FirstOrder (the penalty estimator of FedSVRBGD-FO, eq. (3)-(6));
-* AutogradProducts / FiniteDifferenceProducts (second-order products for SimFBO/ShroFBO).
+* the second-order products of the ``autograd`` and ``finite_difference`` estimators
+  (``estimator.linearize``, used by SimFBO/ShroFBO, FedMSA and FedMBO).
 
 Reference problem: the random float64 quadratic bilevel problem of tests/test_hypergrad.py
 (dim x = 7, dim y = 10, inner Hessian A with eigenvalues evenly spaced in [0.5, 10]), whose
@@ -22,19 +23,20 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from pydantic import ValidationError
+
+import radbo.hypergrad.autograd
 import radbo.hypergrad.finite_difference
 import radbo.hypergrad.first_order
-import radbo.hypergrad.products
+from radbo.autodiff import FiniteDifferenceSystem, InnerSystem
 from radbo.hypergrad import (
-    AutogradProducts,
+    Autograd,
+    Estimator,
     FiniteDifference,
-    FiniteDifferenceProducts,
     FirstOrder,
     HypergradEstimator,
     ImplicitCG,
     Neumann,
-    ProductResult,
-    SecondOrderProducts,
     init_state,
 )
 from radbo.typing import Params
@@ -415,9 +417,9 @@ def test_second_order_free_estimators_never_build_a_gradient_graph(
     )
     assert calls and not any(calls)  # create_graph=False everywhere: no double backward
     assert result.n_hvp == 0
-    if name == "first_order":  # one pass of f + λg per y_λ step counts a gradient of f and of g
+    if name == "first_order":  # per step a gradient of f and of g at y_λ and of g at z
         steps = ESTIMATORS[name].inner_steps  # type: ignore[attr-defined]
-        assert (len(calls), result.n_grad) == (2 * steps + 3, 3 * steps + 3)
+        assert (len(calls), result.n_grad) == (3 * steps + 3, 3 * steps + 3)
     else:
         assert len(calls) == result.n_grad  # one autograd pass per gradient evaluation
 
@@ -493,17 +495,41 @@ class TanhNet:
         return {k: torch.randn(t.shape, generator=gen, dtype=DTYPE) for k, t in self.y.items()}
 
 
+@dataclass(frozen=True)
+class Products:
+    """The products of an estimator's linearization at (x, y) along v, keyed like x and y."""
+
+    grad_y: Params
+    hvp_yy: Params
+    jvp_xy: Params
+    n_grad: int
+    n_hvp: int
+
+
+def products(
+    estimator: Estimator, inner: Callable[[Params, Params], Tensor], x: Params, y: Params, v: Params
+) -> Products:
+    system = estimator.linearize(inner, x, y)
+    jxy, hyy = system.both(tuple(v[k] for k in y))
+    return Products(
+        grad_y=dict(zip(y, system.grad_y_g, strict=True)),
+        hvp_yy=dict(zip(y, hyy, strict=True)),
+        jvp_xy=dict(zip(x, jxy, strict=True)),
+        n_grad=system.n_grad,
+        n_hvp=system.n_hvp,
+    )
+
+
 def test_autograd_products_match_closed_form_on_quadratic(problem: Quadratic) -> None:
     x, y = problem.point()
     v = unflat(torch.linspace(-1.0, 2.0, Q, dtype=DTYPE), Y_SHAPES)
-    result = AutogradProducts()(problem.inner, x, y, v)
-    assert isinstance(result, ProductResult) and (result.n_grad, result.n_hvp) == (1, 1)
+    result = products(Autograd(), problem.inner, x, y, v)
+    assert isinstance(Autograd().linearize(problem.inner, x, y), InnerSystem)
+    assert (result.n_grad, result.n_hvp) == (1, 1)
     torch.testing.assert_close(flat(result.hvp_yy), problem.A @ flat(v), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(flat(result.jvp_xy), -problem.B.T @ flat(v), rtol=1e-10, atol=1e-10)
     grad_y = problem.A @ flat(y) - problem.B @ flat(x) + problem.c
-    grad_x = -problem.B.T @ flat(y) + problem.rho * flat(x)
     torch.testing.assert_close(flat(result.grad_y), grad_y, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(flat(result.grad_x), grad_x, rtol=1e-10, atol=1e-10)
     dense_hvp, dense_jvp = dense_products(problem.inner, x, y, v)
     torch.testing.assert_close(flat(result.hvp_yy), dense_hvp, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(flat(result.jvp_xy), dense_jvp, rtol=1e-10, atol=1e-10)
@@ -512,20 +538,33 @@ def test_autograd_products_match_closed_form_on_quadratic(problem: Quadratic) ->
 def test_autograd_products_match_dense_on_tanh_network() -> None:
     task = TanhNet.build()
     v = task.direction()
-    result = AutogradProducts()(task.inner, task.x, task.y, v)
+    result = products(Autograd(), task.inner, task.x, task.y, v)
     dense_hvp, dense_jvp = dense_products(task.inner, task.x, task.y, v)
     torch.testing.assert_close(flat(result.hvp_yy), dense_hvp, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(flat(result.jvp_xy), dense_jvp, rtol=1e-10, atol=1e-10)
     assert list(result.jvp_xy) == list(task.x) and list(result.hvp_yy) == list(task.y)
 
 
+def test_separate_products_equal_the_joint_one(problem: Quadratic) -> None:
+    x, y = problem.point()
+    v = tuple(unflat(torch.linspace(-1.0, 2.0, Q, dtype=DTYPE), Y_SHAPES).values())
+    for estimator in (Autograd(), FiniteDifference()):
+        system = estimator.linearize(problem.inner, x, y)
+        jxy, hyy = system.both(v)
+        for a, b in zip(system.hvp(v), hyy, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        for a, b in zip(system.mixed(v), jxy, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_fd_products_exact_on_quadratic(problem: Quadratic) -> None:
     x, y = problem.point()
     v = unflat(torch.linspace(-1.0, 2.0, Q, dtype=DTYPE), Y_SHAPES)
-    exact = AutogradProducts()(problem.inner, x, y, v)
-    approx = FiniteDifferenceProducts()(problem.inner, x, y, v)
-    assert isinstance(approx, ProductResult) and (approx.n_grad, approx.n_hvp) == (2, 0)
-    for field in ("hvp_yy", "jvp_xy", "grad_x", "grad_y"):
+    exact = products(Autograd(), problem.inner, x, y, v)
+    approx = products(FiniteDifference(), problem.inner, x, y, v)
+    assert isinstance(FiniteDifference().linearize(problem.inner, x, y), FiniteDifferenceSystem)
+    assert (approx.n_grad, approx.n_hvp) == (2, 0)
+    for field in ("hvp_yy", "jvp_xy", "grad_y"):
         torch.testing.assert_close(
             flat(getattr(approx, field)), flat(getattr(exact, field)), rtol=1e-6, atol=1e-9
         )
@@ -534,27 +573,25 @@ def test_fd_products_exact_on_quadratic(problem: Quadratic) -> None:
 def test_fd_products_close_on_tanh_network(record_property: Callable[[str, object], None]) -> None:
     task = TanhNet.build()
     v = task.direction()
-    exact = AutogradProducts()(task.inner, task.x, task.y, v)
+    exact = products(Autograd(), task.inner, task.x, task.y, v)
     errors = {}
     for mu in (1e-2, 1e-3, 1e-4):
-        approx = FiniteDifferenceProducts(mu=mu)(task.inner, task.x, task.y, v)
+        approx = products(FiniteDifference(hvp_mu=mu), task.inner, task.x, task.y, v)
         errors[mu] = max(
             rel_err(approx.hvp_yy, flat(exact.hvp_yy)), rel_err(approx.jvp_xy, flat(exact.jvp_xy))
         )
     record_property("fd_products_relative_errors", errors)
     print(
-        "\nFiniteDifferenceProducts relative error per mu:",
+        "\nfinite-difference products: relative error per hvp_mu:",
         {m: f"{e:.2e}" for m, e in errors.items()},
     )
     assert errors[1e-3] <= 2e-3  # the default: O(mu) forward-difference error
     assert errors[1e-4] < errors[1e-3] < errors[1e-2]
 
 
-@pytest.mark.parametrize(
-    "products", [AutogradProducts(), FiniteDifferenceProducts()], ids=["autograd", "fd"]
-)
-def test_products_contract(problem: Quadratic, products: SecondOrderProducts) -> None:
-    assert isinstance(products, SecondOrderProducts)
+@pytest.mark.parametrize("estimator", [Autograd(), FiniteDifference()], ids=["autograd", "fd"])
+def test_products_contract(problem: Quadratic, estimator: Estimator) -> None:
+    assert "products" in estimator.capabilities
     x, y = problem.point()
     x = {
         **{k: t.clone().requires_grad_(True) for k, t in x.items()},
@@ -566,21 +603,14 @@ def test_products_contract(problem: Quadratic, products: SecondOrderProducts) ->
     def inner(x: Params, y: Params) -> Tensor:
         return problem.inner({k: x[k] for k in X_SHAPES}, y)
 
-    result = products(inner, x, y, v)
+    result = products(estimator, inner, x, y, v)
     assert torch.equal(result.jvp_xy["unused"], torch.zeros(3, dtype=DTYPE))
-    assert torch.equal(result.grad_x["unused"], torch.zeros(3, dtype=DTYPE))
     for k, t in (*x.items(), *y.items()):
         assert torch.equal(t.detach(), before[k]) and t.grad is None
-    for out in (result.grad_x, result.grad_y, result.hvp_yy, result.jvp_xy):
+    for out in (result.grad_y, result.hvp_yy, result.jvp_xy):
         assert all(not t.requires_grad for t in out.values())
-    zero = products(inner, x, y, {k: torch.zeros_like(t) for k, t in v.items()})
+    zero = products(estimator, inner, x, y, {k: torch.zeros_like(t) for k, t in v.items()})
     assert all(torch.count_nonzero(t) == 0 for t in (*zero.hvp_yy.values(), *zero.jvp_xy.values()))
-    with pytest.raises(
-        ValueError, match=re.escape("v['w'] must have the shape of y['w'], (4,), got (3,)")
-    ):
-        products(inner, x, y, {**v, "w": torch.zeros(3, dtype=DTYPE)})
-    with pytest.raises(ValueError, match="v must have the keys of y"):
-        products(inner, x, y, {"w": v["w"]})
 
 
 def test_fd_products_never_build_a_gradient_graph(
@@ -595,8 +625,8 @@ def test_fd_products_never_build_a_gradient_graph(
 
     monkeypatch.setattr(torch.autograd, "grad", spy)
     x, y = problem.point()
-    result = FiniteDifferenceProducts()(
-        problem.inner, x, y, unflat(torch.ones(Q, dtype=DTYPE), Y_SHAPES)
+    result = products(
+        FiniteDifference(), problem.inner, x, y, unflat(torch.ones(Q, dtype=DTYPE), Y_SHAPES)
     )
     assert calls == [False, False] and result.n_grad == 2
 
@@ -609,49 +639,37 @@ def test_fd_products_never_build_a_gradient_graph(
     [
         (
             lambda: FiniteDifference(num_coordinates=3, fraction=0.5),
-            "set at most one of num_coordinates and fraction",
+            "give num_coordinates or fraction, not both",
         ),
         (
             lambda: FiniteDifference(num_coordinates=0),
-            "FiniteDifference.num_coordinates must be an integer >= 1, got 0",
+            "num_coordinates\n  Input should be greater than or equal to 1",
         ),
-        (
-            lambda: FiniteDifference(fraction=0.0),
-            "FiniteDifference.fraction must be a finite number > 0, got 0.0",
-        ),
+        (lambda: FiniteDifference(fraction=0.0), "fraction\n  Input should be greater than 0"),
         (
             lambda: FiniteDifference(fraction=1.5),
-            "FiniteDifference.fraction must be in (0, 1], got 1.5",
+            "fraction\n  Input should be less than or equal to 1",
         ),
-        (
-            lambda: FiniteDifference(mu=0.0),
-            "FiniteDifference.mu must be a finite number > 0, got 0.0",
-        ),
-        (
-            lambda: FiniteDifference(hvp_mu=-1.0),
-            "FiniteDifference.hvp_mu must be a finite number > 0",
-        ),
+        (lambda: FiniteDifference(mu=0.0), "mu\n  Input should be greater than 0"),
+        (lambda: FiniteDifference(hvp_mu=-1.0), "hvp_mu\n  Input should be greater than 0"),
         (
             lambda: FiniteDifference(cg_iters=0),
-            "FiniteDifference.cg_iters must be an integer >= 1, got 0",
+            "cg_iters\n  Input should be greater than or equal to 1",
         ),
         (
             lambda: FiniteDifference(damping=-1.0),
-            "FiniteDifference.damping must be a finite number >= 0",
+            "damping\n  Input should be greater than or equal to 0",
         ),
-        (
-            lambda: FiniteDifference(as_printed=1),
-            "FiniteDifference.as_printed must be a bool, got 1",
-        ),
-        (lambda: FirstOrder(lam=0.0), "FirstOrder.lam must be a finite number > 0, got 0.0"),
+        (lambda: FiniteDifference(as_printed=1), "as_printed\n  Input should be a valid boolean"),
+        (lambda: FirstOrder(lam=0.0), "lam\n  Input should be greater than 0"),
         (
             lambda: FirstOrder(inner_steps=-1),
-            "FirstOrder.inner_steps must be an integer >= 0, got -1",
+            "inner_steps\n  Input should be greater than or equal to 0",
         ),
-        (lambda: FirstOrder(lr=float("nan")), "FirstOrder.lr must be a finite number > 0, got nan"),
+        (lambda: FirstOrder(lr=float("nan")), "lr\n  Input should be a finite number"),
         (
-            lambda: FiniteDifferenceProducts(mu=0.0),
-            "FiniteDifferenceProducts.mu must be a finite number > 0",
+            lambda: FiniteDifferenceSystem(lambda x, y: y["w"].sum(), {}, {"w": torch.ones(1)}, mu=0.0),
+            "FiniteDifferenceSystem.mu must be a finite number > 0",
         ),
     ],
 )
@@ -673,18 +691,18 @@ def test_fd_rejects_a_step_that_vanishes_in_float32() -> None:
 
 
 def test_new_estimators_are_frozen_and_hashable() -> None:
-    with pytest.raises(AttributeError):
+    with pytest.raises(ValidationError, match="frozen"):
         FirstOrder().lam = 3.0  # type: ignore[misc]
-    assert {FiniteDifference(), FiniteDifference(), FirstOrder(), FiniteDifferenceProducts()} == {
+    assert {FiniteDifference(), FiniteDifference(), FirstOrder(), Autograd()} == {
         FiniteDifference(),
         FirstOrder(),
-        FiniteDifferenceProducts(),
+        Autograd(),
     }
 
 
 @pytest.mark.parametrize(
     "module",
-    [radbo.hypergrad.finite_difference, radbo.hypergrad.first_order, radbo.hypergrad.products],
+    [radbo.hypergrad.finite_difference, radbo.hypergrad.first_order, radbo.hypergrad.autograd],
 )
 def test_docstring_examples(module: object) -> None:
     failures, tried = doctest.testmod(module)

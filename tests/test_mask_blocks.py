@@ -6,7 +6,7 @@ from torch import nn
 from radbo.masks import LeadingPolicy, StructurePlan
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.models import BilevelModel
-from radbo.simulation.engine import ClientBudget
+from radbo.client import ClientBudget
 
 
 class TwoLayerHead(BilevelModel):

@@ -6,7 +6,8 @@ import torch
 from radbo.config import RunConfig, parse_config
 from radbo.experiment import build, run
 from radbo.problem import sample_batch
-from radbo.simulation.engine import ClientTask, full_index_set
+from radbo.client import ClientTask
+from radbo.simulation import full_index_set
 from tests.configs import demo_dict, small_config
 
 
@@ -63,7 +64,7 @@ def test_one_client_server_step_reproduces_local_descent():
         budget=sim.budgets[0],
     )
 
-    result = algo.client_inner(sim.runtime, task)
+    result = algo.phases()[0].client(sim.runtime, task)
     new_state, _ = algo.server_inner(state, [result], [index_set], [1.0])
 
     # manual T steps of SGD on the inner loss with the same generator stream

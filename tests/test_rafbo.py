@@ -24,7 +24,7 @@ def test_rafbo_is_second_order_free_and_samples_P_per_client():
 
 
 def test_rafbo_needs_the_finite_difference_estimator():
-    with pytest.raises(ConfigError, match="rafbo is RABO with the finite_difference estimator"):
+    with pytest.raises(ConfigError, match="algorithm rafbo takes estimator finite_difference; got 'cg'"):
         small_config(algorithm={"name": "rafbo"}, estimator={"name": "cg"})
     assert parse_config({"algorithm": {"name": "rafbo"}}).estimator.name == "finite_difference"
 

@@ -119,6 +119,7 @@ def test_every_update_rejected_leaves_the_model_unchanged(algorithm):
 
 def test_run_totals_count_rejections(monkeypatch):
     import radbo.experiment as experiment
+    import radbo.experiment.runner as runner
 
     real_build = experiment.build
 
@@ -129,7 +130,7 @@ def test_run_totals_count_rejections(monkeypatch):
         )
         return exp
 
-    monkeypatch.setattr(experiment, "build", poisoned_build)
+    monkeypatch.setattr(runner, "build", poisoned_build)
     result = experiment.run(small_config(rounds=2), progress=False, save=False)
     rounds_with_1 = sum(1 in r["clients"] for r in result.rounds)
     assert rounds_with_1 > 0

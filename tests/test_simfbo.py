@@ -8,7 +8,8 @@ from radbo.algorithms.shrofbo import ShroFBO
 from radbo.algorithms.simfbo import SimFBO
 from radbo.experiment import build, run
 from radbo.problem import Batch, ClientData
-from radbo.simulation.engine import ClientBudget, ClientRuntime, Simulation
+from radbo.client import ClientBudget, ClientRuntime
+from radbo.simulation import Simulation
 from tests.configs import small_config
 
 
@@ -112,9 +113,9 @@ def test_one_communication_round_per_iteration():
     assert all(r["communication_rounds"] == 1 for r in result.rounds)
 
 
-@pytest.mark.parametrize("products", ["finite_difference", "first_order"])
-def test_second_order_free_products_run_without_hessian_vector_products(products):
-    cfg = small_config(algorithm={"name": "shrofbo", "products": products}, rounds=2)
+@pytest.mark.parametrize("estimator", ["finite_difference", "first_order"])
+def test_second_order_free_products_run_without_hessian_vector_products(estimator):
+    cfg = small_config(algorithm={"name": "shrofbo"}, estimator={"name": estimator}, rounds=2)
 
     result = run(cfg, progress=False, save=False)
 

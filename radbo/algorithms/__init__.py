@@ -1,19 +1,31 @@
-"""Federated bilevel algorithms: one file each, state + pure phase functions."""
+"""Federated bilevel algorithms: one file each, state + pure phase functions.
 
-from radbo.algorithms.fedmbo import FedMBO, FedMBOState
-from radbo.algorithms.fedmsa import FedMSA, FedMSAState
-from radbo.algorithms.rabo import RABO, RABOState
+Each module registers its ``[algorithm]`` config section in :data:`ALGORITHMS` when imported;
+importing this package registers the built-in ones.
+"""
+
+from radbo.algorithms.base import ALGORITHMS, AlgorithmConfig, Wiring
+from radbo.algorithms.fedmbo import FedMBO, FedMBOConfig, FedMBOState
+from radbo.algorithms.fedmsa import FedMSA, FedMSAConfig, FedMSAState
+from radbo.algorithms.rabo import RABO, RABOConfig, RABOState
 from radbo.algorithms.shrofbo import ShroFBO
-from radbo.algorithms.simfbo import SimFBO, SimFBOState
+from radbo.algorithms.simfbo import SimFBO, SimFBOConfig, SimFBOState
 
 __all__ = [
+    "ALGORITHMS",
     "RABO",
+    "AlgorithmConfig",
     "FedMBO",
+    "FedMBOConfig",
     "FedMBOState",
     "FedMSA",
+    "FedMSAConfig",
     "FedMSAState",
+    "RABOConfig",
     "RABOState",
     "ShroFBO",
     "SimFBO",
+    "SimFBOConfig",
     "SimFBOState",
+    "Wiring",
 ]

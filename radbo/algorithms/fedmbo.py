@@ -1,4 +1,7 @@
-"""FedMBO: minibatch federated bilevel optimization (Alg. 1 + PHE Alg. 2 of ``papers/fedmbo.txt``).
+"""FedMBO: minibatch federated bilevel optimization (Alg. 1 + PHE Alg. 2 of the FedMBO paper).
+
+Paper: Huang, Zhang, Liu and Wang, "Achieving Linear Speedup in Non-IID Federated Bilevel
+Learning", ICML 2023, arXiv:2302.05412 (``papers/fedmbo.txt``).
 
 One outer iteration k is a sequence of communication rounds, each with its own sample of n
 clients (Alg. 1 line 5, Alg. 2 lines 1, 9, 19):
@@ -34,29 +37,40 @@ full model on every client: use it without masks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 
-from radbo.aggregation import (
-    axpy,
-    global_norm,
-    project_ball,
-    step_inner,
+from radbo.aggregation import step_inner
+from radbo.algorithms.base import (
+    ALGORITHMS,
+    AlgorithmBase,
+    AlgorithmConfig,
+    Wiring,
+    check_estimator,
+    check_names,
+    clone,
 )
-from radbo.hypergrad import InnerSystem
-from radbo.problem import bind_losses, sample_batch
-from radbo.simulation.engine import (
+from radbo.autodiff import axpy, loss_grads, params_norm, project_ball, scalar
+from radbo.client import (
     ClientResult,
     ClientRuntime,
     ClientTask,
+    ClientWork,
+    Cohort,
     Phase,
-    derive_seed,
+    Prepared,
     mean_metric,
-    reply,
 )
+from radbo.hypergrad import Autograd, Estimator
+from radbo.problem import draw_indices
+from radbo.randomness import Stream, generator
 from radbo.typing import IndexSet, Params
+
+__all__ = ["FedMBO", "FedMBOConfig", "FedMBOState"]
 
 #: prefix of a Neumann chain's vector p (shaped like y) on the wire
 P = "p"
@@ -78,11 +92,38 @@ class FedMBOState:
     chains: Params = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class FedMBO:
+@ALGORITHMS.register
+class FedMBOConfig(AlgorithmConfig):
+    """FedMBO baseline (Alg. 1 + PHE Alg. 2 of ``papers/fedmbo.txt``): full model, minibatch
+    SGD on y and a randomized Neumann hypergradient built across freshly sampled clients."""
+
+    name: Literal["fedmbo"]
+    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta")
+    outer_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="alpha")
+    inner_steps: int = Field(5, ge=1, description="T, minibatch-SGD rounds on y")
+    batch_size: int = Field(32, ge=1, description="S")
+    outer_batch_size: int = Field(32, ge=1, description="minibatch of d_i and p_i,0")
+    neumann_terms: int = Field(10, ge=1, description="N")
+    eta: float = Field(0.1, gt=0, allow_inf_nan=False, description="1 / l_g,1")
+    clients_per_phase: int | None = Field(None, ge=1, description="n; default all available")
+    max_hypergrad_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    estimator_uses: ClassVar[tuple[str, ...]] = ("products",)
+    default_estimator: ClassVar[str | None] = "autograd"
+    full_model: ClassVar[bool] = True
+
+    @property
+    def local_steps_default(self) -> int:
+        return self.inner_steps
+
+    def build(self, wiring: Wiring) -> FedMBO:
+        return self.bind(FedMBO, wiring, seed=wiring.seed)
+
+
+class FedMBO(FedMBOConfig, AlgorithmBase):
     """FedMBO (Alg. 1 with the PHE estimator, Alg. 2, of ``papers/fedmbo.txt``).
 
-    Args:
+    Args (besides the hyperparameters of :class:`FedMBOConfig`):
         outer_names / inner_names / buffer_names: which model tensors are x, y and buffers.
         inner_lr: β, the server's SGD step on y (Alg. 1 line 11).
         outer_lr: α, the step on x (line 16).
@@ -96,65 +137,40 @@ class FedMBO:
             chains); ``None``: every client available in the round.
         max_hypergrad_norm: optional clipping of h before the x step (off by default; the
             paper has none).
+        estimator: each chain step's Hessian- or Jacobian-vector product (default autograd).
         seed: seeds the draws of N_i (one stream per iteration).
         aggregate_buffers: clients return BatchNorm running statistics with their inner
             gradients and the server averages them.
     """
 
-    outer_names: tuple[str, ...]
-    inner_names: tuple[str, ...]
-    buffer_names: tuple[str, ...] = ()
-    inner_lr: float = 0.1
-    outer_lr: float = 0.1
-    inner_steps: int = 5
-    batch_size: int = 32
-    outer_batch_size: int = 32
-    neumann_terms: int = 10
-    eta: float = 0.1
-    clients_per_phase: int | None = None
-    max_hypergrad_norm: float | None = None
+    name: Literal["fedmbo"] = "fedmbo"
+    estimator: Estimator = Field(default_factory=Autograd)
     seed: int = 0
-    aggregate_buffers: bool = True
-    name: str = "fedmbo"
 
-    def __post_init__(self) -> None:
-        for name in ("inner_lr", "outer_lr", "eta"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"FedMBO.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("inner_steps", "batch_size", "outer_batch_size", "neumann_terms"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"FedMBO.{name} must be >= 1, got {getattr(self, name)}")
-        if self.clients_per_phase is not None and self.clients_per_phase < 1:
-            raise ValueError(
-                f"FedMBO.clients_per_phase must be >= 1 or None, got {self.clients_per_phase}"
-            )
-        if self.max_hypergrad_norm is not None and not self.max_hypergrad_norm > 0:
-            raise ValueError(
-                f"FedMBO.max_hypergrad_norm must be > 0 or None, got {self.max_hypergrad_norm}"
-            )
-        if set(self.outer_names) & set(self.inner_names):
-            raise ValueError("outer and inner parameter names must be disjoint")
+    @model_validator(mode="after")
+    def _check(self) -> FedMBO:
+        check_names("FedMBO", self.outer_names, self.inner_names)
+        check_estimator("FedMBO", self.estimator, "products")
+        return self
 
     # -- state -------------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> FedMBOState:
-        clone = lambda d: {k: t.detach().clone() for k, t in d.items()}  # noqa: E731
         return FedMBOState(x=clone(x), y=clone(y), buffers=clone(buffers))
 
-    def model_state(self, state: FedMBOState) -> Params:
-        return {**state.x, **state.y, **state.buffers}
-
     def phases(self) -> Sequence[Phase[FedMBOState]]:
+        gradient = ClientWork(self.run_gradient, self.prepare_inner)
+        neumann_step = ClientWork(self.run_neumann_step, self.prepare_inner)
+        mixed = ClientWork(self.run_mixed, self.prepare_inner)
+        phe_init = ClientWork(self.run_phe_init, self.prepare_phe_init)
         inner = [
-            Phase(
-                f"inner.{t}", self.broadcast, self.client_gradient, self.server_inner, self.sample
-            )
+            Phase(f"inner.{t}", self.broadcast, gradient, self.server_inner, self.sample)
             for t in range(self.inner_steps)
         ]
         steps = [
             Phase(
                 f"phe.{level}",
                 self.chain_broadcast(level),
-                self.client_neumann_step,
+                neumann_step,
                 self.chain_server(level),
                 self.chain_select(level),
             )
@@ -162,14 +178,12 @@ class FedMBO:
         ]
         return (
             *inner,
-            Phase(
-                "phe.init", self.broadcast, self.client_phe_init, self.server_phe_init, self.sample
-            ),
+            Phase("phe.init", self.broadcast, phe_init, self.server_phe_init, self.sample),
             *steps,
             Phase(
                 "phe.final",
                 self.chain_broadcast(None),
-                self.client_mixed,
+                mixed,
                 self.server_final,
                 self.chain_select(None),
             ),
@@ -201,8 +215,12 @@ class FedMBO:
         terms = state.chains["terms"]
         return [i for i in range(alive.numel()) if bool(alive[i]) and int(terms[i]) >= level]
 
-    def chain_select(self, level: int | None):
-        def select(state, candidates, generator):
+    def chain_select(
+        self, level: int | None
+    ) -> Callable[[FedMBOState, Sequence[int], torch.Generator], list[int]]:
+        def select(
+            state: FedMBOState, candidates: Sequence[int], generator: torch.Generator
+        ) -> list[int]:
             return self._draw(candidates, len(self.running(state, level)), generator)
 
         return select
@@ -212,7 +230,9 @@ class FedMBO:
         """The full model (x^k, y^{k,t}) and buffers."""
         return {k: t for k, t in self.model_state(state).items()}
 
-    def chain_broadcast(self, level: int | None):
+    def chain_broadcast(
+        self, level: int | None
+    ) -> Callable[[FedMBOState, IndexSet, int], Params]:
         def broadcast(state: FedMBOState, index_set: IndexSet, slot: int = 0) -> Params:
             chain = self.running(state, level)[slot]
             p = {f"{P}:{n}": state.chains[f"{P}:{n}"][chain] for n in self.inner_names}
@@ -221,92 +241,92 @@ class FedMBO:
         return broadcast
 
     # -- clients -------------------------------------------------------------------------------
-    def _unpack(self, runtime: ClientRuntime, task: ClientTask):
-        module = runtime.module_for(task.index_set)
-        x = {n: task.params[n] for n in self.outer_names}
-        y = {n: task.params[n] for n in self.inner_names}
-        buffers = {n: task.params[n].clone() for n in self.buffer_names}
+    def _unpack(self, runtime: ClientRuntime, cohort: Cohort) -> tuple[Any, Params, Params, Params]:
+        module = cohort.module(runtime)
+        x = cohort.params(self.outer_names)
+        y = cohort.params(self.inner_names)
+        buffers = cohort.params(self.buffer_names, clone=True)
         return module, x, y, buffers
 
-    def _batch(self, runtime: ClientRuntime, indices, size: int, gen):
-        return sample_batch(runtime.features, runtime.labels, indices, size, gen)
-
-    def client_gradient(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """One minibatch gradient of g_i in y (Alg. 1 line 8)."""
+    def prepare_inner(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """One inner minibatch of S examples."""
         gen = task.generator()
-        module, x, y, buffers = self._unpack(runtime, task)
-        batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
-        y_var = {n: t.detach().clone().requires_grad_(True) for n, t in y.items()}
-        loss = runtime.problem.inner_loss(module, x, y_var, buffers, batch)
-        grads = torch.autograd.grad(loss, list(y_var.values()))
+        return Prepared(data={"inner": draw_indices(task.data.inner, self.batch_size, gen)})
+
+    def run_gradient(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """One minibatch gradient of g_i in y (Alg. 1 line 8)."""
+        module, x, y, buffers = self._unpack(runtime, cohort)
+        idx = cohort.data("inner")
+        y_var = {n: t.clone().requires_grad_(True) for n, t in y.items()}
+        loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, runtime.batch(idx))
+        grads = torch.autograd.grad(scalar("inner_loss", loss, cohort.lead), list(y_var.values()))
         update = dict(zip(y_var, (g.detach() for g in grads), strict=True))
         if self.aggregate_buffers:
             update.update(buffers)
-        return reply(
-            task,
-            update,
-            {"inner_loss": float(loss.detach())},
-            n_grad=1,
-            samples=batch.targets.numel(),
+        return cohort.replies(
+            update, {"inner_loss": loss.detach()}, n_grad=1, samples=idx.shape[-1]
         )
 
-    def client_phe_init(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """d_i = ∇_x f_i (batch φ) and p_{i,0} = (N/ℓ) ∇_y f_i (batch θ) (Alg. 2 lines 3-5)."""
+    def prepare_phe_init(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """The outer minibatches φ (for d_i) and θ (for p_i,0)."""
         gen = task.generator()
-        module, x, y, buffers = self._unpack(runtime, task)
-        phi = self._batch(runtime, task.data.outer, self.outer_batch_size, gen)
-        theta = self._batch(runtime, task.data.outer, self.outer_batch_size, gen)
-        inner_batch = phi  # unused by f; bind_losses wants one
-        outer_phi, _ = bind_losses(runtime.problem, module, buffers, inner_batch, phi)
-        outer_theta, _ = bind_losses(runtime.problem, module, buffers, inner_batch, theta)
-        x_var = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-        y_var = {n: t.detach().clone().requires_grad_(True) for n, t in y.items()}
-        f_phi = outer_phi(x_var, y_var)
-        d = torch.autograd.grad(f_phi, list(x_var.values()), allow_unused=True)
-        y_theta = {n: t.detach().clone().requires_grad_(True) for n, t in y.items()}
-        grad_y = torch.autograd.grad(outer_theta(x, y_theta), list(y_theta.values()))
+        phi = draw_indices(task.data.outer, self.outer_batch_size, gen)
+        theta = draw_indices(task.data.outer, self.outer_batch_size, gen)
+        return Prepared(data={"phi": phi, "theta": theta})
+
+    def run_phe_init(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """d_i = ∇_x f_i (batch φ) and p_{i,0} = (N/ℓ) ∇_y f_i (batch θ) (Alg. 2 lines 3-5)."""
+        module, x, y, buffers = self._unpack(runtime, cohort)
+        phi, theta = cohort.data("phi"), cohort.data("theta")
+        batch_phi, batch_theta = runtime.batch(phi), runtime.batch(theta)
+        outer_phi, _ = cohort.bind(runtime.problem, module, buffers, batch_phi, batch_phi)
+        outer_theta, _ = cohort.bind(runtime.problem, module, buffers, batch_phi, batch_theta)
+        xn, yn = tuple(x), tuple(y)
+        value: list[torch.Tensor] = []
+        d, _ = loss_grads(
+            outer_phi, "outer_loss", xn, tuple(x.values()), yn, tuple(y.values()),
+            wrt_x=True, wrt_y=False, lead=cohort.lead, value=value,
+        )  # fmt: skip
+        _, grad_y = loss_grads(
+            outer_theta, "outer_loss", xn, tuple(x.values()), yn, tuple(y.values()),
+            wrt_x=False, wrt_y=True, lead=cohort.lead,
+        )  # fmt: skip
         scale = self.neumann_terms * self.eta
         update = {
-            **{
-                n: (torch.zeros_like(t) if g is None else g.detach())
-                for (n, t), g in zip(x.items(), d, strict=True)
-            },
-            **{f"{P}:{n}": scale * g.detach() for n, g in zip(y, grad_y, strict=True)},
+            **dict(zip(xn, d, strict=True)),
+            **{f"{P}:{n}": scale * g for n, g in zip(yn, grad_y, strict=True)},
         }
-        return reply(
-            task,
-            update,
-            {"outer_loss": float(f_phi.detach())},
-            n_grad=2,
-            samples=phi.targets.numel() + theta.targets.numel(),
-        )
+        samples = phi.shape[-1] + theta.shape[-1]
+        return cohort.replies(update, {"outer_loss": value[0]}, n_grad=2, samples=samples)
 
-    def _chain_product(self, runtime: ClientRuntime, task: ClientTask, mixed: bool):
+    def _chain_product(
+        self, runtime: ClientRuntime, cohort: Cohort, mixed: bool
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], dict[str, Any]]:
         """One second-order product of g_c with the chain's p on an inner minibatch: the
         Hessian ``∇²_yy g p`` or the mixed ``∇²_xy g p``; returns it with the work counts."""
-        gen = task.generator()
-        module, x, y, buffers = self._unpack(runtime, task)
-        batch = self._batch(runtime, task.data.inner, self.batch_size, gen)
-        _, inner = bind_losses(runtime.problem, module, buffers, batch, batch)
-        system = InnerSystem(inner, x, y)
-        p = tuple(task.params[f"{P}:{n}"] for n in self.inner_names)
+        module, x, y, buffers = self._unpack(runtime, cohort)
+        idx = cohort.data("inner")
+        batch = runtime.batch(idx)
+        _, inner = cohort.bind(runtime.problem, module, buffers, batch, batch)
+        system = self.estimator.linearize(inner, x, y, lead=cohort.lead, with_x=mixed)
+        p = tuple(cohort.param(f"{P}:{n}") for n in self.inner_names)
         product = system.mixed(p) if mixed else system.hvp(p)
-        counts = {"n_grad": system.n_grad, "n_hvp": system.n_hvp, "samples": batch.targets.numel()}
+        counts = {"n_grad": system.n_grad, "n_hvp": system.n_hvp, "samples": idx.shape[-1]}
         return p, product, counts
 
-    def client_neumann_step(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+    def run_neumann_step(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """p <- (I - ∇²_yy g_c(ζ)/ℓ) p, one product of the chain (Alg. 2 line 13)."""
-        p, hp, counts = self._chain_product(runtime, task, mixed=False)
+        p, hp, counts = self._chain_product(runtime, cohort, mixed=False)
         update = {
             f"{P}:{n}": pi - self.eta * hi
             for n, pi, hi in zip(self.inner_names, p, hp, strict=True)
         }
-        return reply(task, update, **counts)
+        return cohort.replies(update, **counts)
 
-    def client_mixed(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+    def run_mixed(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """∇²_xy g_c(ω) p_{i,N_i} (Alg. 2 line 22; the server subtracts it from d_i)."""
-        _, jp, counts = self._chain_product(runtime, task, mixed=True)
-        return reply(task, dict(zip(self.outer_names, jp, strict=True)), **counts)
+        _, jp, counts = self._chain_product(runtime, cohort, mixed=True)
+        return cohort.replies(dict(zip(self.outer_names, jp, strict=True)), **counts)
 
     # -- servers -------------------------------------------------------------------------------
     def server_inner(self, state, results, index_sets, weights):
@@ -326,7 +346,7 @@ class FedMBO:
     def server_phe_init(self, state, results, index_sets, weights):
         """Start one chain per result: d_i, p_{i,0}, N_i ~ U{0..N-1} (Alg. 2 lines 1-7)."""
         n = len(results)
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, state.round, 0xFED))
+        gen = generator(self.seed, state.round, Stream.NEUMANN_TERMS)
         terms = torch.randint(0, self.neumann_terms, (n,), generator=gen, dtype=torch.int64)
         metrics = {"outer_loss": mean_metric(results, "outer_loss")}
         # the iteration counter moves here, so that it moves even when no chain finishes
@@ -381,7 +401,7 @@ class FedMBO:
                 ).mean(0)
                 for name in self.outer_names
             }
-            metrics["hypergrad_norm"] = global_norm(h)
+            metrics["hypergrad_norm"] = float(params_norm(h))
             if self.max_hypergrad_norm is not None:
                 h = project_ball(h, self.max_hypergrad_norm)  # clipping = projection
             x = axpy(-self.outer_lr, h, state.x)

@@ -1,4 +1,7 @@
-"""FedMSA: federated multi-sequence stochastic approximation (Alg. 1 of ``papers/fedmsa.txt``).
+"""FedMSA: federated multi-sequence stochastic approximation (Alg. 1 of the FedMSA paper).
+
+Paper: Huang, Li, Luo, Oymak and Ji, "FedMSA: Federated Multi-Sequence Stochastic
+Approximation" (``papers/fedmsa.txt``).
 
 Applied to bilevel problems (Sec. 2.2) the sequences are the inner variable w (radbo's y) and
 the linear-system variable v, and the two maps are (eq. (10))::
@@ -34,21 +37,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 
-from radbo.aggregation import axpy
-from radbo.hypergrad import ImplicitSystem
-from radbo.problem import bind_losses, sample_batch
-from radbo.simulation.engine import (
+from radbo.algorithms.base import (
+    ALGORITHMS,
+    AlgorithmBase,
+    AlgorithmConfig,
+    Wiring,
+    check_estimator,
+    check_names,
+    clone,
+)
+from radbo.autodiff import axpy, bilevel_directions, tuple_where
+from radbo.client import (
     ClientResult,
     ClientRuntime,
     ClientTask,
+    ClientWork,
+    Cohort,
     Phase,
+    Prepared,
     mean_metric,
-    reply,
 )
-from radbo.typing import IndexSet, Params
+from radbo.hypergrad import Autograd, Estimator
+from radbo.problem import draw_indices
+from radbo.typing import BilevelLoss, IndexSet, Params
+
+__all__ = ["FedMSA", "FedMSAConfig", "FedMSAState"]
 
 #: wire prefixes: v (shaped like y), the previous point, the directions h (x) and q (y, v)
 V, PREV, H, QW, QV = "v", "prev", "h", "qw", "qv"
@@ -73,11 +91,37 @@ class FedMSAState:
     round: int = 0
 
 
-@dataclass(frozen=True)
-class FedMSA:
+@ALGORITHMS.register
+class FedMSAConfig(AlgorithmConfig):
+    """FedMSA baseline (Alg. 1 with eq. (10) of ``papers/fedmsa.txt``): momentum directions
+    from all sampled clients, then K local variance-reduced steps on one of them."""
+
+    name: Literal["fedmsa"]
+    outer_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="alpha")
+    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta_w")
+    v_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta_v")
+    momentum: float = Field(0.5, ge=0, le=1, description="rho")
+    local_steps: int = Field(5, ge=1, description="K")
+    batch_size: int = Field(32, ge=1, description="inner minibatch per evaluation")
+    outer_batch_size: int = Field(32, ge=1, description="outer minibatch per evaluation")
+
+    estimator_uses: ClassVar[tuple[str, ...]] = ("products",)
+    default_estimator: ClassVar[str | None] = "autograd"
+    full_model: ClassVar[bool] = True
+    flower_actions: ClassVar[tuple[str, ...]] = ("momentum", "local")
+
+    @property
+    def local_steps_default(self) -> int:
+        return self.local_steps
+
+    def build(self, wiring: Wiring) -> FedMSA:
+        return self.bind(FedMSA, wiring)
+
+
+class FedMSA(FedMSAConfig, AlgorithmBase):
     """FedMSA for bilevel problems (Alg. 1 with eq. (10) of ``papers/fedmsa.txt``).
 
-    Args:
+    Args (besides the hyperparameters of :class:`FedMSAConfig`):
         outer_names / inner_names / buffer_names: which model tensors are x, w (= y), buffers.
         outer_lr: α, the local step on x (line 14).
         inner_lr: β_w, the local step on w (line 15).
@@ -85,38 +129,22 @@ class FedMSA:
         momentum: ρ in [0, 1] of eq. (5) (1: no momentum).
         local_steps: K, the local steps of the chosen client (line 12).
         batch_size / outer_batch_size: minibatches of g and f per evaluation.
+        estimator: the second-order products of the maps (default autograd).
         aggregate_buffers: the chosen client returns its BatchNorm running statistics.
     """
 
-    outer_names: tuple[str, ...]
-    inner_names: tuple[str, ...]
-    buffer_names: tuple[str, ...] = ()
-    outer_lr: float = 0.05
-    inner_lr: float = 0.1
-    v_lr: float = 0.1
-    momentum: float = 0.5
-    local_steps: int = 5
-    batch_size: int = 32
-    outer_batch_size: int = 32
-    aggregate_buffers: bool = True
-    name: str = "fedmsa"
+    name: Literal["fedmsa"] = "fedmsa"
+    estimator: Estimator = Field(default_factory=Autograd)
 
-    def __post_init__(self) -> None:
-        for name in ("outer_lr", "inner_lr", "v_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"FedMSA.{name} must be > 0, got {getattr(self, name)}")
-        if not 0.0 <= self.momentum <= 1.0:
-            raise ValueError(f"FedMSA.momentum must be in [0, 1], got {self.momentum}")
-        for name in ("local_steps", "batch_size", "outer_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"FedMSA.{name} must be >= 1, got {getattr(self, name)}")
-        if set(self.outer_names) & set(self.inner_names):
-            raise ValueError("outer and inner parameter names must be disjoint")
+    @model_validator(mode="after")
+    def _check(self) -> FedMSA:
+        check_names("FedMSA", self.outer_names, self.inner_names)
+        check_estimator("FedMSA", self.estimator, "products")
+        return self
 
     # -- state ---------------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> FedMSAState:
         """(x_0, Z_0) with v_0 = 0; the previous point is the initial one (line 2)."""
-        clone = lambda d: {k: t.detach().clone() for k, t in d.items()}  # noqa: E731
         zeros = lambda d: {k: torch.zeros_like(t) for k, t in d.items()}  # noqa: E731
         return FedMSAState(
             x=clone(x),
@@ -131,53 +159,49 @@ class FedMSA:
             q_v=zeros(y),
         )
 
-    def model_state(self, state: FedMSAState) -> Params:
-        return {**state.x, **state.y, **state.buffers}
-
     def phases(self) -> Sequence[Phase[FedMSAState]]:
         return (
             Phase(
                 "train.momentum",
                 self.broadcast_momentum,
-                self.client_momentum,
+                ClientWork(self.run_momentum, self.prepare_momentum),
                 self.server_momentum,
             ),
             Phase(
                 "train.local",
                 self.broadcast_local,
-                self.client_local,
+                ClientWork(self.run_local, self.prepare_local),
                 self.server_local,
                 self.choose_one,
             ),
         )
 
     # -- the maps of eq. (10) ------------------------------------------------------------------
-    def maps(self, outer, inner, x: Params, w: Params, v: Params):
-        """``(P, S_w, S_v)`` at ``(x, w, v)`` and the (gradient, product) counts."""
-        system = ImplicitSystem(outer, inner, x, w)
-        v_t = tuple(v[n] for n in self.inner_names)
-        hv = system.hvp(v_t)
-        jv = system.mixed(v_t)
-        p = {n: gf - j for n, gf, j in zip(self.outer_names, system.grad_x_f, jv, strict=True)}
-        s_w = dict(zip(self.inner_names, system.grad_y_g, strict=True))
-        s_v = {n: h - gf for n, h, gf in zip(self.inner_names, hv, system.grad_y_f, strict=True)}
-        return p, s_w, s_v, (system.n_grad, system.n_hvp)
+    def maps(
+        self, outer: BilevelLoss, inner: BilevelLoss, x: Params, w: Params, v: Params, lead: int
+    ) -> tuple[Params, Params, Params, tuple[int, int], Any, Any]:
+        """``(P, S_w, S_v)`` at ``(x, w, v)``, the (gradient, product) counts and the values of
+        f and g: :func:`radbo.autodiff.bilevel_directions` with the estimator's products."""
+        system = self.estimator.linearize(inner, x, w, lead=lead)
+        d = bilevel_directions(system, outer, x, w, v)
+        return d.x, d.y, d.v, (d.n_grad, d.n_hvp), d.f, d.g
 
-    def _losses(self, runtime: ClientRuntime, task: ClientTask, module, buffers, gen):
-        inner_batch = sample_batch(
-            runtime.features, runtime.labels, task.data.inner, self.batch_size, gen
-        )
-        outer_batch = sample_batch(
-            runtime.features, runtime.labels, task.data.outer, self.outer_batch_size, gen
-        )
-        outer, inner = bind_losses(runtime.problem, module, buffers, inner_batch, outer_batch)
-        samples = inner_batch.targets.numel() + outer_batch.targets.numel()
-        return outer, inner, samples, (inner_batch, outer_batch)
+    def _losses(
+        self, runtime: ClientRuntime, cohort: Cohort, module: Any, buffers: Params, step: int | None
+    ) -> tuple[BilevelLoss, BilevelLoss, Any]:
+        if step is None:
+            inner_batch = runtime.batch(cohort.data("inner"))
+            outer_batch = runtime.batch(cohort.data("outer"))
+        else:
+            inner_batch = runtime.batch(cohort.step_data("inner", step))
+            outer_batch = runtime.batch(cohort.step_data("outer", step))
+        outer, inner = cohort.bind(runtime.problem, module, buffers, inner_batch, outer_batch)
+        return outer, inner, inner_batch
 
-    def _point(self, params: Params, prefix: str = "") -> tuple[Params, Params, Params]:
-        x = {n: params[f"{prefix}{n}"] for n in self.outer_names}
-        w = {n: params[f"{prefix}{n}"] for n in self.inner_names}
-        v = {n: params[f"{prefix}{V}:{n}"] for n in self.inner_names}
+    def _cohort_point(self, cohort: Cohort, prefix: str = "") -> tuple[Params, Params, Params]:
+        x = {n: cohort.param(f"{prefix}{n}") for n in self.outer_names}
+        w = {n: cohort.param(f"{prefix}{n}") for n in self.inner_names}
+        v = {n: cohort.param(f"{prefix}{V}:{n}") for n in self.inner_names}
         return x, w, v
 
     # -- phase 1: momentum directions (eq. (5)) ---------------------------------------------
@@ -192,22 +216,34 @@ class FedMSA:
             out.update({f"{QV}:{k}": t for k, t in state.q_v.items()})
         return out
 
-    def client_momentum(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+    def _draw_pair(self, task: ClientTask, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        inner = draw_indices(task.data.inner, self.batch_size, gen)
+        outer = draw_indices(task.data.outer, self.outer_batch_size, gen)
+        return inner, outer
+
+    def prepare_momentum(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """One sample ξ_r^m (an inner and an outer minibatch), shared by both points."""
+        inner, outer = self._draw_pair(task, task.generator())
+        return Prepared(data={"inner": inner, "outer": outer})
+
+    def run_momentum(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """h^m, q^m of eq. (5) on one sample shared by both points (ρ = 1 in round 0)."""
-        gen = task.generator()
-        module = runtime.module_for(task.index_set)
-        buffers = {n: task.params[n] for n in self.buffer_names}
-        outer, inner, samples, _ = self._losses(runtime, task, module, buffers, gen)
-        p, s_w, s_v, (n_grad, n_hvp) = self.maps(outer, inner, *self._point(task.params))
-        first = f"{H}:{self.outer_names[0]}" not in task.params  # round 0: nothing before
+        lead = cohort.lead
+        module = cohort.module(runtime)
+        buffers = cohort.params(self.buffer_names)
+        outer, inner, _ = self._losses(runtime, cohort, module, buffers, None)
+        p, s_w, s_v, (n_grad, n_hvp), f_value, g_value = self.maps(
+            outer, inner, *self._cohort_point(cohort), lead
+        )
+        first = not cohort.has(f"{H}:{self.outer_names[0]}")  # round 0: nothing before
         rho = 1.0 if first else self.momentum
         if rho < 1.0:
-            prev = self._point(task.params, f"{PREV}:")
-            p0, s_w0, s_v0, counts = self.maps(outer, inner, *prev)
+            prev = self._cohort_point(cohort, f"{PREV}:")
+            p0, s_w0, s_v0, counts, _, _ = self.maps(outer, inner, *prev, lead)
             n_grad, n_hvp = n_grad + counts[0], n_hvp + counts[1]
-            h_prev = {n: task.params[f"{H}:{n}"] for n in self.outer_names}
-            qw_prev = {n: task.params[f"{QW}:{n}"] for n in self.inner_names}
-            qv_prev = {n: task.params[f"{QV}:{n}"] for n in self.inner_names}
+            h_prev = {n: cohort.param(f"{H}:{n}") for n in self.outer_names}
+            qw_prev = {n: cohort.param(f"{QW}:{n}") for n in self.inner_names}
+            qv_prev = {n: cohort.param(f"{QV}:{n}") for n in self.inner_names}
             p = axpy(1.0 - rho, axpy(-1.0, p0, h_prev), p)
             s_w = axpy(1.0 - rho, axpy(-1.0, s_w0, qw_prev), s_w)
             s_v = axpy(1.0 - rho, axpy(-1.0, s_v0, qv_prev), s_v)
@@ -216,10 +252,14 @@ class FedMSA:
             **{f"{QW}:{k}": t for k, t in s_w.items()},
             **{f"{QV}:{k}": t for k, t in s_v.items()},
         }
-        with torch.no_grad():
-            x, w, _ = self._point(task.params)
-            losses = {"outer_loss": float(outer(x, w)), "inner_loss": float(inner(x, w))}
-        return reply(task, update, losses, n_grad=n_grad, n_hvp=n_hvp, samples=samples)
+        samples = cohort.data("inner").shape[-1] + cohort.data("outer").shape[-1]
+        return cohort.replies(
+            update,
+            {"outer_loss": f_value, "inner_loss": g_value},
+            n_grad=n_grad,
+            n_hvp=n_hvp,
+            samples=samples,
+        )
 
     def server_momentum(self, state, results, index_sets, weights):
         """(h_r, q_r) = the weighted mean of the clients' directions (line 8)."""
@@ -267,45 +307,74 @@ class FedMSA:
             **{f"{QV}:{k}": t for k, t in state.q_v.items()},
         }
 
-    def client_local(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """Lines 10-16: SARAH-type directions and K steps from the server point."""
+    def prepare_local(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """A fresh sample ξ_{r,k} for each local step k = 1..K-1 (step 0 moves along the
+        server's directions)."""
         gen = task.generator()
-        module = runtime.module_for(task.index_set)
-        buffers = {n: task.params[n].clone() for n in self.buffer_names}
-        x, w, v = self._point(task.params)
-        h = {n: task.params[f"{H}:{n}"] for n in self.outer_names}
-        q_w = {n: task.params[f"{QW}:{n}"] for n in self.inner_names}
-        q_v = {n: task.params[f"{QV}:{n}"] for n in self.inner_names}
         steps = int(task.params[STEPS])
-        previous = None  # the point of step k - 1; at k = 1 it equals the current one
-        n_grad = n_hvp = samples = 0
-        for _ in range(steps):
-            if previous is not None:
-                outer, inner, used, batches = self._losses(runtime, task, module, buffers, gen)
-                if buffers:  # BatchNorm running statistics follow the local training batches
-                    with torch.no_grad():
-                        runtime.problem.inner_loss(module, x, w, buffers, batches[0])
-                p1, sw1, sv1, c1 = self.maps(outer, inner, x, w, v)
-                p0, sw0, sv0, c0 = self.maps(outer, inner, *previous)
-                h = axpy(1.0, axpy(-1.0, p0, p1), h)
-                q_w = axpy(1.0, axpy(-1.0, sw0, sw1), q_w)
-                q_v = axpy(1.0, axpy(-1.0, sv0, sv1), q_v)
-                n_grad, n_hvp = n_grad + c1[0] + c0[0], n_hvp + c1[1] + c0[1]
-                samples += used
+        pairs = [self._draw_pair(task, gen) for _ in range(steps - 1)]
+        if not pairs:
+            return Prepared(num_steps=0)
+        data = {"inner": torch.stack([i for i, _ in pairs]), "outer": torch.stack([o for _, o in pairs])}
+        return Prepared(steps=data, num_steps=len(pairs))
+
+    def run_local(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """Lines 10-16: SARAH-type directions and K steps from the server point."""
+        lead = cohort.lead
+        module = cohort.module(runtime)
+        buffers = cohort.params(self.buffer_names, clone=True)
+        x, w, v = self._cohort_point(cohort)
+        h = {n: cohort.param(f"{H}:{n}") for n in self.outer_names}
+        q_w = {n: cohort.param(f"{QW}:{n}") for n in self.inner_names}
+        q_v = {n: cohort.param(f"{QV}:{n}") for n in self.inner_names}
+        n_grad = n_hvp = 0
+
+        def move(x: Params, w: Params, v: Params) -> tuple[Params, Params, Params]:
+            return (
+                axpy(-self.outer_lr, h, x),
+                axpy(-self.inner_lr, q_w, w),
+                axpy(-self.v_lr, q_v, v),
+            )
+
+        previous = (x, w, v)
+        x, w, v = move(x, w, v)
+        for step in range(cohort.max_steps if cohort.prepared[0].steps else 0):
+            active = cohort.active(step)
+            old = (x, w, v, h, q_w, q_v, buffers)
+            if buffers and active is not None:
+                buffers = {n: t.clone() for n, t in buffers.items()}
+            outer, inner, inner_batch = self._losses(runtime, cohort, module, buffers, step)
+            if buffers:  # BatchNorm running statistics follow the local training batches
+                with torch.no_grad():
+                    cohort.loss(runtime.problem.inner_loss, module, x, w, buffers, inner_batch)
+            p1, sw1, sv1, c1, _, _ = self.maps(outer, inner, x, w, v, lead)
+            p0, sw0, sv0, c0, _, _ = self.maps(outer, inner, *previous, lead)
+            h = axpy(1.0, axpy(-1.0, p0, p1), h)
+            q_w = axpy(1.0, axpy(-1.0, sw0, sw1), q_w)
+            q_v = axpy(1.0, axpy(-1.0, sv0, sv1), q_v)
+            n_grad, n_hvp = n_grad + c1[0] + c0[0], n_hvp + c1[1] + c0[1]
             previous = (x, w, v)
-            x = axpy(-self.outer_lr, h, x)
-            w = axpy(-self.inner_lr, q_w, w)
-            v = axpy(-self.v_lr, q_v, v)
+            x, w, v = move(x, w, v)
+            if active is not None:  # clients past their K keep what they had
+                new = (x, w, v, h, q_w, q_v, buffers)
+                x, w, v, h, q_w, q_v, buffers = (
+                    dict(zip(n, tuple_where(active, tuple(n.values()), tuple(o.values())), strict=True))
+                    for n, o in zip(new, old, strict=True)
+                )
         update = {**x, **w, **{f"{V}:{k}": t for k, t in v.items()}}
         if self.aggregate_buffers:
             update.update(buffers)
-        return reply(
-            task,
+        per_step = (n_grad // cohort.max_steps, n_hvp // cohort.max_steps) if n_grad else (0, 0)
+        batch = [
+            p.steps["inner"].shape[1] + p.steps["outer"].shape[1] if p.steps else 0
+            for p in cohort.prepared
+        ]
+        return cohort.replies(
             update,
-            {"local_steps": float(steps)},
-            n_grad=n_grad,
-            n_hvp=n_hvp,
-            samples=samples,
+            {"local_steps": [float(n + 1) for n in cohort.num_steps]},
+            n_grad=[per_step[0] * n for n in cohort.num_steps],
+            n_hvp=[per_step[1] * n for n in cohort.num_steps],
+            samples=[b * n for b, n in zip(batch, cohort.num_steps, strict=True)],
         )
 
     def server_local(self, state, results, index_sets, weights):

@@ -1,4 +1,6 @@
-"""RABO: Resource-Adaptive distributed Bilevel Optimization (Alg. 1 of ``papers/rabo_rafbo.txt``).
+"""RABO: Resource-Adaptive distributed Bilevel Optimization (Alg. 1 of the RABO paper).
+
+Paper: "Resource-Adaptive Federated Bilevel Optimization" (RABO / RAFBO; ``papers/rabo_rafbo.txt``).
 
 Each round q has two communication round trips:
 
@@ -20,6 +22,9 @@ mask the server reproduces the client's local iterate y_{q,T}.
 global L2 norm before aggregation (off by default). It is an explicit addition to the paper
 for strongly non-iid data with small local validation sets.
 
+**RAFBO** (Alg. 2) is RABO with the finite-difference estimator (``name = "rafbo"`` requires
+``[estimator] name = "finite_difference"``).
+
 BatchNorm running statistics (buffers) are returned by the clients after the inner phase and
 averaged coordinate-wise over the clients holding them, like parameters.
 """
@@ -28,29 +33,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 
-from radbo.aggregation import (
-    apply_mean,
-    apply_step,
-    coverage_weighted_mean,
-    global_norm,
-    project_ball,
-    step_inner,
+from radbo.aggregation import apply_mean, apply_step, coverage_weighted_mean, step_inner
+from radbo.algorithms.base import (
+    ALGORITHMS,
+    AlgorithmBase,
+    AlgorithmConfig,
+    Wiring,
+    check_estimator,
+    check_names,
+    clone,
 )
-from radbo.hypergrad import HypergradEstimator, ImplicitCG, init_state
-from radbo.masks.index import alias, extract
-from radbo.problem import bind_losses, sample_batch
-from radbo.simulation.engine import (
-    ClientResult,
-    ClientRuntime,
-    ClientTask,
-    Phase,
-    mean_metric,
-    reply,
-)
+from radbo.autodiff import params_norm, project_ball, scalar, tuple_where
+from radbo.client import ClientResult, ClientRuntime, ClientTask, ClientWork, Cohort, Phase, Prepared
+from radbo.client import mean_metric
+from radbo.hypergrad import Estimator, ImplicitCG, init_state
+from radbo.masks.index import alias
+from radbo.masks.index import extract
+from radbo.problem import draw_indices
 from radbo.typing import IndexSet, Params
+
+__all__ = ["RABO", "RABOConfig", "RABOState"]
 
 
 @dataclass(frozen=True)
@@ -66,72 +73,79 @@ class RABOState:
     aux: Params = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class RABO:
+@ALGORITHMS.register
+class RABOConfig(AlgorithmConfig):
+    """RABO hyperparameters (Alg. 1 of the RABO paper); ``rafbo`` is RABO with the
+    finite-difference estimator (Alg. 2)."""
+
+    name: Literal["rabo", "rafbo"] = "rabo"
+    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta, inner step size")
+    outer_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="alpha, outer step size")
+    inner_steps: int = Field(5, ge=1, description="T, local inner SGD steps per round")
+    batch_size: int = Field(32, ge=1, description="minibatch of the inner loss")
+    outer_batch_size: int = Field(32, ge=1, description="minibatch of the outer loss")
+    max_hypergrad_norm: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="clip each client's hypergradient (off)"
+    )
+
+    estimator_uses: ClassVar[tuple[str, ...]] = ("hypergradient",)
+    default_estimator: ClassVar[str | None] = "cg"
+    flower_actions: ClassVar[tuple[str, ...]] = ("inner", "outer")
+
+    def accepted_estimators(self) -> tuple[str, ...]:
+        return ("finite_difference",) if self.name == "rafbo" else super().accepted_estimators()
+
+    @property
+    def local_steps_default(self) -> int:
+        return self.inner_steps
+
+    def build(self, wiring: Wiring) -> RABO:
+        return self.bind(RABO, wiring, use_budget_steps=wiring.budget_steps)
+
+
+class RABO(RABOConfig, AlgorithmBase):
     """RABO (Alg. 1, eqs. (3)-(8) of ``papers/rabo_rafbo.txt``) with a pluggable estimator.
 
-    Args:
-        inner_lr: beta, the inner step size (local SGD and server step on y, eq. (6)).
-        outer_lr: alpha, the outer step size (eq. (8)).
-        inner_steps: T, local inner SGD steps per round (a client's ``budget.local_steps``
-            overrides it when ``use_budget_steps`` is true).
-        batch_size: minibatch size of the inner loss.
-        outer_batch_size: minibatch size of the outer loss in the hypergradient.
+    Args (besides the hyperparameters of :class:`RABOConfig`):
         estimator: local hypergradient estimator (default: exact implicit, CG with 10 steps).
-        max_hypergrad_norm: optional per-client clipping of the hypergradient (off: ``None``).
         outer_names / inner_names: which model tensors are x and y.
         buffer_names: non-trainable model tensors (BatchNorm running statistics).
+        use_budget_steps: each client runs its budget's local steps instead of T.
         aggregate_buffers: clients send their BatchNorm running statistics and the server
             averages them coordinate-wise (default); ``False`` is static BN: clients normalise
             with batch statistics only and the server recomputes the statistics on a
             calibration set before evaluating (HeteroFL's sBN).
     """
 
-    outer_names: tuple[str, ...]
-    inner_names: tuple[str, ...]
-    buffer_names: tuple[str, ...] = ()
-    inner_lr: float = 0.1
-    outer_lr: float = 0.1
-    inner_steps: int = 5
-    batch_size: int = 32
-    outer_batch_size: int = 32
-    estimator: HypergradEstimator = ImplicitCG(max_iter=10)
-    max_hypergrad_norm: float | None = None
+    estimator: Estimator = Field(default_factory=ImplicitCG)
     use_budget_steps: bool = False
-    aggregate_buffers: bool = True
-    name: str = "rabo"
 
-    def __post_init__(self) -> None:
-        for field_name in ("inner_lr", "outer_lr"):
-            value = getattr(self, field_name)
-            if not value > 0:
-                raise ValueError(f"RABO.{field_name} must be > 0, got {value}")
-        for field_name in ("inner_steps", "batch_size", "outer_batch_size"):
-            value = getattr(self, field_name)
-            if value < 1:
-                raise ValueError(f"RABO.{field_name} must be >= 1, got {value}")
-        if self.max_hypergrad_norm is not None and not self.max_hypergrad_norm > 0:
-            raise ValueError(
-                f"RABO.max_hypergrad_norm must be > 0 or None, got {self.max_hypergrad_norm}"
-            )
-        if set(self.outer_names) & set(self.inner_names):
-            raise ValueError("outer and inner parameter names must be disjoint")
+    @model_validator(mode="after")
+    def _check(self) -> RABO:
+        check_names("RABO", self.outer_names, self.inner_names)
+        check_estimator("RABO", self.estimator, "hypergradient")
+        return self
 
     # -- state ---------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> RABOState:
         """Initial state from full-model tensors (cloned, detached)."""
-        clone = lambda d: {k: v.detach().clone() for k, v in d.items()}  # noqa: E731
         aux = init_state(self.estimator, y)
         return RABOState(x=clone(x), y=clone(y), buffers=clone(buffers), aux=aux)
 
-    def model_state(self, state: RABOState) -> Params:
-        """All model tensors (x, y and buffers) in full-model coordinates."""
-        return {**state.x, **state.y, **state.buffers}
-
     def phases(self) -> Sequence[Phase[RABOState]]:
         return (
-            Phase("train.inner", self.broadcast_inner, self.client_inner, self.server_inner),
-            Phase("train.outer", self.broadcast_outer, self.client_outer, self.server_outer),
+            Phase(
+                "train.inner",
+                self.broadcast_inner,
+                ClientWork(self.run_inner, self.prepare_inner),
+                self.server_inner,
+            ),
+            Phase(
+                "train.outer",
+                self.broadcast_outer,
+                ClientWork(self.run_outer, self.prepare_outer),
+                self.server_outer,
+            ),
         )
 
     # -- phase 1: inner update of y (Alg. 1 lines 3-20) -----------------------------------
@@ -139,32 +153,47 @@ class RABO:
         """Submodel (x_q^i, y_{q,0}^i) and buffers for one client (eqs. (3), (4))."""
         return extract(self.model_state(state), index_set)
 
-    def client_inner(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers."""
+    def prepare_inner(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """The minibatch of each of the client's T local steps."""
         gen = task.generator()
-        module = runtime.module_for(task.index_set)
-        x = {n: task.params[n].detach() for n in self.outer_names}
-        y = {n: task.params[n].detach().clone() for n in self.inner_names}
-        buffers = {n: task.params[n].detach().clone() for n in self.buffer_names}
-        total = {n: torch.zeros_like(t) for n, t in y.items()}
         steps = task.budget.local_steps if self.use_budget_steps else self.inner_steps
-        loss_value = float("nan")
-        samples = 0
-        for _ in range(steps):
-            batch = sample_batch(
-                runtime.features, runtime.labels, task.data.inner, self.batch_size, gen
-            )
+        batches = [draw_indices(task.data.inner, self.batch_size, gen) for _ in range(steps)]
+        return Prepared(steps={"inner": torch.stack(batches)}, num_steps=steps)
+
+    def run_inner(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers."""
+        lead = cohort.lead
+        module = cohort.module(runtime)
+        x = cohort.params(self.outer_names)
+        y = cohort.params(self.inner_names, clone=True)
+        buffers = cohort.params(self.buffer_names, clone=True)
+        total = {n: torch.zeros_like(t) for n, t in y.items()}
+        loss_value: torch.Tensor | float = float("nan")
+        for step in range(cohort.max_steps):
+            batch = runtime.batch(cohort.step_data("inner", step))
+            active = cohort.active(step)
+            before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
             y_var = {n: t.requires_grad_(True) for n, t in y.items()}
-            loss = runtime.problem.inner_loss(module, x, y_var, buffers, batch)
-            grads = torch.autograd.grad(loss, list(y_var.values()))
-            y = {}
-            for (n, t), g in zip(y_var.items(), grads, strict=True):
-                y[n] = (t - self.inner_lr * g).detach()
-                total[n] += g
-            loss_value = float(loss.detach())
-            samples += batch.targets.numel()
+            loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
+            grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
+            stepped = {n: (t - self.inner_lr * g).detach() for (n, t), g in zip(y_var.items(), grads, strict=True)}
+            if active is None:
+                y = stepped
+                for n, g in zip(y_var, grads, strict=True):
+                    total[n] += g
+                loss_value = loss.detach()
+            else:  # clients past their last step keep what they had
+                y = dict(zip(y, tuple_where(active, tuple(stepped.values()), tuple(t.detach() for t in y_var.values())), strict=True))
+                for n, g in zip(y_var, grads, strict=True):
+                    total[n] += torch.where(active.reshape(-1, *(1,) * (g.ndim - 1)), g, 0.0)
+                loss_value = torch.where(active, loss.detach(), loss_value)
+                buffers = dict(zip(buffers, tuple_where(active, tuple(buffers.values()), tuple(before.values())), strict=True))
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        return reply(task, update, {"inner_loss": loss_value}, n_grad=steps, samples=samples)
+        batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
+        samples = [n * b for n, b in zip(cohort.num_steps, batch_sizes, strict=True)]
+        return cohort.replies(
+            update, {"inner_loss": loss_value}, n_grad=cohort.num_steps, samples=samples
+        )
 
     def server_inner(
         self,
@@ -188,7 +217,7 @@ class RABO:
 
     # -- phase 2: hypergradient and outer update of x (Alg. 1 lines 21-33) ---------------
     def _aux_index(self, index_set: IndexSet) -> IndexSet:
-        keys = getattr(self.estimator, "state_keys", ())
+        keys = self.estimator.state_keys
         return {k: v for key in keys for k, v in alias(index_set, key, self.inner_names).items()}
 
     def broadcast_outer(self, state: RABOState, index_set: IndexSet, slot: int = 0) -> Params:
@@ -197,39 +226,51 @@ class RABO:
             {**self.model_state(state), **state.aux}, {**index_set, **self._aux_index(index_set)}
         )
 
-    def client_outer(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """Local hypergradient on the submodel (eq. (7)) with the configured estimator."""
+    def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """The inner and outer minibatches, then the estimator's own draws."""
         gen = task.generator()
-        module = runtime.module_for(task.index_set)
+        data = {
+            "inner": draw_indices(task.data.inner, self.batch_size, gen),
+            "outer": draw_indices(task.data.outer, self.outer_batch_size, gen),
+        }
         x = {n: task.params[n] for n in self.outer_names}
-        y = {n: task.params[n] for n in self.inner_names}
-        buffers = {n: task.params[n] for n in self.buffer_names}
-        inner_batch = sample_batch(
-            runtime.features, runtime.labels, task.data.inner, self.batch_size, gen
+        data.update({f"estimator:{k}": t for k, t in self.estimator.draw(gen, x).items()})
+        return Prepared(data=data)
+
+    def run_outer(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """Local hypergradient on the submodel (eq. (7)) with the configured estimator."""
+        lead = cohort.lead
+        module = cohort.module(runtime)
+        x = cohort.params(self.outer_names)
+        y = cohort.params(self.inner_names)
+        buffers = cohort.params(self.buffer_names)
+        inner_idx, outer_idx = cohort.data("inner"), cohort.data("outer")
+        outer, inner = cohort.bind(
+            runtime.problem, module, buffers, runtime.batch(inner_idx), runtime.batch(outer_idx)
         )
-        outer_batch = sample_batch(
-            runtime.features, runtime.labels, task.data.outer, self.outer_batch_size, gen
-        )
-        outer, inner = bind_losses(runtime.problem, module, buffers, inner_batch, outer_batch)
-        aux = {k: task.params[k] for k in self._aux_index(task.index_set)}
-        result = self.estimator(outer, inner, x, y, generator=gen, state=aux or None)
+        aux_names = list(self._aux_index(cohort.index_set))
+        aux = cohort.params(aux_names)
+        prefix = "estimator:"
+        draws = {
+            k[len(prefix) :]: cohort.data(k) for k in cohort.prepared[0].data if k.startswith(prefix)
+        }
+        result = self.estimator(outer, inner, x, y, state=aux or None, draws=draws, lead=lead)
         grad = result.grad
-        norm = global_norm(grad)
+        norm = params_norm(grad, lead)
         if self.max_hypergrad_norm is not None:
-            grad = project_ball(grad, self.max_hypergrad_norm)  # clipping = projection
+            grad = project_ball(grad, self.max_hypergrad_norm, lead)  # clipping = projection
         with torch.no_grad():
-            outer_value = float(outer(x, y))
-        # x and buffers are already on the client from the inner phase
-        sent = {n: task.params[n] for n in (*self.inner_names, *aux)}
+            outer_value = outer(x, y)
         update = {**grad, **result.state}
-        return reply(
-            task,
+        samples = inner_idx.shape[-1] + outer_idx.shape[-1]
+        # x and buffers are already on the client from the inner phase
+        return cohort.replies(
             update,
             {"outer_loss": outer_value, "hypergrad_norm": norm},
-            received=sent,
+            received=[*self.inner_names, *aux_names],
             n_grad=result.n_grad,
             n_hvp=result.n_hvp,
-            samples=inner_batch.targets.numel() + outer_batch.targets.numel(),
+            samples=samples,
         )
 
     def server_outer(

@@ -1,5 +1,8 @@
-"""ShroFBO: system-level heterogeneity robust FBO (Alg. 1, eqs. (6)-(8) of
-``papers/simfbo_shrofbo.txt``), with radbo's coverage-weighted and normalized aggregation.
+"""ShroFBO: system-level heterogeneity robust FBO (Alg. 1, eqs. (6)-(8) of the SimFBO / ShroFBO
+paper), with radbo's coverage-weighted and normalized aggregation.
+
+Paper: Yang, Xiao and Ji, "SimFBO: Towards Simple, Flexible and Communication-efficient
+Federated Bilevel Learning", NeurIPS 2023, arXiv:2305.19442 (``papers/simfbo_shrofbo.txt``).
 
 Clients run the same simultaneous local steps as SimFBO (eq. (3)) but send the *normalized*
 aggregates h_i = q_i / ||a_i||_1 (eq. (6)), so a client with many local steps no longer weighs
@@ -20,27 +23,23 @@ tau_i = T it is RABO's coverage average of the summed local gradients (gamma = b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Literal
 
 from radbo.aggregation import CoverageMean, apply_normalized_step
-from radbo.algorithms.simfbo import SimFBO, SimFBOState, V
+from radbo.algorithms.simfbo import V, SimFBO, SimFBOState, normalize
 from radbo.typing import Params
 
+__all__ = ["ShroFBO"]
 
-@dataclass(frozen=True)
+
 class ShroFBO(SimFBO):
     """ShroFBO: SimFBO's local steps, normalized messages, rho-scaled coverage-weighted step."""
 
-    name: str = "shrofbo"
+    name: Literal["simfbo", "shrofbo"] = "shrofbo"
 
-    def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: float) -> Params:
+    def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:
         """h_i = q_i / ||a_i||_1 for x, y and v (eq. (6))."""
-        scale = 1.0 / a_norm
-        return {
-            **{k: t * scale for k, t in q_x.items()},
-            **{k: t * scale for k, t in q_y.items()},
-            **{f"{V}:{k}": t * scale for k, t in q_v.items()},
-        }
+        return normalize({**q_x, **q_y, **{f"{V}:{k}": t for k, t in q_v.items()}}, a_norm)
 
     def server_step(self, state: SimFBOState, agg: CoverageMean) -> tuple[Params, Params, Params]:
         """``p_s <- p_s - gamma * rho_s * h_s`` per coordinate (eq. (8), coverage-weighted)."""

@@ -1,4 +1,7 @@
-"""SimFBO: simple federated bilevel optimization (Alg. 1 of ``papers/simfbo_shrofbo.txt``).
+"""SimFBO: simple federated bilevel optimization (Alg. 1 of the SimFBO / ShroFBO paper).
+
+Paper: Yang, Xiao and Ji, "SimFBO: Towards Simple, Flexible and Communication-efficient
+Federated Bilevel Learning", NeurIPS 2023, arXiv:2305.19442 (``papers/simfbo_shrofbo.txt``).
 
 One communication round per iteration. Each sampled client i starts from the server's
 (x, y, v) and runs tau_i local steps that update the three variables *simultaneously* (eq. (3)):
@@ -13,12 +16,19 @@ and steps with server step sizes, projecting v on the ball of radius r (eq. (5))
 ``x <- x - gamma_x q_x``, ``v <- P_r(v - gamma_v q_v)``, ``y <- y - gamma_y q_y``.
 
 On masked submodels the average is taken per coordinate over the clients holding it (RABO's
-coverage weighting); coordinates nobody holds stay unchanged. The Hessian- and Jacobian-vector
-products come from a pluggable :class:`~radbo.hypergrad.SecondOrderProducts` (autograd, or
-finite differences of gradients: second-order free). With ``penalty = lam`` the method is fully
-first order (``papers/fedsbo_first_order.txt``): the v slot carries y_lam (the minimizer of
-f + lam g), its local step follows grad_y (f / lam + g), and x follows
-``grad_x f(x, y_lam) + lam (grad_x g(x, y_lam) - grad_x g(x, y))``.
+coverage weighting); coordinates nobody holds stay unchanged. The three directions are
+:func:`radbo.autodiff.bilevel_directions`, with the Hessian- and Jacobian-vector products of
+the ``[estimator]``: ``autograd`` (exact, default) or ``finite_difference`` (differences of
+gradients, second-order free; only its ``hvp_mu`` matters here).
+
+**Fully first-order mode.** With ``[estimator] name = "first_order"`` the method follows the
+penalty reformulation of ``papers/fedsbo_first_order.txt`` (only its ``lam`` matters): the v
+slot carries y_lam (the minimizer of f + lam g), y plays z, and the directions are the penalty
+oracle :func:`radbo.autodiff.penalty_gradients` -- the same code as the ``first_order``
+estimator and FedSVRBGD-FO: ``x`` follows ``∇_x f(x, y_lam) + lam (∇_x g(x, y_lam) −
+∇_x g(x, y))``, ``y`` follows ``∇_y g(x, y)``, and ``v`` follows ``(∇_y f(x, y_lam) + lam
+∇_y g(x, y_lam)) / (1 + lam)``, the estimator's step normalization that keeps the v-step stable
+for every lam (``f + lam g`` is ``(L_f + lam L_g)``-smooth). The projection of v is off there.
 
 Each local step draws one inner and one outer minibatch shared by the three updates (the paper
 draws independent samples zeta, psi, xi; sharing halves the data passes and keeps the updates
@@ -30,32 +40,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from radbo.aggregation import (
     CoverageMean,
     apply_step,
     average_buffers,
-    axpy,
     coverage_weighted_mean,
-    project_ball,
 )
-from radbo.hypergrad import AutogradProducts, SecondOrderProducts
-from radbo.masks.index import alias, extract
-from radbo.problem import bind_losses, sample_batch
-from radbo.simulation.engine import (
+from radbo.algorithms.base import (
+    ALGORITHMS,
+    AlgorithmBase,
+    AlgorithmConfig,
+    Wiring,
+    check_names,
+    clone,
+)
+from radbo.autodiff import (
+    axpy,
+    bilevel_directions,
+    broadcast,
+    penalty_gradients,
+    project_ball,
+    tuple_where,
+)
+from radbo.client import (
     ClientResult,
     ClientRuntime,
     ClientTask,
+    ClientWork,
+    Cohort,
     Phase,
+    Prepared,
     mean_metric,
-    reply,
 )
+from radbo.hypergrad import Autograd, Estimator
+from radbo.masks.index import alias, extract
+from radbo.problem import draw_indices
 from radbo.typing import IndexSet, Params
+
+__all__ = ["V", "SimFBO", "SimFBOConfig", "SimFBOState"]
 
 #: prefix of the v tensors (shaped like y) on the wire and in aggregation
 V = "v"
+
+_Rate = Field(gt=0, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -69,90 +101,92 @@ class SimFBOState:
     round: int = 0
 
 
-def _grad(loss: torch.Tensor, blocks: Sequence[Params]) -> list[Params]:
-    """Gradients of ``loss`` w.r.t. every tensor of ``blocks`` (zeros where unused)."""
-    flat = [t for block in blocks for t in block.values()]
-    grads = torch.autograd.grad(loss, flat, allow_unused=True)
-    out: list[Params] = []
-    i = 0
-    for block in blocks:
-        part = {}
-        for name, t in block.items():
-            g = grads[i]
-            part[name] = torch.zeros_like(t) if g is None else g.detach()
-            i += 1
-        out.append(part)
-    return out
+@ALGORITHMS.register
+class SimFBOConfig(AlgorithmConfig):
+    """SimFBO / ShroFBO hyperparameters (Alg. 1 of ``papers/simfbo_shrofbo.txt``)."""
+
+    name: Literal["simfbo", "shrofbo"] = "shrofbo"
+    inner_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="eta_y")
+    v_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="eta_v")
+    outer_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="eta_x")
+    server_lr_y: float = Field(0.2, gt=0, allow_inf_nan=False, description="gamma_y")
+    server_lr_v: float = Field(0.05, gt=0, allow_inf_nan=False, description="gamma_v")
+    server_lr_x: float = Field(0.05, gt=0, allow_inf_nan=False, description="gamma_x")
+    radius: float | None = Field(
+        10.0, gt=0, allow_inf_nan=False, description="r of the projection on v"
+    )
+    coefficient: float = Field(1.0, gt=0, allow_inf_nan=False, description="a_i^(t,k)")
+    local_steps: int = Field(5, ge=1, description="tau when fleet.local_steps = 'fixed'")
+    batch_size: int = Field(32, ge=1, description="inner minibatch per local step")
+    outer_batch_size: int = Field(32, ge=1, description="outer minibatch per local step")
+
+    estimator_uses: ClassVar[tuple[str, ...]] = ("products", "penalty")
+    default_estimator: ClassVar[str | None] = "autograd"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = [k for k in ("products", "fd_mu", "penalty") if k in data]
+            if moved:
+                raise ValueError(
+                    f"{', '.join(moved)} moved to the [estimator] section: products = "
+                    '"finite_difference" with fd_mu = m is [estimator] name = '
+                    '"finite_difference", hvp_mu = m; products = "first_order" with penalty '
+                    '= l is [estimator] name = "first_order", lam = l'
+                )
+        return data
+
+    @property
+    def local_steps_default(self) -> int:
+        return self.local_steps
+
+    def build(self, wiring: Wiring) -> SimFBO:
+        from radbo.algorithms.shrofbo import ShroFBO
+
+        return self.bind(ShroFBO if self.name == "shrofbo" else SimFBO, wiring)
 
 
-def _leaf(params: Params) -> Params:
-    return {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-
-
-@dataclass(frozen=True)
-class SimFBO:
+class SimFBO(SimFBOConfig, AlgorithmBase):
     """SimFBO (Alg. 1, eqs. (3)-(5) of ``papers/simfbo_shrofbo.txt``) on masked submodels.
 
-    Args:
+    Args (besides the hyperparameters of :class:`SimFBOConfig`):
         outer_names / inner_names / buffer_names: which model tensors are x, y and buffers.
-        inner_lr, v_lr, outer_lr: client step sizes eta_y, eta_v, eta_x.
-        server_lr_y, server_lr_v, server_lr_x: server step sizes gamma_y, gamma_v, gamma_x.
-        radius: r of the projection P_r on v (eq. (5)); ``None`` disables it.
-        coefficient: the client coefficient a_i^(t,k) (constant; 1 = plain SGD).
-        batch_size / outer_batch_size: minibatches of the inner / outer loss per local step.
-        products: Hessian- and Jacobian-vector products (default autograd).
-        penalty: lam > 0 switches to the fully first-order penalty method (v carries y_lam).
+        estimator: the second-order products (default :class:`~radbo.hypergrad.Autograd`), or
+            :class:`~radbo.hypergrad.FirstOrder` for the fully first-order penalty mode.
         aggregate_buffers: average BatchNorm running statistics (default) or static BN (see
             :class:`~radbo.algorithms.RABO`).
     """
 
-    outer_names: tuple[str, ...]
-    inner_names: tuple[str, ...]
-    buffer_names: tuple[str, ...] = ()
-    inner_lr: float = 0.05
-    v_lr: float = 0.05
-    outer_lr: float = 0.05
-    server_lr_y: float = 0.2
-    server_lr_v: float = 0.05
-    server_lr_x: float = 0.05
-    radius: float | None = 10.0
-    coefficient: float = 1.0
-    batch_size: int = 32
-    outer_batch_size: int = 32
-    products: SecondOrderProducts = AutogradProducts()
-    penalty: float | None = None
-    aggregate_buffers: bool = True
-    name: str = "simfbo"
+    name: Literal["simfbo", "shrofbo"] = "simfbo"
+    estimator: Estimator = Field(default_factory=Autograd)
 
-    def __post_init__(self) -> None:
-        for f in ("inner_lr", "v_lr", "outer_lr", "coefficient"):
-            if not getattr(self, f) > 0:
-                raise ValueError(f"{type(self).__name__}.{f} must be > 0, got {getattr(self, f)}")
-        for f in ("server_lr_y", "server_lr_v", "server_lr_x"):
-            if not getattr(self, f) > 0:
-                raise ValueError(f"{type(self).__name__}.{f} must be > 0, got {getattr(self, f)}")
-        for f in ("batch_size", "outer_batch_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{type(self).__name__}.{f} must be >= 1, got {getattr(self, f)}")
-        if self.radius is not None and not self.radius > 0:
-            raise ValueError(f"{type(self).__name__}.radius must be > 0 or None, got {self.radius}")
-        if self.penalty is not None and not self.penalty > 0:
+    @model_validator(mode="after")
+    def _check(self) -> SimFBO:
+        check_names(type(self).__name__, self.outer_names, self.inner_names)
+        if not self.estimator.capabilities & {"products", "penalty"}:
             raise ValueError(
-                f"{type(self).__name__}.penalty must be > 0 or None, got {self.penalty}"
+                f"{type(self).__name__} needs an estimator with second-order products or a "
+                f"penalty; {self.estimator.name!r} offers {sorted(self.estimator.capabilities)}"
             )
+        return self
+
+    @property
+    def penalty(self) -> float | None:
+        """The penalty lam of the first-order mode (``None``: second-order products)."""
+        if "products" in self.estimator.capabilities:
+            return None
+        return float(getattr(self.estimator, "lam"))
 
     # -- state ---------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> SimFBOState:
         """x, y and buffers cloned; v = 0 (or y_lam = y in first-order mode)."""
-        clone = lambda d: {k: t.detach().clone() for k, t in d.items()}  # noqa: E731
         v = clone(y) if self.penalty is not None else {k: torch.zeros_like(t) for k, t in y.items()}
         return SimFBOState(x=clone(x), y=clone(y), v=v, buffers=clone(buffers))
 
-    def model_state(self, state: SimFBOState) -> Params:
-        return {**state.x, **state.y, **state.buffers}
-
     def phases(self) -> Sequence[Phase[SimFBOState]]:
-        return (Phase("train", self.broadcast, self.client, self.server),)
+        work = ClientWork(self.run_client, self.prepare_client)
+        return (Phase("train", self.broadcast, work, self.server),)
 
     def _wire_index(self, index_set: IndexSet) -> IndexSet:
         return {**index_set, **alias(index_set, V, self.inner_names)}
@@ -163,95 +197,89 @@ class SimFBO:
         wire = {**self.model_state(state), **{f"{V}:{k}": t for k, t in state.v.items()}}
         return extract(wire, self._wire_index(index_set))
 
-    def client(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
-        """tau_i simultaneous local steps (eq. (3)) and the local aggregates (eq. (4))."""
+    def prepare_client(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """An inner and an outer minibatch for each of the client's tau_i local steps."""
         gen = task.generator()
-        module = runtime.module_for(task.index_set)
-        p = task.params
-        x = {n: p[n] for n in self.outer_names}
-        y = {n: p[n] for n in self.inner_names}
-        v = {n: p[f"{V}:{n}"] for n in self.inner_names}
-        buffers = {n: p[n].clone() for n in self.buffer_names}
+        inner, outer = [], []
+        for _ in range(task.budget.local_steps):
+            inner.append(draw_indices(task.data.inner, self.batch_size, gen))
+            outer.append(draw_indices(task.data.outer, self.outer_batch_size, gen))
+        steps = {"inner": torch.stack(inner), "outer": torch.stack(outer)}
+        return Prepared(steps=steps, num_steps=task.budget.local_steps)
+
+    def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """tau_i simultaneous local steps (eq. (3)) and the local aggregates (eq. (4))."""
+        lead = cohort.lead
+        module = cohort.module(runtime)
+        x = cohort.params(self.outer_names)
+        y = cohort.params(self.inner_names)
+        v = {n: cohort.param(f"{V}:{n}") for n in self.inner_names}
+        buffers = cohort.params(self.buffer_names, clone=True)
         q_x = {k: torch.zeros_like(t) for k, t in x.items()}
         q_y = {k: torch.zeros_like(t) for k, t in y.items()}
         q_v = {k: torch.zeros_like(t) for k, t in v.items()}
-        tau = task.budget.local_steps
         a = self.coefficient
-        n_grad = n_hvp = samples = 0
-        first_losses: tuple[float, float] | None = None
-        for _ in range(tau):
-            inner_batch = sample_batch(
-                runtime.features, runtime.labels, task.data.inner, self.batch_size, gen
-            )
-            outer_batch = sample_batch(
-                runtime.features, runtime.labels, task.data.outer, self.outer_batch_size, gen
-            )
-            samples += inner_batch.targets.numel() + outer_batch.targets.numel()
+        lam = self.penalty
+        n_grad = n_hvp = 0
+        first: tuple[Any, Any] | None = None
+        for step in range(cohort.max_steps):
+            inner_batch = runtime.batch(cohort.step_data("inner", step))
+            outer_batch = runtime.batch(cohort.step_data("outer", step))
+            active = cohort.active(step)
+            old = (x, y, v, q_x, q_y, q_v, buffers)
             if buffers:  # BatchNorm running statistics follow the local training batches
+                buffers = {n: t.clone() for n, t in buffers.items()} if active is not None else buffers
                 with torch.no_grad():
-                    runtime.problem.inner_loss(module, x, y, buffers, inner_batch)
-            outer, inner = bind_losses(runtime.problem, module, buffers, inner_batch, outer_batch)
-            if self.penalty is None:
-                d_x, d_y, d_v, losses, counts = self._implicit_directions(outer, inner, x, y, v)
-            else:
-                d_x, d_y, d_v, losses, counts = self._penalty_directions(outer, inner, x, y, v)
+                    cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
+            outer, inner = cohort.bind(runtime.problem, module, buffers, inner_batch, outer_batch)
+            if lam is None:
+                system = self.estimator.linearize(inner, x, y, lead=lead)
+                dirs = bilevel_directions(system, outer, x, y, v)
+                d_x, d_y, d_v = dirs.x, dirs.y, dirs.v
+                losses, counts = (dirs.g, dirs.f), (dirs.n_grad, dirs.n_hvp)
+            else:  # v is y_lam, y is z
+                oracle = penalty_gradients(outer, inner, x, v, y, lam, lead=lead)
+                d_x, d_y = oracle.x, oracle.z
+                d_v = {k: t / (1.0 + lam) for k, t in oracle.y.items()}
+                losses, counts = (oracle.g, oracle.f), (oracle.n_grad, 0)
             n_grad += counts[0]
             n_hvp += counts[1]
-            if first_losses is None:
-                first_losses = losses
+            if first is None:
+                first = losses
             x = axpy(-a * self.outer_lr, d_x, x)
             y = axpy(-a * self.inner_lr, d_y, y)
             v = axpy(-a * self.v_lr, d_v, v)
             q_x, q_y, q_v = axpy(a, d_x, q_x), axpy(a, d_y, q_y), axpy(a, d_v, q_v)
-        a_norm = a * tau
+            if active is not None:  # clients past their tau_i keep what they had
+                new = (x, y, v, q_x, q_y, q_v, buffers)
+                x, y, v, q_x, q_y, q_v, buffers = (
+                    dict(zip(n, tuple_where(active, tuple(n.values()), tuple(o.values())), strict=True))
+                    for n, o in zip(new, old, strict=True)
+                )
+        taus = torch.tensor(cohort.num_steps, dtype=torch.float64)
+        a_norm: Any = a * taus if cohort.stacked else a * cohort.num_steps[0]
         update = self.local_message(q_x, q_y, q_v, a_norm)
         if self.aggregate_buffers:
             update.update(buffers)
-        inner_loss, outer_loss = first_losses if first_losses is not None else (0.0, 0.0)
-        return reply(
-            task,
+        inner_loss, outer_loss = first if first is not None else (0.0, 0.0)
+        per_step = [n_grad // cohort.max_steps, n_hvp // cohort.max_steps] if cohort.max_steps else [0, 0]
+        batch = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
+        return cohort.replies(
             update,
             {
                 "inner_loss": inner_loss,
                 "outer_loss": outer_loss,
                 "a_norm": a_norm,
-                "local_steps": float(tau),
+                "local_steps": taus if cohort.stacked else float(cohort.num_steps[0]),
             },
-            n_grad=n_grad,
-            n_hvp=n_hvp,
-            samples=samples,
+            n_grad=[per_step[0] * t for t in cohort.num_steps],
+            n_hvp=[per_step[1] * t for t in cohort.num_steps],
+            samples=[b * t for b, t in zip(batch, cohort.num_steps, strict=True)],
         )
 
-    def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: float) -> Params:
+    def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:
         """What a client sends: SimFBO sends the local aggregates q_i themselves (eq. (4))."""
         return {**q_x, **q_y, **{f"{V}:{k}": t for k, t in q_v.items()}}
-
-    def _implicit_directions(self, outer, inner, x, y, v):
-        """(d_x, d_y, d_v) of eq. (3) with the configured second-order products."""
-        xl, yl = _leaf(x), _leaf(y)
-        f = outer(xl, yl)
-        gf_x, gf_y = _grad(f, [xl, yl])
-        pr = self.products(inner, x, y, v)
-        d_x = {k: gf_x[k] - pr.jvp_xy[k] for k in x}
-        d_v = {k: pr.hvp_yy[k] - gf_y[k] for k in v}
-        with torch.no_grad():
-            g_value = float(inner(x, y))
-        return d_x, pr.grad_y, d_v, (g_value, float(f.detach())), (pr.n_grad + 1, pr.n_hvp)
-
-    def _penalty_directions(self, outer, inner, x, y, v):
-        """First-order penalty directions (``papers/fedsbo_first_order.txt``); v is y_lam."""
-        lam = float(self.penalty)  # type: ignore[arg-type]
-        xl, yl_lam = _leaf(x), _leaf(v)
-        f_lam = outer(xl, yl_lam)
-        gf_x, gf_y = _grad(f_lam, [xl, yl_lam])
-        xl, yl_lam = _leaf(x), _leaf(v)
-        gl_x, gl_y = _grad(inner(xl, yl_lam), [xl, yl_lam])
-        xl, yl = _leaf(x), _leaf(y)
-        g = inner(xl, yl)
-        g_x, g_y = _grad(g, [xl, yl])
-        d_x = {k: gf_x[k] + lam * (gl_x[k] - g_x[k]) for k in x}
-        d_v = {k: gf_y[k] / lam + gl_y[k] for k in v}
-        return d_x, g_y, d_v, (float(g.detach()), float(f_lam.detach())), (3, 0)
 
     def server(
         self,
@@ -294,3 +322,11 @@ class SimFBO:
             apply_step(state.y, agg, self.server_lr_y),
             apply_step(v_wire, agg, self.server_lr_v),
         )
+
+
+def normalize(tensors: Params, a_norm: Any) -> Params:
+    """``t / ||a_i||_1`` per client (ShroFBO eq. (6))."""
+    if isinstance(a_norm, torch.Tensor):
+        return {k: t * broadcast(1.0 / a_norm, t) for k, t in tensors.items()}
+    scale = 1.0 / a_norm
+    return {k: t * scale for k, t in tensors.items()}

@@ -9,6 +9,8 @@
 * :mod:`radbo.data.imbalance` -- long-tailed subsets (:func:`long_tail_subset`, the
   exponential profile of Cao et al. 2019 / Kini et al. 2021).
 * :mod:`radbo.data.readers` -- validating readers of the raw file formats.
+* :mod:`radbo.data.sources` -- the ``[data]`` section (digits, MNIST, CIFAR-10); the
+  ``[partition]`` section lives in :mod:`radbo.data.partition`.
 """
 
 from radbo.data.datasets import (
@@ -22,6 +24,11 @@ from radbo.data.datasets import (
 )
 from radbo.data.imbalance import long_tail_counts, long_tail_subset
 from radbo.data.partition import (
+    PARTITIONS,
+    DirichletPartition,
+    IIDPartition,
+    PartitionConfig,
+    ShardsPartition,
     label_histogram,
     partition_dirichlet,
     partition_iid,
@@ -30,9 +37,30 @@ from radbo.data.partition import (
     split_indices,
 )
 from radbo.data.readers import read_cifar10, read_idx, read_mnist, read_omniglot
+from radbo.data.sources import (
+    DATA,
+    CIFAR10Data,
+    DataConfig,
+    DigitsData,
+    FileData,
+    MNISTData,
+    calibration_set,
+)
 
 __all__ = [
+    "DATA",
+    "PARTITIONS",
+    "CIFAR10Data",
+    "DataConfig",
     "Dataset",
+    "DigitsData",
+    "DirichletPartition",
+    "FileData",
+    "IIDPartition",
+    "MNISTData",
+    "PartitionConfig",
+    "ShardsPartition",
+    "calibration_set",
     "label_histogram",
     "load_cifar10",
     "load_digits",

@@ -33,7 +33,7 @@ class Dataset:
     """An in-memory labelled data set.
 
     Attributes:
-        features: ``float32`` tensor of shape ``(N, *input_shape)``.
+        features: ``float32`` (or ``float64``) tensor of shape ``(N, *input_shape)``.
         labels: ``int64`` tensor of shape ``(N,)`` with values in ``[0, num_classes)``.
         num_classes: number of classes (labels need not all occur, e.g. in a subset).
         name: a human-readable name, e.g. ``"digits"`` or ``"digits/train"``.
@@ -50,9 +50,12 @@ class Dataset:
     name: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.features, Tensor) or self.features.dtype != torch.float32:
+        if not isinstance(self.features, Tensor) or self.features.dtype not in (
+            torch.float32,
+            torch.float64,
+        ):
             raise ValueError(
-                f"Dataset {self.name!r}: features must be a float32 tensor, got "
+                f"Dataset {self.name!r}: features must be a float32 (or float64) tensor, got "
                 f"{getattr(self.features, 'dtype', type(self.features).__name__)}; "
                 "convert with .float()."
             )

@@ -24,12 +24,21 @@ Schemes:
 from __future__ import annotations
 
 from numbers import Integral, Real
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from radbo.registry import Registry, Section
+
 __all__ = [
+    "PARTITIONS",
+    "DirichletPartition",
+    "IIDPartition",
+    "PartitionConfig",
+    "ShardsPartition",
     "partition_iid",
     "partition_shards",
     "partition_dirichlet",
@@ -348,3 +357,51 @@ def label_histogram(labels: Tensor, parts: list[Tensor], num_classes: int) -> Te
     if not rows:
         return torch.zeros(0, num_classes, dtype=torch.int64)
     return torch.stack(rows)
+
+
+# -- the [partition] section -------------------------------------------------------------------
+
+#: The registered ``[partition]`` kinds.
+PARTITIONS: Registry[PartitionConfig] = Registry("partition", "kind")
+
+
+class PartitionConfig(Section):
+    """Base of every ``[partition]`` kind: how training examples are split over clients."""
+
+    kind: str
+
+    def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+        """One sorted index tensor per client (see the module docstring)."""
+        raise NotImplementedError
+
+
+@PARTITIONS.register
+class IIDPartition(PartitionConfig):
+    """Uniform random split into near-equal parts."""
+
+    kind: Literal["iid"] = "iid"
+
+    def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+        return partition_iid(labels, num_clients, generator)
+
+
+@PARTITIONS.register
+class ShardsPartition(PartitionConfig):
+    """FedAvg's shards: each client gets ``classes_per_client`` label-sorted shards."""
+
+    kind: Literal["shards"] = "shards"
+    classes_per_client: int = Field(2, ge=1)
+
+    def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+        return partition_shards(labels, num_clients, self.classes_per_client, generator)
+
+
+@PARTITIONS.register
+class DirichletPartition(PartitionConfig):
+    """Per class, client shares drawn from ``Dir(alpha)`` (every client keeps >= 2 examples)."""
+
+    kind: Literal["dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0, allow_inf_nan=False)
+
+    def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+        return partition_dirichlet(labels, num_clients, self.alpha, generator, min_size=2)

@@ -33,6 +33,7 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from radbo.cost import DeviceLike
 from radbo.flops import meta_training_inputs, trainable_names, training_step_flops
 from radbo.masks.policies.leading import LeadingPolicy
 from radbo.masks.structure import StructurePlan
@@ -74,25 +75,6 @@ class ComputeProfile(Protocol):
 
     @property
     def compute_flops(self) -> float: ...
-
-
-class DeviceLike(Protocol):
-    """What :meth:`BudgetPlanner.budget` reads from a :class:`radbo.devices.DeviceProfile`."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def memory_bytes(self) -> int: ...
-
-    @property
-    def compute_flops(self) -> float: ...
-
-    @property
-    def uplink_bps(self) -> float: ...
-
-    @property
-    def downlink_bps(self) -> float: ...
 
 
 class DeviceTooSmallError(ValueError):

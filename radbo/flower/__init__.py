@@ -11,12 +11,13 @@ from radbo.flower.apps import (
     make_server_app,
     run_on_flower,
 )
-from radbo.flower.backend import FlowerBackend, FlowerTaskError, message_type
+from radbo.flower.backend import FlowerBackend, FlowerTaskError, actions, message_type
 from radbo.flower.codec import decode_result, decode_task, encode_result, encode_task
 
 __all__ = [
     "FlowerBackend",
     "FlowerTaskError",
+    "actions",
     "client_work",
     "decode_result",
     "decode_task",

@@ -11,7 +11,7 @@ Client. :func:`make_client_app` builds a :class:`flwr.clientapp.ClientApp` with 
 ``train`` handler per routed message type (see :func:`radbo.flower.backend.message_type`).
 A handler decodes the task, builds the experiment of the run config the message carries
 (once per process, cached), takes the phase of the task's name from the algorithm and runs
-:func:`~radbo.simulation.engine.run_measured` on it with the experiment's runtime and FLOP
+:func:`~radbo.client.run_measured` on it with the experiment's runtime and FLOP
 meter, as the engine's sequential backend does, and replies with the encoded result.
 
 Deployment (``flwr run``): ``radbo.flower.apps:server_app`` and ``radbo.flower.apps:client_app``
@@ -36,9 +36,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from radbo.config import RunConfig, load_config, parse_config
 from radbo.experiment import Experiment, RunResult, build, run
-from radbo.flower.backend import ACTIONS, FlowerBackend, FlowerTaskError, message_type
+from radbo.flower.backend import FlowerBackend, FlowerTaskError, actions, message_type
 from radbo.flower.codec import CONFIG, decode_task, encode_result
-from radbo.simulation.engine import run_measured
+from radbo.client import run_measured
 
 #: Config-record key of the run config (JSON) in every task message.
 CONFIG_KEY = "radbo.config"
@@ -110,7 +110,7 @@ def make_client_app() -> ClientApp:
     plus the node-discovery query."""
     app = ClientApp()
     app.train()(client_work)
-    for action in ACTIONS:
+    for action in actions():
         app.train(action)(client_work)
     app.query(DISCOVERY.split(".", 1)[1])(_discovery)
     return app

@@ -6,9 +6,9 @@ registered with ``@app.train("<action>")`` (``"train"`` alone to ``@app.train()`
 (:func:`message_type`):
 
 * ``"train"`` and ``"train.<action>"`` with an action radbo's ClientApp registers
-  (:data:`ACTIONS`: ``inner`` and ``outer`` for RABO / RAFBO, ``momentum`` and ``local`` for
-  FedMSA) keep their name: RABO sends ``train.inner`` then ``train.outer``; SimFBO and ShroFBO
-  send ``train``.
+  (:func:`actions`: every registered algorithm's ``flower_actions`` -- ``inner`` and ``outer``
+  for RABO / RAFBO, ``momentum`` and ``local`` for FedMSA) keep their name: RABO sends
+  ``train.inner`` then ``train.outer``; SimFBO and ShroFBO send ``train``.
 * Every other name (FedMBO's ``inner.<t>``, ``phe.init``, ``phe.<level>``, ``phe.final``)
   is sent as ``"train.radbo"``.
 
@@ -23,13 +23,20 @@ from typing import Any
 
 from flwr.app import Message
 
+from radbo.algorithms import ALGORITHMS
+from radbo.client import ClientResult, ClientRuntime, ClientTask
+from radbo.cost import FlopMeter
 from radbo.flower.codec import decode_result, encode_task
-from radbo.simulation.engine import ClientResult, ClientTask
 
-#: ``train`` actions radbo's ClientApp registers (besides the default ``train``).
-ACTIONS = ("inner", "outer", "momentum", "local", "radbo")
 #: The action of phases whose name is not itself a registered message type.
 GENERIC_ACTION = "radbo"
+
+
+def actions() -> tuple[str, ...]:
+    """``train`` actions radbo's ClientApp registers (besides the default ``train``): every
+    registered algorithm's ``flower_actions``, and the generic one."""
+    found = [a for cls in ALGORITHMS.classes() for a in cls.flower_actions]
+    return (*dict.fromkeys(found), GENERIC_ACTION)
 
 
 def message_type(phase: str) -> str:
@@ -37,7 +44,7 @@ def message_type(phase: str) -> str:
     if phase == "train":
         return "train"
     category, _, action = phase.partition(".")
-    if category == "train" and action in ACTIONS and action != GENERIC_ACTION:
+    if category == "train" and action in actions() and action != GENERIC_ACTION:
         return phase
     return f"train.{GENERIC_ACTION}"
 
@@ -51,10 +58,10 @@ class FlowerBackend:
 
     ``node_ids[c]`` is the Flower node id serving radbo client ``c`` (a sequence indexed by
     client id or a mapping). ``extra`` scalars (e.g. the run config as JSON) are added to
-    every message's ``"config"`` record. ``map`` sends one message per task in one
+    every message's ``"config"`` record. ``run`` sends one message per task in one
     ``grid.send_and_receive`` call and returns the decoded results in task order. The client
-    function ``fn`` is not called here: the node runs the same function (the phase's client
-    function under :func:`~radbo.simulation.engine.run_measured`) itself.
+    work is not run here: the node runs the same work (the phase's client work under
+    :func:`~radbo.client.run_measured`) itself, FLOPs included.
     """
 
     def __init__(
@@ -79,8 +86,12 @@ class FlowerBackend:
                 f"{sorted(self.node_ids)})"
             ) from None
 
-    def map(
-        self, fn: Callable[[ClientTask], ClientResult], tasks: Sequence[ClientTask]
+    def run(
+        self,
+        work: Callable[[ClientRuntime, ClientTask], ClientResult],
+        runtime: ClientRuntime,
+        meter: FlopMeter | None,
+        tasks: Sequence[ClientTask],
     ) -> list[ClientResult]:
         if not tasks:
             return []

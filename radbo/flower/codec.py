@@ -26,7 +26,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import Tensor
 
 from radbo.problem import ClientData
-from radbo.simulation.engine import ClientBudget, ClientResult, ClientTask, CostRecord
+from radbo.client import ClientBudget, ClientResult, ClientTask, CostRecord
 from radbo.typing import IndexSet, Params
 
 ARRAYS = "arrays"

@@ -2,131 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from radbo.autodiff import ImplicitSystem, solve_cg
 from radbo.hypergrad.base import (
+    ESTIMATORS,
+    Estimator,
+    FiniteFloat,
     HypergradResult,
-    ImplicitSystem,
-    TensorTuple,
-    _check_finite,
-    _check_int,
-    tuple_axpy,
-    tuple_dot,
+    implicit_result,
+    require_y,
 )
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["ImplicitCG", "solve_cg"]
 
 
-def solve_cg(
-    matvec: Callable[[TensorTuple], TensorTuple],
-    b: Sequence[Tensor],
-    *,
-    max_iter: int,
-    tol: float = 1e-10,
-    damping: float = 0.0,
-    x0: Sequence[Tensor] | None = None,
-) -> tuple[TensorTuple, int]:
-    """Solve ``(A + damping·I) v = b`` by conjugate gradient on tuples of tensors.
-
-    ``A`` is given only through ``matvec(u) -> A u`` and must be symmetric positive definite
-    (after damping) on the tuple space of ``b``; tensors may have any shapes and are never
-    flattened together.
-
-    Args:
-        matvec: the product ``u -> A u``; ``u`` and the result are tuples shaped like ``b``.
-        b: the right-hand side.
-        max_iter: at most this many CG iterations (one ``matvec`` each), ``>= 1``.
-        tol: relative stopping tolerance on the *squared* residual norm: CG stops as soon as
-            ``||b − (A + damping·I) v||² <= tol · ||b||²`` (so the default ``1e-10`` is a
-            relative residual of ``1e-5``). ``>= 0``; default ``1e-10``.
-        damping: ``λ >= 0`` added to the diagonal of ``A``; default ``0``.
-        x0: optional warm start shaped like ``b`` (default zeros). Computing its residual
-            costs one extra ``matvec``.
-
-    Returns:
-        ``(v, n_matvec)``: the solution and the number of ``matvec`` calls made (the CG
-        iterations, plus one when ``x0`` is given). If ``b`` is zero and no ``x0`` is given,
-        ``v`` is zero and no ``matvec`` is made.
-
-    If a search direction ``p`` shows non-positive curvature (``pᵀ(A + λI)p <= 0``, possible
-    when ``A`` is indefinite, e.g. a non-convex inner problem with too little damping), CG
-    stops there and returns its current iterate -- the truncated CG of Newton-CG (Nocedal &
-    Wright, *Numerical Optimization*, Alg. 7.1); raise ``damping`` to avoid it.
-
-    >>> import torch
-    >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
-    >>> (v,), n = solve_cg(lambda u: (A @ u[0],), (torch.tensor([1.0, 2.0], dtype=A.dtype),),
-    ...                    max_iter=10, tol=1e-20)
-    >>> n, torch.allclose(v, torch.linalg.solve(A, torch.tensor([1.0, 2.0], dtype=A.dtype)))
-    (2, True)
-    """
-    _check_int("solve_cg", "max_iter", max_iter, low=1)
-    _check_finite("solve_cg", "tol", tol, low=0, strict=False)
-    _check_finite("solve_cg", "damping", damping, low=0, strict=False)
-    b = tuple(b)
-
-    def apply(u: TensorTuple) -> TensorTuple:
-        au = tuple(matvec(u))
-        if len(au) != len(u):
-            raise ValueError(
-                f"solve_cg: matvec returned {len(au)} tensors for an input of {len(u)}."
-            )
-        return tuple_axpy(damping, u, au) if damping != 0.0 else au
-
-    n_matvec = 0
-    if x0 is None:
-        sol: TensorTuple = tuple(torch.zeros_like(bi) for bi in b)
-        r: TensorTuple = b
-    else:
-        sol = tuple(x0)
-        if len(sol) != len(b) or any(s.shape != bi.shape for s, bi in zip(sol, b, strict=True)):
-            raise ValueError(
-                "solve_cg.x0 must have the shapes of b, got "
-                f"{[tuple(s.shape) for s in sol]} for b of {[tuple(bi.shape) for bi in b]}."
-            )
-        r = tuple_axpy(-1.0, apply(sol), b)
-        n_matvec += 1
-
-    threshold = tol * float(tuple_dot(b, b))
-    rs = float(tuple_dot(r, r))
-    p = r
-    iterations = 0
-    while rs > threshold and iterations < max_iter:
-        ap = apply(p)
-        n_matvec += 1
-        iterations += 1
-        curvature = float(tuple_dot(p, ap))
-        if not curvature > 0.0:  # non-positive curvature (or NaN): truncate
-            break
-        alpha = rs / curvature
-        sol = tuple_axpy(alpha, p, sol)
-        r = tuple_axpy(-alpha, ap, r)
-        rs_new = float(tuple_dot(r, r))
-        p = tuple_axpy(rs_new / rs, p, r)
-        rs = rs_new
-    return sol, n_matvec
-
-
-@dataclass(frozen=True)
-class ImplicitCG:
-    """Exact implicit hypergradient with ``v`` solved by conjugate gradient.
+@ESTIMATORS.register
+class ImplicitCG(Estimator):
+    """Exact implicit hypergradient with ``v`` solved by conjugate gradient
+    (``[estimator] name = "cg"``).
 
     Computes eq. (7) of the RABO paper (``papers/rabo_rafbo.txt``; Lemma 1 / eq. (3) of
     FedMBO) at the given ``(x, y)``::
 
         grad = ∇_x f(x, y) − ∇²_xy g(x, y) · v,     (∇²_yy g(x, y) + damping·I) v = ∇_y f(x, y)
 
-    with ``v`` from :func:`solve_cg`, whose Hessian-vector products are autograd double
-    backward through one graph of ``∇_y g(x, y)`` (see :class:`ImplicitSystem`).
+    with ``v`` from :func:`~radbo.autodiff.solve_cg`, whose Hessian-vector products are
+    autograd double backward through one graph of ``∇_y g(x, y)`` (see
+    :class:`~radbo.autodiff.ImplicitSystem`).
 
     Attributes:
-        max_iter: at most this many CG iterations, ``>= 1``; default ``20``.
+        max_iter: at most this many CG iterations, ``>= 1``; default ``10``.
         tol: CG stops when ``||r||² <= tol · ||∇_y f||²`` (squared residual norm, relative);
             ``>= 0``; default ``1e-10``.
         damping: ``λ >= 0`` added to ``∇²_yy g``, i.e. the estimator is exact for the inner
@@ -145,16 +56,13 @@ class ImplicitCG:
     (tensor([0.5000]), 2, 2)
     """
 
-    max_iter: int = 20
-    tol: float = 1e-10
-    damping: float = 0.0
+    name: Literal["cg"] = "cg"
+    max_iter: int = Field(10, ge=1, description="at most this many CG iterations")
+    tol: FiniteFloat = Field(1e-10, ge=0, description="relative squared-residual tolerance")
+    damping: FiniteFloat = Field(0.0, ge=0, description="added to the diagonal of H_yy")
 
-    state_keys: ClassVar[tuple[str, ...]] = ()
-
-    def __post_init__(self) -> None:
-        _check_int("ImplicitCG", "max_iter", self.max_iter, low=1)
-        _check_finite("ImplicitCG", "tol", self.tol, low=0, strict=False)
-        _check_finite("ImplicitCG", "damping", self.damping, low=0, strict=False)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
+    memory_model: ClassVar[str] = "implicit"
 
     def __call__(
         self,
@@ -165,15 +73,22 @@ class ImplicitCG:
         *,
         generator: torch.Generator | None = None,
         state: Params | None = None,
+        draws: dict[str, Tensor] | None = None,
+        lead: int = 0,
     ) -> HypergradResult:
-        """The hypergradient at ``(x, y)``; deterministic and stateless, so ``generator``
-        and ``state`` are accepted for the common signature and ignored."""
-        system = ImplicitSystem(outer_loss, inner_loss, x, y)
-        v, _ = solve_cg(
+        """The hypergradient at ``(x, y)``; deterministic and stateless, so ``generator``,
+        ``draws`` and ``state`` are accepted for the common signature and ignored."""
+        require_y(y)
+        system = ImplicitSystem(outer_loss, inner_loss, x, y, lead=lead)
+        v, calls = solve_cg(
             system.hvp,
             system.grad_y_f,
             max_iter=self.max_iter,
             tol=self.tol,
             damping=self.damping,
+            lead=lead,
         )
-        return system.result(v)
+        correction = system.mixed(v)
+        return implicit_result(
+            system.x_names, system.y_names, system.grad_x_f, correction, v, 2, calls + 1
+        )

@@ -4,35 +4,30 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
-from radbo.hypergrad.base import (
-    HypergradResult,
-    TensorTuple,
-    _check_finite,
-    _check_int,
-    _leaf,
-    _loss_grads,
-    tuple_axpy,
+from radbo.autodiff import (
+    FiniteDifferenceSystem,
+    Linearization,
+    leaf,
+    loss_grads,
+    solve_cg,
     tuple_dot,
 )
-from radbo.hypergrad.cg import solve_cg
+from radbo.hypergrad.base import ESTIMATORS, Estimator, FiniteFloat, HypergradResult, require_y
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FiniteDifference"]
 
 
-def _norm(u: TensorTuple) -> float:
-    return math.sqrt(float(tuple_dot(u, u))) if u else 0.0
-
-
-@dataclass(frozen=True)
-class FiniteDifference:
-    """Second-order-free local hypergradient on a sampled coordinate set (RAFBO).
+@ESTIMATORS.register
+class FiniteDifference(Estimator):
+    """Second-order-free local hypergradient on a sampled coordinate set (RAFBO;
+    ``[estimator] name = "finite_difference"``).
 
     Follows Alg. 2 and eq. (10) of the RABO paper (``papers/rabo_rafbo.txt``): for every
     coordinate ``p`` of a set ``P`` sampled from the coordinates of ``x``, the column
@@ -91,7 +86,12 @@ class FiniteDifference:
     tensors of ``x`` (flattened in dict order) with ``torch.randperm(d, generator=...)``;
     coordinates are evaluated in increasing order. When ``|P| = d`` no random number is
     drawn and ``generator`` may be ``None``; otherwise it is required.
-    :meth:`sample_coordinates` returns the set a given generator yields.
+    :meth:`sample_coordinates` returns the set a given generator yields, :meth:`draw` the same
+    as a call's ``draws``.
+
+    As products for simultaneous methods (:meth:`linearize`, SimFBO / ShroFBO, FedMSA,
+    FedMBO) only ``hvp_mu`` matters: ``∇²_yy g · u`` and ``∇²_xy g · v`` by one difference of
+    the gradient along ``u`` (:class:`~radbo.autodiff.FiniteDifferenceSystem`).
 
     Cost (``n_hvp = 0``, second-order free): ``n_grad = 2 + (CG iterations) + |P|`` -- one
     gradient of ``f`` with respect to ``(x, y)``, one of ``g`` at ``(x, y)``, one of ``g`` per
@@ -123,42 +123,33 @@ class FiniteDifference:
     -2.0
     """
 
-    num_coordinates: int | None = None
-    fraction: float | None = None
-    mu: float = 1e-3
-    hvp_mu: float = 1e-3
-    cg_iters: int = 10
-    tol: float = 1e-10
-    damping: float = 0.0
-    as_printed: bool = False
-    rescale: bool = False
 
-    state_keys: ClassVar[tuple[str, ...]] = ()
+    name: Literal["finite_difference"] = "finite_difference"
+    num_coordinates: int | None = Field(None, ge=1, description="|P|; default all of x")
+    fraction: FiniteFloat | None = Field(
+        None, gt=0, le=1, description="|P| as a share of dim(x)"
+    )
+    mu: FiniteFloat = Field(1e-3, gt=0, description="coordinate step of eq. (10)")
+    hvp_mu: FiniteFloat = Field(1e-3, gt=0, description="norm of the y-step of H_yy u")
+    cg_iters: int = Field(10, ge=1, description="at most this many CG iterations")
+    tol: FiniteFloat = Field(1e-10, ge=0, description="CG's relative squared-residual tolerance")
+    damping: FiniteFloat = Field(0.0, ge=0, description="added to the diagonal of H_yy in CG")
+    as_printed: bool = Field(
+        False, strict=True, description="eq. (10) as printed (not a hypergradient)"
+    )
+    rescale: bool = Field(
+        False, strict=True, description="scale the indirect term by d / |P| (unbiased)"
+    )
 
-    def __post_init__(self) -> None:
+    capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "products"})
+    products_fields: ClassVar[frozenset[str]] = frozenset({"hvp_mu"})
+    memory_model: ClassVar[str] = "finite_difference"
+
+    @model_validator(mode="after")
+    def _one_size(self) -> FiniteDifference:
         if self.num_coordinates is not None and self.fraction is not None:
-            raise ValueError(
-                "FiniteDifference: set at most one of num_coordinates and fraction, got "
-                f"num_coordinates={self.num_coordinates!r} and fraction={self.fraction!r}."
-            )
-        if self.num_coordinates is not None:
-            _check_int("FiniteDifference", "num_coordinates", self.num_coordinates, low=1)
-        if self.fraction is not None:
-            _check_finite("FiniteDifference", "fraction", self.fraction, low=0, strict=True)
-            if self.fraction > 1:
-                raise ValueError(
-                    f"FiniteDifference.fraction must be in (0, 1], got {self.fraction!r}."
-                )
-        _check_finite("FiniteDifference", "mu", self.mu, low=0, strict=True)
-        _check_finite("FiniteDifference", "hvp_mu", self.hvp_mu, low=0, strict=True)
-        _check_int("FiniteDifference", "cg_iters", self.cg_iters, low=1)
-        _check_finite("FiniteDifference", "tol", self.tol, low=0, strict=False)
-        _check_finite("FiniteDifference", "damping", self.damping, low=0, strict=False)
-        for name in ("as_printed", "rescale"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"FiniteDifference.{name} must be a bool, got {getattr(self, name)!r}."
-                )
+            raise ValueError("give num_coordinates or fraction, not both")
+        return self
 
     def num_sampled(self, dim: int) -> int:
         """``|P|`` for ``dim`` coordinates of ``x``.
@@ -193,6 +184,16 @@ class FiniteDifference:
         perm = torch.randperm(dim, generator=generator, device=generator.device)
         return torch.sort(perm[:size].cpu()).values
 
+    def draw(self, generator: torch.Generator | None, x: Params) -> dict[str, Tensor]:
+        """``{"coordinates": P}`` for one client at ``x`` (see :meth:`sample_coordinates`)."""
+        dim = sum(t.numel() for t in x.values())
+        return {"coordinates": self.sample_coordinates(dim, generator)}
+
+    def linearize(
+        self, inner_loss: BilevelLoss, x: Params, y: Params, *, lead: int = 0, with_x: bool = True
+    ) -> Linearization:
+        return FiniteDifferenceSystem(inner_loss, x, y, mu=self.hvp_mu, lead=lead, with_x=with_x)
+
     def __call__(
         self,
         outer_loss: BilevelLoss,
@@ -202,77 +203,78 @@ class FiniteDifference:
         *,
         generator: torch.Generator | None = None,
         state: Params | None = None,
+        draws: dict[str, Tensor] | None = None,
+        lead: int = 0,
     ) -> HypergradResult:
-        """The estimate at ``(x, y)``; ``generator`` draws ``P``, ``state`` is ignored."""
-        if len(y) == 0:
-            raise ValueError("y must hold at least one tensor, got an empty dict.")
+        """The estimate at ``(x, y)``; ``P`` comes from ``draws`` (one row per client for a
+        cohort) or is drawn with ``generator``; ``state`` is ignored."""
+        require_y(y)
         x_names, y_names = tuple(x), tuple(y)
-        # private contiguous copies: x_work is perturbed in place, one coordinate at a time
-        x_work = tuple(_leaf("x", k, t).detach().contiguous() for k, t in x.items())
-        y_base = tuple(_leaf("y", k, t).detach() for k, t in y.items())
-        sizes = [t.numel() for t in x_work]
+        xs = tuple(leaf("x", k, t).detach() for k, t in x.items())
+        ys = tuple(leaf("y", k, t).detach() for k, t in y.items())
+        lead_shape = xs[0].shape[:lead] if xs else torch.Size()
+        sizes = [t[(0,) * lead].numel() if lead else t.numel() for t in xs]
         dim = sum(sizes)
-        coords = self.sample_coordinates(dim, generator).tolist()
-        scale = dim / len(coords) if self.rescale and coords else 1.0
+        if draws is None:
+            draws = self.draw(generator, {k: t[(0,) * lead] for k, t in x.items()})
+        coords = draws["coordinates"].to(torch.long)  # [|P|], or [C, |P|] for a cohort
+        num = coords.shape[-1]
+        scale = dim / num if self.rescale and num else 1.0
 
-        def grad_y_g(xs: TensorTuple, ys: TensorTuple) -> TensorTuple:
-            _, gy = _loss_grads(
-                inner_loss, "inner_loss", x_names, xs, y_names, ys, wrt_x=False, wrt_y=True
-            )
-            return gy
-
-        grad_x_f, grad_y_f = _loss_grads(
-            outer_loss, "outer_loss", x_names, x_work, y_names, y_base, wrt_x=True, wrt_y=True
+        grad_x_f, grad_y_f = loss_grads(
+            outer_loss, "outer_loss", x_names, xs, y_names, ys, wrt_x=True, wrt_y=True, lead=lead
         )
-        base = grad_y_g(x_work, y_base)
-        n_grad = 2
-
+        system = FiniteDifferenceSystem(
+            inner_loss, dict(zip(x_names, xs, strict=True)), dict(zip(y_names, ys, strict=True)),
+            mu=self.hvp_mu, lead=lead, with_x=False,
+        )  # fmt: skip
+        base = system.grad_y_g
+        calls: int | Tensor = 0
         if self.as_printed:
             w = grad_y_f  # Alg. 2 line 7 as printed
         else:
-
-            def matvec(u: TensorTuple) -> TensorTuple:
-                nonlocal n_grad
-                norm = _norm(u)
-                if norm == 0.0:
-                    return tuple(torch.zeros_like(t) for t in u)
-                eps = self.hvp_mu / norm
-                shifted = grad_y_g(x_work, tuple_axpy(eps, u, y_base))
-                n_grad += 1
-                return tuple((s - b) / eps for s, b in zip(shifted, base, strict=True))
-
-            v, _ = solve_cg(
-                matvec, grad_y_f, max_iter=self.cg_iters, tol=self.tol, damping=self.damping
-            )
+            v, calls = solve_cg(
+                system.hvp, grad_y_f, max_iter=self.cg_iters, tol=self.tol,
+                damping=self.damping, lead=lead,
+            )  # fmt: skip
             w = tuple(-t for t in v)
 
-        grad = [t.clone().reshape(-1) for t in grad_x_f]
-        flats = [t.view(-1) for t in x_work]
+        # x as one flat vector per client; a coordinate p is perturbed in a copy of it
+        flat = torch.cat([t.reshape(*lead_shape, -1) for t in xs], dim=-1)
+        grad = torch.cat([t.reshape(*lead_shape, -1) for t in grad_x_f], dim=-1).clone()
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        for p in coords:
-            i = bisect.bisect_right(offsets, p) - 1
-            j = p - offsets[i]
-            flat = flats[i]
-            old = flat[j].clone()
-            flat[j] = old + self.mu
-            step = float(flat[j] - old)  # the step actually taken in floating point
-            if step == 0.0:
-                flat[j] = old
+
+        def unflat(values: Tensor) -> tuple[Tensor, ...]:
+            parts = values.split(sizes, dim=-1)
+            return tuple(p.reshape(t.shape) for p, t in zip(parts, xs, strict=True))
+
+        for k in range(num):
+            p = coords[..., k : k + 1]
+            old = flat.gather(-1, p)
+            new = old + self.mu
+            step = new - old  # the step actually taken in floating point
+            if bool((step == 0).any()):
+                j = int(p.reshape(-1)[int((step == 0).reshape(-1).nonzero()[0])])
+                i = bisect.bisect_right(offsets, j) - 1
+                value = float(old.reshape(-1)[int((step == 0).reshape(-1).nonzero()[0])])
                 raise ValueError(
                     f"FiniteDifference.mu = {self.mu!r} vanishes next to "
-                    f"x[{x_names[i]!r}] = {float(old)!r} in {old.dtype}; raise mu."
+                    f"x[{x_names[i]!r}] = {value!r} in {old.dtype}; raise mu."
                 )
-            shifted = grad_y_g(x_work, y_base)
-            flat[j] = old
-            n_grad += 1
+            _, shifted = loss_grads(
+                inner_loss, "inner_loss", x_names, unflat(flat.scatter(-1, p, new)), y_names, ys,
+                wrt_x=False, wrt_y=True, lead=lead,
+            )  # fmt: skip
             diff = tuple(s - b for s, b in zip(shifted, base, strict=True))
-            grad[i][j] += scale * float(tuple_dot(diff, w)) / step
+            # in float64, as a plain-float computation would be; then added once in x's dtype
+            term = scale * tuple_dot(diff, w, lead).double() / step.reshape(lead_shape).double()
+            grad = grad.scatter_add(-1, p, term.to(grad.dtype).reshape(p.shape))
 
         return HypergradResult(
-            grad={k: g.reshape(t.shape) for k, g, t in zip(x_names, grad, x_work, strict=True)},
+            grad=dict(zip(x_names, unflat(grad), strict=True)),
             v={k: -t for k, t in zip(y_names, w, strict=True)},
-            n_grad=n_grad,
+            n_grad=2 + calls + num,
             n_hvp=0,
         )

@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
+from torch import Tensor
 
+from radbo.autodiff import axpy, penalty_gradients
 from radbo.hypergrad.base import (
+    ESTIMATORS,
+    Estimator,
+    FiniteFloat,
     HypergradResult,
-    TensorTuple,
-    _check_finite,
-    _check_int,
-    _leaf,
-    _loss_grads,
-    _state_blocks,
-    tuple_axpy,
+    require_y,
+    state_blocks,
 )
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FirstOrder"]
 
 
-@dataclass(frozen=True)
-class FirstOrder:
-    """First-order hypergradient of the penalty (value-function) reformulation.
+@ESTIMATORS.register
+class FirstOrder(Estimator):
+    """First-order hypergradient of the penalty (value-function) reformulation
+    (``[estimator] name = "first_order"``).
 
-    Follows ``papers/fedsbo_first_order.txt`` (after Kwon et al., 2023): the bilevel problem
+    Follows "Fully First-Order Federated Stochastic Bilevel Optimization" (FedSVRBGD-FO,
+    IJCAI 2025; ``papers/fedsbo_first_order.txt``, after Kwon et al., "A Fully First-Order
+    Method for Stochastic Bilevel Optimization", ICML 2023, arXiv:2301.10945): the problem
     is rewritten as the constrained problem eq. (2), ``min f(x, y) s.t. g(x, y) − g(x, y*(x))
     <= 0``, and penalised into the minimax problem eq. (3)-(4),
     ``min_{x,y} max_z L_λ(x, y, z) = f(x, y) + λ (g(x, y) − g(x, z))``. At the solutions
@@ -50,6 +53,9 @@ class FirstOrder:
 
         y_λ ← y_λ − lr / (1 + λ) · (∇_y f(x, y_λ) + λ ∇_y g(x, y_λ))
         z   ← z   − lr · ∇_y g(x, z)
+
+    (the gradients are :func:`radbo.autodiff.penalty_gradients`, the one implementation of
+    the penalty oracle that SimFBO / ShroFBO's first-order mode and FedSVRBGD-FO use too).
 
     Scaling the ``y_λ`` step by ``1 / (1 + λ)`` keeps it stable for every ``λ``: ``f + λ g``
     is ``(L_f + λ L_g)``-smooth, and ``(L_f + λ L_g) / (1 + λ) <= max(L_f, L_g)``, so both
@@ -83,16 +89,15 @@ class FirstOrder:
     (0.4988, 603, 0, ['y_lambda:w', 'z:w'])
     """
 
-    lam: float = 10.0
-    inner_steps: int = 10
-    lr: float = 0.1
+    name: Literal["first_order"] = "first_order"
+    lam: FiniteFloat = Field(10.0, gt=0, description="penalty lambda")
+    inner_steps: int = Field(10, ge=0, description="steps on y_lambda and z per call")
+    lr: FiniteFloat = Field(0.1, gt=0, description="step size of those steps")
 
+    capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "penalty"})
+    penalty_fields: ClassVar[frozenset[str]] = frozenset({"lam"})
+    memory_model: ClassVar[str] = "first_order"
     state_keys: ClassVar[tuple[str, ...]] = ("y_lambda", "z")
-
-    def __post_init__(self) -> None:
-        _check_finite("FirstOrder", "lam", self.lam, low=0, strict=True)
-        _check_int("FirstOrder", "inner_steps", self.inner_steps, low=0)
-        _check_finite("FirstOrder", "lr", self.lr, low=0, strict=True)
 
     def __call__(
         self,
@@ -103,44 +108,32 @@ class FirstOrder:
         *,
         generator: torch.Generator | None = None,
         state: Params | None = None,
+        draws: dict[str, Tensor] | None = None,
+        lead: int = 0,
     ) -> HypergradResult:
-        """The estimate at ``x``, warm-started from ``state``; ``generator`` is ignored."""
-        if len(y) == 0:
-            raise ValueError("y must hold at least one tensor, got an empty dict.")
-        x_names, y_names = tuple(x), tuple(y)
-        xs = tuple(_leaf("x", k, t).detach() for k, t in x.items())
-        for k, t in y.items():
-            _leaf("y", k, t)  # validate
-        y_lam = _state_blocks("FirstOrder", "y_lambda", state, y)
-        z = _state_blocks("FirstOrder", "z", state, y)
+        """The estimate at ``x``, warm-started from ``state``; ``generator`` and ``draws``
+        are ignored."""
+        require_y(y)
+        for k, t in {**x, **y}.items():
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                kind = type(t).__name__ if not isinstance(t, Tensor) else f"dtype {t.dtype}"
+                raise ValueError(f"{k!r} must be a floating-point tensor, got {kind}.")
+        y_lam = state_blocks("FirstOrder", "y_lambda", state, y)
+        z = state_blocks("FirstOrder", "z", state, y)
         lam = self.lam
-
-        def penalized(x: Params, y: Params) -> torch.Tensor:
-            return outer_loss(x, y) + lam * inner_loss(x, y)
-
-        def grads(
-            loss: BilevelLoss, name: str, ys: TensorTuple, *, wrt_x: bool
-        ) -> tuple[TensorTuple, TensorTuple]:
-            return _loss_grads(loss, name, x_names, xs, y_names, ys, wrt_x=wrt_x, wrt_y=not wrt_x)
-
         step_y = self.lr / (1.0 + lam)
         for _ in range(self.inner_steps):
-            _, gy = grads(penalized, "outer_loss + lam * inner_loss", y_lam, wrt_x=False)
-            y_lam = tuple_axpy(-step_y, gy, y_lam)
-            _, gz = grads(inner_loss, "inner_loss", z, wrt_x=False)
-            z = tuple_axpy(-self.lr, gz, z)
-
-        fx, _ = grads(outer_loss, "outer_loss", y_lam, wrt_x=True)
-        gx_lam, _ = grads(inner_loss, "inner_loss", y_lam, wrt_x=True)
-        gx_z, _ = grads(inner_loss, "inner_loss", z, wrt_x=True)
-        penalty = tuple(a - b for a, b in zip(gx_lam, gx_z, strict=True))
-        grad = tuple_axpy(lam, penalty, fx)
-        v = tuple(lam * (b - a) for a, b in zip(y_lam, z, strict=True))
-        new_state = {f"y_lambda:{k}": t for k, t in zip(y_names, y_lam, strict=True)}
-        new_state.update({f"z:{k}": t for k, t in zip(y_names, z, strict=True)})
+            oracle = penalty_gradients(
+                outer_loss, inner_loss, x, y_lam, z, lam, with_x=False, lead=lead
+            )
+            y_lam = axpy(-step_y, oracle.y, y_lam)
+            z = axpy(-self.lr, oracle.z, z)
+        oracle = penalty_gradients(outer_loss, inner_loss, x, y_lam, z, lam, lead=lead)
+        new_state = {f"y_lambda:{k}": t for k, t in y_lam.items()}
+        new_state.update({f"z:{k}": t for k, t in z.items()})
         return HypergradResult(
-            grad=dict(zip(x_names, grad, strict=True)),
-            v=dict(zip(y_names, v, strict=True)),
+            grad=oracle.x,
+            v={k: lam * (z[k] - y_lam[k]) for k in y},
             n_grad=3 * self.inner_steps + 3,
             n_hvp=0,
             state=new_state,

@@ -2,36 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
+from torch import Tensor
 
+from radbo.autodiff import ImplicitSystem, tuple_axpy
 from radbo.hypergrad.base import (
+    ESTIMATORS,
+    Estimator,
+    FiniteFloat,
     HypergradResult,
-    ImplicitSystem,
-    _check_finite,
-    _check_int,
-    tuple_axpy,
+    implicit_result,
+    require_y,
 )
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["Neumann"]
 
 
-@dataclass(frozen=True)
-class Neumann:
-    """Implicit hypergradient with ``v`` from a deterministic truncated Neumann series.
+@ESTIMATORS.register
+class Neumann(Estimator):
+    """Implicit hypergradient with ``v`` from a deterministic truncated Neumann series
+    (``[estimator] name = "neumann"``).
 
     Computes eq. (7) of the RABO paper, ``∇_x f − ∇²_xy g · v``, with::
 
         v = eta · Σ_{k=0}^{terms−1} (I − eta · ∇²_yy g)^k ∇_y f      ≈ [∇²_yy g]⁻¹ ∇_y f
 
-    This is the Neumann-series estimator of FedMBO (``papers/fedmbo.txt``) eq. (4) -- used
-    by FedNest's IHGP and FedMBO's PHE (Alg. 2) -- with ``eta = 1/ℓ_{g,1}`` and ``N = terms``,
-    in its deterministic form: FedMBO draws one truncation ``N' ∈ {0, …, N−1}`` uniformly
-    and scales by ``N``, whose expectation is exactly the sum above; here all terms are
-    summed, so there is no sampling noise and no random generator.
+    This is the Neumann-series estimator of FedMBO (Huang et al., "Achieving Linear Speedup in
+    Non-IID Federated Bilevel Learning", ICML 2023, arXiv:2302.05412; ``papers/fedmbo.txt``)
+    eq. (4) -- used by FedNest's IHGP and FedMBO's PHE (Alg. 2) -- with ``eta = 1/ℓ_{g,1}`` and
+    ``N = terms``, in its deterministic form: FedMBO draws one truncation ``N' ∈ {0, …, N−1}``
+    uniformly and scales by ``N``, whose expectation is exactly the sum above; here all terms
+    are summed, so there is no sampling noise and no random generator.
 
     Convergence: with ``H = ∇²_yy g`` symmetric positive definite, eigenvalues in
     ``[μ, L]``, the series converges iff ``0 < eta < 2/L`` and its error is
@@ -60,14 +65,12 @@ class Neumann:
     (0.5, 30)
     """
 
-    terms: int = 20
-    eta: float = 0.1
+    name: Literal["neumann"] = "neumann"
+    terms: int = Field(20, ge=1, description="number of series terms K")
+    eta: FiniteFloat = Field(0.1, gt=0, description="series step, 1/L of the inner curvature")
 
-    state_keys: ClassVar[tuple[str, ...]] = ()
-
-    def __post_init__(self) -> None:
-        _check_int("Neumann", "terms", self.terms, low=1)
-        _check_finite("Neumann", "eta", self.eta, low=0, strict=True)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
+    memory_model: ClassVar[str] = "implicit"
 
     def __call__(
         self,
@@ -78,14 +81,20 @@ class Neumann:
         *,
         generator: torch.Generator | None = None,
         state: Params | None = None,
+        draws: dict[str, Tensor] | None = None,
+        lead: int = 0,
     ) -> HypergradResult:
-        """The hypergradient at ``(x, y)``; deterministic and stateless, so ``generator``
-        and ``state`` are accepted for the common signature and ignored."""
-        system = ImplicitSystem(outer_loss, inner_loss, x, y)
+        """The hypergradient at ``(x, y)``; deterministic and stateless, so ``generator``,
+        ``draws`` and ``state`` are accepted for the common signature and ignored."""
+        require_y(y)
+        system = ImplicitSystem(outer_loss, inner_loss, x, y, lead=lead)
         power = system.grad_y_f  # (I − eta H)^k ∇_y f, k = 0
         total = power
         for _ in range(self.terms - 1):
             power = tuple_axpy(-self.eta, system.hvp(power), power)
             total = tuple_axpy(1.0, power, total)
         v = tuple(self.eta * t for t in total)
-        return system.result(v)
+        correction = system.mixed(v)
+        return implicit_result(
+            system.x_names, system.y_names, system.grad_x_f, correction, v, 2, self.terms
+        )

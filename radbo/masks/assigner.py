@@ -16,7 +16,7 @@ import torch
 
 from radbo.masks.policies import MaskPolicy, RoundPreparedPolicy
 from radbo.masks.structure import StructurePlan
-from radbo.simulation.engine import ClientBudget
+from radbo.client import ClientBudget
 from radbo.typing import IndexSet, Params
 
 

@@ -16,16 +16,44 @@ ever been trained, so a run can report honestly how much of the model its masks 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from radbo.aggregation import coverage_stats
 
-__all__ = ["CoverageTracker", "RoundCoverage"]
+__all__ = ["CoverageStats", "CoverageTracker", "RoundCoverage", "coverage_stats"]
+
+
+@dataclass(frozen=True)
+class CoverageStats:
+    """Coverage of one variable block in one round (RABO Definition 3, Table I).
+
+    Attributes:
+        min_coverage: ``C* = min_k C^k`` over the coordinates trained this round (0 if none).
+        untrained_fraction: fraction of the block's coordinates no sampled client held.
+        histogram: ``histogram[c]`` = number of coordinates held by exactly c clients.
+    """
+
+    min_coverage: int
+    untrained_fraction: float
+    histogram: list[int]
+
+
+def coverage_stats(count: Mapping[str, Tensor], names: Sequence[str]) -> CoverageStats:
+    """Summarise per-coordinate client counts over the tensors ``names``."""
+    if not names:
+        return CoverageStats(min_coverage=0, untrained_fraction=0.0, histogram=[])
+    flat = torch.cat([count[n].reshape(-1) for n in names])
+    trained = flat[flat > 0]
+    min_cov = int(trained.min()) if trained.numel() else 0
+    return CoverageStats(
+        min_coverage=min_cov,
+        untrained_fraction=float((flat == 0).sum()) / flat.numel(),
+        histogram=torch.bincount(flat).tolist(),
+    )
 
 
 @dataclass(frozen=True)

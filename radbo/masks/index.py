@@ -18,14 +18,22 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from radbo.typing import IndexSet, Params
 
-__all__ = ["alias", "dense_mask", "extract", "index_set_numel", "restrict", "scatter"]
+__all__ = [
+    "alias",
+    "coverage_counts",
+    "dense_mask",
+    "extract",
+    "index_set_numel",
+    "restrict",
+    "scatter",
+]
 
 
 def _entry(index_set: IndexSet, key: str, ndim: int) -> tuple[Tensor | None, ...]:
@@ -121,6 +129,35 @@ def dense_mask(index_set: IndexSet, shapes: Mapping[str, torch.Size]) -> Params:
                 axis[idx.cpu()] = True
             mask = mask.unsqueeze(-1) & axis
         out[key] = mask.reshape(shape)
+    return out
+
+
+def coverage_counts(
+    index_sets: Sequence[IndexSet],
+    shapes: Mapping[str, torch.Size],
+    weights: Sequence[float] | None = None,
+) -> dict[str, Tensor]:
+    """Per coordinate of every tensor in ``shapes``, how many clients hold it (``C^k``, RABO
+    Definition 3), as int64 tensors. A client of weight 0 holds nothing: its update is never
+    aggregated. A tensor an index set does not name is held whole.
+
+    >>> import torch
+    >>> idx = [{"w": (None,)}, {"w": (torch.tensor([0]),)}, {"w": (torch.tensor([1]),)}]
+    >>> coverage_counts(idx, {"w": torch.Size([2])}, [1.0, 1.0, 0.0])["w"].tolist()
+    [2, 1]
+    """
+    if weights is not None and len(weights) != len(index_sets):
+        raise ValueError(f"got {len(index_sets)} index sets but {len(weights)} weights")
+    out: dict[str, Tensor] = {}
+    for key, shape in shapes.items():
+        count = torch.zeros(shape, dtype=torch.int64)
+        for i, index_set in enumerate(index_sets):
+            if weights is not None and not weights[i] > 0:
+                continue
+            full = (None,) * len(shape)
+            held = dense_mask({key: index_set.get(key, full)}, {key: shape})[key]
+            count += held.long()
+        out[key] = count
     return out
 
 

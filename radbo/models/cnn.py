@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.base import BatchNormConfig, MODELS, BilevelModel, ModelConfig, Width
 
 
 class SmallCNN(BilevelModel):
@@ -44,3 +48,16 @@ class SmallCNN(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(torch.flatten(self.body(x), 1))
+
+
+@MODELS.register
+class CNNConfig(BatchNormConfig):
+    """Small CNN with BatchNorm (any image size and channel count): conv backbone is x, head
+    is y."""
+
+    name: Literal["cnn"] = "cnn"
+    channels: list[Width] = Field(default_factory=lambda: [16, 32], min_length=1)
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> SmallCNN:
+        channels, size = self.image(input_shape)
+        return SmallCNN(channels, size, self.channels, classes)

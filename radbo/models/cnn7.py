@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
 
 
 class CNN7(BilevelModel):
@@ -84,3 +88,19 @@ class CNN7(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.body(torch.flatten(self.features(x), 1)))
+
+
+@MODELS.register
+class CNN7Config(ModelConfig):
+    """FedNest's 7-layer LeNet-5 CNN (no BatchNorm; images of at least 16x16: two valid 5x5
+    convs and two 2x2 pools): the two convs and two hidden linear layers are x, the head y."""
+
+    name: Literal["cnn7"]
+    channels: list[Width] = Field(default_factory=lambda: [6, 16], min_length=2, max_length=2)
+    hidden: list[Width] = Field(default_factory=lambda: [120, 84], min_length=2, max_length=2)
+
+    min_image_size: ClassVar[int] = 16
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> CNN7:
+        channels, size = self.image(input_shape)
+        return CNN7(classes, channels, size, self.channels, self.hidden)

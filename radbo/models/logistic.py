@@ -3,10 +3,14 @@ model (x = the log regularization weights, y = the classifier)."""
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
 from radbo.typing import Params
 
 
@@ -46,3 +50,20 @@ class FeatureL2Logistic(BilevelModel):
     def regularizer(x: Params, y: Params) -> Tensor:
         """``1/2 sum_j exp(x_j) ||W_{:, j}||^2`` over the columns of the classifier's weight."""
         return 0.5 * (torch.exp(x["log_l2"]) * y["linear.weight"].pow(2).sum(0)).sum()
+
+
+@MODELS.register
+class LogisticConfig(ModelConfig):
+    """Logistic regression on flattened inputs with one L2 weight per input feature: the
+    classifier is y, the log weights ``log_l2`` are x (task ``feature_l2``)."""
+
+    name: Literal["logistic"]
+    init_log_l2: float = Field(
+        -3.0, allow_inf_nan=False, description="initial log L2 weight of every feature"
+    )
+
+    flat: ClassVar[bool] = True
+    task: ClassVar[str | None] = "feature_l2"
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> FeatureL2Logistic:
+        return FeatureL2Logistic(math.prod(input_shape), classes, self.init_log_l2)

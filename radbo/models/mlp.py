@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
 
 
 class MLP(BilevelModel):
@@ -39,3 +43,16 @@ class MLP(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.body(torch.flatten(x, 1)))
+
+
+@MODELS.register
+class MLPConfig(ModelConfig):
+    """MLP on flattened inputs (any shape): hidden layers are x, the head is y."""
+
+    name: Literal["mlp"] = "mlp"
+    hidden: list[Width] = Field(default_factory=lambda: [128], min_length=1)
+
+    flat: ClassVar[bool] = True
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> MLP:
+        return MLP(math.prod(input_shape), self.hidden, classes)

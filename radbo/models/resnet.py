@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.base import BatchNormConfig, MODELS, BilevelModel, ModelConfig, Width
 
 
 class BasicBlock(nn.Module):
@@ -73,3 +77,21 @@ class ResNet18(BilevelModel):
     def forward(self, x: Tensor) -> Tensor:
         out = self.pool(self.layers(self.stem(x)))
         return self.head(torch.flatten(out, 1))
+
+
+@MODELS.register
+class ResNet18Config(BatchNormConfig):
+    """ResNet-18, CIFAR-style stem (HeteroFL / FedRolex; images of at least 9x9, so that the
+    last stage stays at least 2x2 and its BatchNorm takes a batch of one): backbone is x, head
+    is y."""
+
+    name: Literal["resnet18"]
+    widths: list[Width] = Field(
+        default_factory=lambda: [64, 128, 256, 512], min_length=4, max_length=4
+    )
+
+    min_image_size: ClassVar[int] = 9
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> ResNet18:
+        channels, size = self.image(input_shape)
+        return ResNet18(classes, channels, size, self.widths)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from radbo.models.base import BilevelModel
+from radbo.models.base import BatchNormConfig, MODELS, BilevelModel, ModelConfig, Width
 
 #: Stage widths of ResNet-12 in MetaOptNet (Lee et al., CVPR 2019) and RFS (Tian et al., 2020).
 RESNET12_WIDTHS: tuple[int, int, int, int] = (64, 160, 320, 640)
@@ -123,3 +127,20 @@ class ResNet12(BilevelModel):
     def forward(self, x: Tensor) -> Tensor:
         out = self.pool(self.layers(x))
         return self.head(torch.flatten(out, 1))
+
+
+@MODELS.register
+class ResNet12Config(BatchNormConfig):
+    """ResNet-12 (MetaOptNet / RFS; images of at least 16x16: four 2x2 pools): backbone is x,
+    head is y."""
+
+    name: Literal["resnet12"]
+    widths: list[Width] = Field(
+        default_factory=lambda: [64, 160, 320, 640], min_length=4, max_length=4
+    )
+
+    min_image_size: ClassVar[int] = 16
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> ResNet12:
+        channels, size = self.image(input_shape)
+        return ResNet12(classes, channels, size, self.widths)

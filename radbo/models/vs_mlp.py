@@ -3,11 +3,16 @@ VS-loss parameters, y = the whole network)."""
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from radbo.models.base import MODELS, ModelConfig, Width
 from radbo.models.mlp import MLP
 from radbo.typing import Params
 
@@ -45,3 +50,19 @@ class VSMLP(MLP):
         """``(w, l, D)``: the per-class weight, additive shift and multiplicative logit scale of
         the VS loss, read from x."""
         return torch.exp(x["vs_log_weight"]), x["vs_shift"], torch.exp(x["vs_log_scale"])
+
+
+@MODELS.register
+class VSMLPConfig(ModelConfig):
+    """MLP classifier on flattened inputs with per-class VS-loss hyperparameters (task
+    ``vs_loss``): the whole network is y (its hidden layers are prunable), the VS-loss weights,
+    shifts and logit scales are x. ``hidden = []`` is a linear classifier."""
+
+    name: Literal["vs_mlp"]
+    hidden: list[Width] = Field(default_factory=lambda: [128])
+
+    flat: ClassVar[bool] = True
+    task: ClassVar[str | None] = "vs_loss"
+
+    def build(self, input_shape: tuple[int, ...], classes: int) -> VSMLP:
+        return VSMLP(math.prod(input_shape), self.hidden, classes)

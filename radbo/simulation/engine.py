@@ -12,222 +12,54 @@ read-only :class:`ClientRuntime`; it keeps no hidden state, so any backend can r
 
 from __future__ import annotations
 
-import copy
-import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from radbo.client import (
+    Algorithm,
+    Backend,
+    ClientBudget,
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    MaskAssigner,
+    Phase,
+    run_measured,
+)
 from radbo.cost import (
+    DeviceLike,
     FlopMeter,
     LedgerEntry,
     index_metadata_bytes,
     phase_times,
-    shape_signature,
-    tensor_bytes,
     totals,
 )
 from radbo.masks.coverage_report import CoverageTracker
-from radbo.masks.index import dense_mask, restrict
-from radbo.problem import BilevelProblem, ClientData
+from radbo.masks.index import coverage_counts
+from radbo.randomness import Stream, derive_seed, task_seed
 from radbo.typing import IndexSet, Params
 
 State = TypeVar("State")
 
 
-@dataclass(frozen=True)
-class ClientBudget:
-    """What one client can afford this round: capacity ratio r in (0, 1] and local steps."""
-
-    capacity: float = 1.0
-    local_steps: int = 1
-
-    def __post_init__(self) -> None:
-        if not 0 < self.capacity <= 1:
-            raise ValueError(f"ClientBudget.capacity must be in (0, 1], got {self.capacity}")
-        if self.local_steps < 1:
-            raise ValueError(f"ClientBudget.local_steps must be >= 1, got {self.local_steps}")
-
-
-@dataclass(frozen=True)
-class CostRecord:
-    """Work one client did in one phase, and what crossed the (simulated) wire.
-
-    ``n_grad`` counts first-order gradient evaluations, ``n_hvp`` second-order products
-    (Hessian- or Jacobian-vector), ``samples`` the examples forwarded, ``bytes_down`` /
-    ``bytes_up`` the payload tensors received / sent (numel x element size). ``flops`` is
-    filled in by the engine's :class:`~radbo.cost.FlopMeter` (measured, not modelled).
-    """
-
-    n_grad: int = 0
-    n_hvp: int = 0
-    samples: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    flops: int = 0
-
-
-@dataclass(frozen=True)
-class ClientTask:
-    """Everything one client receives for one phase of one round.
-
-    ``slot`` is the client's position among the phase's participants (see ``Phase.select``).
-    """
-
-    client: int
-    round: int
-    phase: str
-    params: Params
-    index_set: IndexSet
-    data: ClientData
-    seed: int
-    budget: ClientBudget
-    slot: int = 0
-
-    def generator(self) -> torch.Generator:
-        """A fresh generator seeded for this (client, round, phase)."""
-        return torch.Generator().manual_seed(self.seed)
-
-
-@dataclass(frozen=True)
-class ClientResult:
-    """A client's reply: an update in submodel coordinates, its cost and scalar metrics.
-
-    ``slot`` is set by the engine to the task's slot (client functions need not fill it).
-    """
-
-    client: int
-    update: Params
-    cost: CostRecord
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    slot: int = 0
-
-
-@dataclass
-class ClientRuntime:
-    """Read-only context shared by all client functions: problem, training data and the
-    factory of submodel skeletons (modules whose tensor shapes match an index set).
-
-    Skeletons are cached by shape: ``functional_call`` supplies every parameter and buffer, so
-    clients whose submodels have the same shapes share one module.
-    """
-
-    problem: BilevelProblem
-    features: Tensor
-    labels: Tensor
-    model: nn.Module
-    build_submodel: Callable[[IndexSet], nn.Module] | None = None
-    _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
-
-    def module_for(self, index_set: IndexSet) -> nn.Module:
-        """A module in training mode whose tensor shapes are those selected by ``index_set``."""
-        if all(i is None for idx in index_set.values() for i in idx):
-            key: tuple = ("dense",)
-        else:
-            key = tuple(
-                (n, tuple(-1 if i is None else i.numel() for i in idx))
-                for n, idx in sorted(index_set.items())
-            )
-        module = self._cache.get(key)
-        if module is None:
-            if key == ("dense",):
-                module = copy.deepcopy(self.model)
-            elif self.build_submodel is None:
-                raise ValueError("a submodel was requested but no mask structure is configured")
-            else:
-                module = self.build_submodel(index_set)
-            module.train()
-            self._cache[key] = module
-        return module
-
-
-@dataclass(frozen=True)
-class Phase(Generic[State]):
-    """One communication round trip of an algorithm.
-
-    ``broadcast(state, index_set, slot) -> params`` builds what the server sends one client (in
-    submodel coordinates); ``client(runtime, task) -> ClientResult`` is the client's local
-    work; ``server(state, results, index_sets, weights) -> (state, metrics)`` aggregates.
-
-    By default every client sampled for the round (and still in it) takes part, in sampled
-    order. ``select(state, candidates, generator) -> clients`` instead picks the participants
-    of this phase from those candidates, in slot order: FedMBO samples afresh for every
-    communication round, FedMSA sends its local phase to one client. The engine passes each
-    participant's position as ``slot`` to ``broadcast`` and in ``ClientTask.slot``, and sets
-    ``ClientResult.slot``, so that a server can match results to per-slot state (FedMBO's
-    Hessian-inverse chains) even when some results are missing. A phase whose ``select``
-    returns no client is skipped: nothing is sent, the server function is not called and it
-    does not count as a communication round.
-    """
-
-    name: str
-    broadcast: Callable[[State, IndexSet, int], Params]
-    client: Callable[[ClientRuntime, ClientTask], ClientResult]
-    server: Callable[
-        [State, Sequence[ClientResult], Sequence[IndexSet], Sequence[float]],
-        tuple[State, dict[str, float]],
-    ]
-    select: Callable[[State, Sequence[int], torch.Generator], Sequence[int]] | None = None
-
-
-class Algorithm(Protocol[State]):
-    """A federated bilevel algorithm: initial state, phases, and the full model state."""
-
-    name: str
-
-    def init(self, x: Params, y: Params, buffers: Params) -> State: ...
-
-    def phases(self) -> Sequence[Phase[State]]: ...
-
-    def model_state(self, state: State) -> Params: ...
-
-
-class Backend(Protocol):
-    """Runs a client function on a list of tasks, returning results in task order."""
-
-    def map(
-        self, fn: Callable[[ClientTask], ClientResult], tasks: Sequence[ClientTask]
-    ) -> list[ClientResult]: ...
-
-
 class SequentialBackend:
     """Runs clients one after another in this process: radbo's reference backend."""
 
-    def map(
-        self, fn: Callable[[ClientTask], ClientResult], tasks: Sequence[ClientTask]
+    def run(
+        self,
+        work: Callable[[ClientRuntime, ClientTask], ClientResult],
+        runtime: ClientRuntime,
+        meter: FlopMeter | None,
+        tasks: Sequence[ClientTask],
     ) -> list[ClientResult]:
-        return [fn(task) for task in tasks]
-
-
-def reply(
-    task: ClientTask,
-    update: Params,
-    metrics: Mapping[str, float] | None = None,
-    *,
-    received: Params | None = None,
-    **counts: int,
-) -> ClientResult:
-    """A client's result for ``task``: ``update``, its work ``counts`` (``n_grad``, ``n_hvp``,
-    ``samples``) and the bytes that crossed the wire: ``received`` down (default: all of
-    ``task.params``) and ``update`` up."""
-    down = task.params if received is None else received
-    return ClientResult(
-        client=task.client,
-        update=update,
-        cost=CostRecord(bytes_down=tensor_bytes(down), bytes_up=tensor_bytes(update), **counts),
-        metrics=dict(metrics or {}),
-    )
-
-
-def mean_metric(results: Sequence[ClientResult], key: str) -> float:
-    """Mean of one scalar client metric over a phase's results (NaN when there are none)."""
-    return sum(r.metrics[key] for r in results) / len(results) if results else float("nan")
+        return [run_measured(work, runtime, meter, task) for task in tasks]
 
 
 def update_problem(
@@ -265,56 +97,6 @@ def update_problem(
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return f"{key!r} holds NaN or Inf"
     return None
-
-
-def run_measured(
-    fn: Callable[[ClientRuntime, ClientTask], ClientResult],
-    runtime: ClientRuntime,
-    meter: FlopMeter | None,
-    task: ClientTask,
-) -> ClientResult:
-    """Run a client function and attach its measured FLOPs (cached per distinct workload).
-
-    The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
-    local steps): FLOPs of these models are linear in the batch, so equal counts on equal
-    shapes mean equal work.
-    """
-    result = fn(runtime, task)
-    if meter is None:
-        return result
-    c = result.cost
-    key = (
-        task.phase,
-        shape_signature(task.params),
-        c.n_grad,
-        c.n_hvp,
-        c.samples,
-        task.budget.local_steps,
-    )
-    flops = meter.flops(key, lambda: fn(runtime, task))
-    return replace(result, cost=replace(c, flops=flops))
-
-
-class MaskAssigner(Protocol):
-    """Chooses each sampled client's submodel (index sets in full-model coordinates)."""
-
-    def prepare(
-        self,
-        model_state: Params,
-        round: int,
-        clients: Sequence[int],
-        budgets: Sequence[ClientBudget],
-    ) -> None: ...
-
-    def assign(
-        self, budget: ClientBudget, client: int, round: int, generator: torch.Generator
-    ) -> IndexSet: ...
-
-
-def derive_seed(*words: int) -> int:
-    """A 63-bit seed derived from integers (run seed, round, phase, client) by NumPy's
-    SeedSequence, so that streams of different clients and rounds are independent."""
-    return int(np.random.SeedSequence([int(w) for w in words]).generate_state(1, np.uint64)[0]) >> 1
 
 
 def _as_tuple(value: Any) -> Any:
@@ -371,17 +153,6 @@ class RoundRecord:
         if self.evaluation is not None:
             out.update({f"test_{k}": v for k, v in self.evaluation.items()})
         return out
-
-
-class DeviceLike(Protocol):
-    """What the engine reads from a device profile (:class:`radbo.devices.DeviceProfile`)."""
-
-    name: str
-    tier: str
-    compute_flops: float
-    uplink_bps: float
-    downlink_bps: float
-    availability: float
 
 
 @dataclass
@@ -511,7 +282,7 @@ class Simulation(Generic[State]):
         n = len(self.clients)
         if self.profiles is None:
             return list(range(n))
-        draws = torch.rand(n, generator=self._generator(round, 0xA7A1), dtype=torch.float64)
+        draws = torch.rand(n, generator=self._generator(round, Stream.AVAILABILITY), dtype=torch.float64)
         return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
 
     def dropouts(self, round: int, sampled: Sequence[int], num_phases: int) -> dict[int, int]:
@@ -525,7 +296,7 @@ class Simulation(Generic[State]):
         """
         if self.dropout is None or num_phases == 0:
             return {}
-        gen = self._generator(round, 0xD809)
+        gen = self._generator(round, Stream.DROPOUT)
         n = len(self.clients)
         drop = torch.rand(n, generator=gen, dtype=torch.float64)
         when = torch.rand(n, generator=gen, dtype=torch.float64)
@@ -549,7 +320,7 @@ class Simulation(Generic[State]):
         k = math.ceil(self.needed_clients(len(available)) * (1.0 + self.overcommit))
         if k >= len(available):
             return available
-        pick = torch.randperm(len(available), generator=self._generator(round, 0x5A3F))[:k]
+        pick = torch.randperm(len(available), generator=self._generator(round, Stream.SAMPLE))[:k]
         return sorted(available[i] for i in pick.tolist())
 
     def _entry(self, round: int, phase: str, result: ClientResult, extra_down: int) -> LedgerEntry:
@@ -573,17 +344,14 @@ class Simulation(Generic[State]):
             comm_s=comm_s,
         )
 
-    def _coverage(self, index_sets: Sequence[IndexSet]) -> dict[str, Any]:
-        """Per-block coverage of this round's index sets (RABO Definition 3)."""
+    def _coverage(
+        self, index_sets: Sequence[IndexSet], weights: Sequence[float]
+    ) -> dict[str, Any]:
+        """Per-block coverage of this round's index sets (RABO Definition 3); clients of
+        weight 0 hold nothing (:func:`radbo.masks.index.coverage_counts`)."""
         out: dict[str, Any] = {}
         for block, names in self.coverage.items():
-            counts = {
-                n: sum(
-                    dense_mask(restrict(idx, [n]), {n: self.shapes[n]})[n].long()
-                    for idx in index_sets
-                )
-                for n in names
-            }
+            counts = coverage_counts(index_sets, {n: self.shapes[n] for n in names}, weights)
             tracker = self._trackers.setdefault(block, CoverageTracker(names))
             cov = tracker.update(counts)
             out[f"coverage_{block}_min"] = float(cov.min_coverage)
@@ -623,8 +391,8 @@ class Simulation(Generic[State]):
         budgets = self.round_budgets(round, sampled)
         index_sets = self.round_index_sets(state, round, sampled, budgets)
         metadata = [index_metadata_bytes(idx) for idx in index_sets]
-        metrics: dict[str, Any] = self._coverage(index_sets)
         weights = [1.0 if self.weights is None else float(self.weights[c]) for c in sampled]
+        metrics: dict[str, Any] = self._coverage(index_sets, weights)
         ledger: list[LedgerEntry] = []
         rejected: dict[str, list[int]] = {}
         dropped: dict[str, list[int]] = {}
@@ -650,15 +418,17 @@ class Simulation(Generic[State]):
                     params=phase.broadcast(state, index_sets[i], slot),
                     index_set=index_sets[i],
                     data=self.clients[sampled[i]],
-                    seed=derive_seed(self.seed, round, p + 1, sampled[i]),
+                    seed=task_seed(self.seed, round, p, sampled[i]),
                     budget=budgets[i],
                     slot=slot,
                 )
                 for slot, i in enumerate(at)
             ]
-            client_fn = functools.partial(run_measured, phase.client, self.runtime, self.flop_meter)
             results = [
-                replace(r, slot=slot) for slot, r in enumerate(self.backend.map(client_fn, tasks))
+                replace(r, slot=slot)
+                for slot, r in enumerate(
+                    self.backend.run(phase.client, self.runtime, self.flop_meter, tasks)
+                )
             ]
             lost = [drops.get(r.client) == p for r in results]
             # the work was done and the bytes were sent, sound or not: all of it is charged;
@@ -722,9 +492,9 @@ class Simulation(Generic[State]):
         schedule = self.local_steps
         if schedule is None:
             return budgets
-        when = round if getattr(schedule, "per_round", True) else 0xF1ED
+        when = round if getattr(schedule, "per_round", True) else Stream.ONCE
         return [
-            replace(b, local_steps=schedule(round, c, self._generator(when, 0x7A0, c)))
+            replace(b, local_steps=schedule(round, c, self._generator(when, Stream.LOCAL_STEPS, c)))
             for c, b in zip(clients, budgets, strict=True)
         ]
 
@@ -742,7 +512,7 @@ class Simulation(Generic[State]):
             return [full_index_set(self.shapes) for _ in clients]
         self.masks.prepare(self.algorithm.model_state(state), round, list(clients), list(budgets))
         return [
-            self.masks.assign(b, c, round, self._generator(round, 0x3A5C, c))
+            self.masks.assign(b, c, round, self._generator(round, Stream.MASK, c))
             for c, b in zip(clients, budgets, strict=True)
         ]
 
@@ -753,7 +523,7 @@ class Simulation(Generic[State]):
         ``phase.select``'s choice among them (checked)."""
         if phase.select is None:
             return list(still_in)
-        gen = self._generator(round, 0x5E1, p)
+        gen = self._generator(round, Stream.SELECT, p)
         chosen = [int(c) for c in phase.select(state, list(still_in), gen)]
         if set(chosen) - set(still_in) or len(set(chosen)) != len(chosen):
             raise ValueError(

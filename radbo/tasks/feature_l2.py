@@ -11,20 +11,26 @@ in the bias too (the per-feature term covers the weights), as the implicit hyper
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from torch import Tensor, nn
 
+from radbo.tasks.base import TASKS, InnerL2
 from radbo.tasks.hyper_representation import HyperRepresentation
 from radbo.typing import Params
 
 
-@dataclass(frozen=True)
+@TASKS.register
 class FeatureL2(HyperRepresentation):
     """Cross-entropy losses (:class:`HyperRepresentation`'s); the inner one adds the model's
-    per-feature L2 regularizer before the ``inner_l2`` term."""
+    per-feature L2 regularizer before the ``inner_l2`` term (``[task] name = "feature_l2"``,
+    model ``logistic``: x is outside the forward pass, so there is nothing to prune)."""
 
-    inner_l2: float = 1e-3
+    name: Literal["feature_l2"] = "feature_l2"  # type: ignore[assignment]
+    inner_l2: float = InnerL2(1e-3)
+
+    model: ClassVar[str | None] = "logistic"
+    maskable: ClassVar[bool] = False
 
     def regularizer(self, module: nn.Module, x: Params, y: Params) -> Tensor:
         return module.regularizer(x, y)

@@ -11,24 +11,27 @@ hypergradient (RABO eq. (7)) needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radbo.problem import Batch, forward, l2_penalty
+from radbo.tasks.base import TASKS, InnerL2, TaskConfig
 from radbo.typing import Params
 
 
-@dataclass(frozen=True)
-class HyperRepresentation:
-    """Cross-entropy losses with an L2 penalty ``inner_l2/2 * ||y||^2`` on the inner loss."""
+@TASKS.register
+class HyperRepresentation(TaskConfig):
+    """Cross-entropy losses with an L2 penalty ``inner_l2/2 * ||y||^2`` on the inner loss
+    (``[task] name = "hyper_representation"``: backbone = x, head = y; RABO Sec. V-A,
+    FedNest, FedMSA)."""
 
-    inner_l2: float = 1e-2
+    name: Literal["hyper_representation"] = "hyper_representation"
+    inner_l2: float = InnerL2(1e-2)
 
-    def __post_init__(self) -> None:
-        if not self.inner_l2 >= 0:
-            raise ValueError(f"{type(self).__name__}.inner_l2 must be >= 0, got {self.inner_l2}")
+    def build(self, train: Any) -> HyperRepresentation:
+        return self
 
     def regularizer(self, module: nn.Module, x: Params, y: Params) -> Tensor | float:
         """A further term of the inner loss after the cross-entropy (none here)."""

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radbo.problem import Batch, forward, l2_penalty
+from radbo.tasks.base import TASKS, InnerL2, TaskConfig
 from radbo.typing import Params
 
 
@@ -118,3 +120,20 @@ class VSLoss:
         nll = F.cross_entropy(logits, batch.targets, reduction="none")
         weights = self.class_weights.to(device=logits.device, dtype=logits.dtype)
         return (weights[batch.targets] * nll).mean()
+
+
+@TASKS.register
+class VSLossTask(TaskConfig):
+    """Loss-function tuning on long-tailed data (``[task] name = "vs_loss"``, model
+    ``vs_mlp``): x = the per-class VS-loss hyperparameters (weight, additive shift, logit
+    scale), y = the network; g is the VS loss on the training split, f the class-balanced
+    cross-entropy on the validation split, weighted by the inverse class frequencies of the
+    training set."""
+
+    name: Literal["vs_loss"]
+    inner_l2: float = InnerL2(1e-3)
+
+    model: ClassVar[str | None] = "vs_mlp"
+
+    def build(self, train: Any) -> VSLoss:
+        return VSLoss.balanced(train.labels, train.num_classes, inner_l2=self.inner_l2)

@@ -7,8 +7,8 @@ so policies are interchangeable in the simulation engine. A policy only *selects
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -64,7 +64,29 @@ from radbo.masks.policies.leading import LeadingPolicy  # noqa: E402
 from radbo.masks.policies.random import RandomPolicy  # noqa: E402
 from radbo.masks.policies.rolling import RollingPolicy  # noqa: E402
 
+
+def _coverage(settings: Any, clients_per_round: int) -> CoveragePolicy:
+    if settings.coverage_k > clients_per_round:
+        raise ValueError(
+            f"coverage_k = {settings.coverage_k}: needs at least that many clients per round, "
+            f"the fleet samples {clients_per_round}"
+        )
+    return CoveragePolicy(k=settings.coverage_k, num_clients=clients_per_round)
+
+
+#: ``name -> factory(settings, clients_per_round)`` of every policy a ``[mask]`` section can
+#: name; ``settings`` is the section (``coverage_k``, ``rolling_stride``). A new policy is its
+#: file plus one entry here.
+POLICIES: dict[str, Callable[[Any, int], MaskPolicy]] = {
+    "importance": lambda settings, n: ImportancePolicy(),
+    "leading": lambda settings, n: LeadingPolicy(),
+    "rolling": lambda settings, n: RollingPolicy(stride=settings.rolling_stride),
+    "random": lambda settings, n: RandomPolicy(),
+    "coverage": _coverage,
+}
+
 __all__ = [
+    "POLICIES",
     "CoveragePolicy",
     "ImportancePolicy",
     "LeadingPolicy",

@@ -1,0 +1,180 @@
+"""The ``[algorithm]`` section and what every algorithm shares.
+
+An algorithm is two classes in one file:
+
+* its **config** -- a :class:`AlgorithmConfig` subclass registered in :data:`ALGORITHMS`, whose
+  fields are the algorithm's hyperparameters, each declared once (type, default, bounds,
+  meaning), validated when a run config is read or the algorithm is constructed;
+* the **algorithm** itself -- a subclass of that config adding only what a run wires in (which
+  tensors are x, y and buffers, the estimator, ...) and the phases: state plus pure functions
+  (see :class:`radbo.client.Phase`).
+
+``config.build(wiring)`` turns the validated section into the algorithm for a run; the
+Python API constructs the algorithm class directly with the same keyword arguments
+(``RABO(inner_lr=0.5, outer_names=..., inner_names=...)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Self, TypeVar
+
+from pydantic import Field
+
+from radbo.hypergrad import ESTIMATORS, Estimator
+from radbo.registry import Registry, Section
+from radbo.typing import Params
+
+__all__ = [
+    "ALGORITHMS",
+    "AlgorithmConfig",
+    "Wiring",
+    "clone",
+    "check_names",
+    "check_estimator",
+]
+
+#: The registered ``[algorithm]`` kinds.
+ALGORITHMS: Registry[AlgorithmConfig] = Registry("algorithm", "name")
+
+A = TypeVar("A", bound="AlgorithmConfig")
+
+#: How clients are weighted in aggregation: equally, or by their number of examples.
+Weighting = Literal["uniform", "data_size"]
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What a run wires into an algorithm besides its hyperparameters.
+
+    Attributes:
+        outer_names / inner_names / buffer_names: which model tensors are x, y and buffers.
+        estimator: the ``[estimator]`` (``None`` for an algorithm that takes none).
+        aggregate_buffers: whether clients send BatchNorm running statistics to be averaged
+            (``False``: static BatchNorm, recomputed on the server).
+        budget_steps: whether each client's local-step count comes from its budget (the
+            fleet's ``local_steps`` is not ``"fixed"``).
+        seed: the seed of the algorithm's own server-side draws.
+    """
+
+    outer_names: tuple[str, ...]
+    inner_names: tuple[str, ...]
+    buffer_names: tuple[str, ...] = ()
+    estimator: Estimator | None = None
+    aggregate_buffers: bool = True
+    budget_steps: bool = False
+    seed: int = 0
+
+
+class AlgorithmConfig(Section):
+    """Base of every ``[algorithm]`` kind.
+
+    Class attributes a kind sets:
+        estimator_uses: what it can use an estimator for, in order of preference
+            (``"hypergradient"``, ``"products"``, ``"penalty"``; see
+            :class:`radbo.hypergrad.Estimator`). Every registered estimator offering one of
+            them is accepted; ``()`` means it takes no estimator, and an ``[estimator]``
+            section is refused. An estimator setting that does not matter for the use is
+            refused too, rather than silently ignored.
+        default_estimator: the estimator it runs with when the config has no ``[estimator]``.
+        full_model: it trains the full model on every client (masks are refused).
+        flower_actions: the ``train.<action>`` Flower message types its phases use besides
+            ``train`` (see :func:`radbo.flower.message_type`).
+    """
+
+    name: str
+    weighting: Weighting = Field(
+        "uniform", description="client weights p_i: uniform, or proportional to data size"
+    )
+
+    estimator_uses: ClassVar[tuple[str, ...]] = ()
+    default_estimator: ClassVar[str | None] = None
+    full_model: ClassVar[bool] = False
+    flower_actions: ClassVar[tuple[str, ...]] = ()
+
+    def accepted_estimators(self) -> tuple[str, ...]:
+        """The registered estimator names this config accepts."""
+        return tuple(
+            tag
+            for tag in ESTIMATORS
+            if ESTIMATORS[tag].capabilities & set(self.estimator_uses)
+        )
+
+    def estimator_use(self, estimator: Estimator) -> str | None:
+        """What this algorithm uses ``estimator`` for (``None`` if nothing)."""
+        return next((u for u in self.estimator_uses if u in estimator.capabilities), None)
+
+    @property
+    def local_steps_default(self) -> int:
+        """The local steps every client runs when the fleet does not set them (T, tau, K)."""
+        raise NotImplementedError
+
+    def baseline_settings(self) -> dict[str, Any]:
+        """The settings a full-model baseline run of this config reuses: step sizes, local
+        steps, batch sizes, client weighting and hypergradient clipping."""
+        return {
+            "inner_lr": getattr(self, "inner_lr"),
+            "outer_lr": getattr(self, "outer_lr"),
+            "inner_steps": self.local_steps_default,
+            "batch_size": getattr(self, "batch_size"),
+            "outer_batch_size": getattr(self, "outer_batch_size"),
+            "weighting": self.weighting,
+            "max_hypergrad_norm": getattr(self, "max_hypergrad_norm", None),
+        }
+
+    def build(self, wiring: Wiring) -> Any:
+        """The algorithm this section configures, wired for a run."""
+        raise NotImplementedError
+
+    def bind(self, cls: type[A], wiring: Wiring, **extra: Any) -> A:
+        """``cls`` (the algorithm class, a subclass of this config) with these validated
+        hyperparameters and ``wiring``'s names, buffers mode and ``extra``; no second
+        validation."""
+        names = {
+            "outer_names": tuple(wiring.outer_names),
+            "inner_names": tuple(wiring.inner_names),
+            "buffer_names": tuple(wiring.buffer_names),
+            "aggregate_buffers": wiring.aggregate_buffers,
+        }
+        values = {k: getattr(self, k) for k in type(self).model_fields}
+        fields = cls.model_fields
+        wired = {k: v for k, v in {**names, **extra}.items() if k in fields}
+        if wiring.estimator is not None and "estimator" in fields:
+            wired["estimator"] = wiring.estimator
+        return cls.model_construct(**values, **wired)
+
+
+class AlgorithmBase(Section):
+    """Fields every algorithm class adds to its config: the wiring of a run."""
+
+    outer_names: tuple[str, ...]
+    inner_names: tuple[str, ...]
+    buffer_names: tuple[str, ...] = ()
+    aggregate_buffers: bool = True
+
+    def model_state(self, state: Any) -> Params:
+        """All model tensors (x, y and buffers) in full-model coordinates."""
+        return {**state.x, **state.y, **state.buffers}
+
+    def with_(self, **changes: Any) -> Self:
+        """A copy with ``changes`` (validated)."""
+        return type(self).model_validate({**dict(self), **changes})
+
+
+def clone(tensors: Params) -> Params:
+    """Detached copies of ``tensors``."""
+    return {k: t.detach().clone() for k, t in tensors.items()}
+
+
+def check_names(owner: str, outer: Sequence[str], inner: Sequence[str]) -> None:
+    if set(outer) & set(inner):
+        raise ValueError(f"{owner}: outer and inner parameter names must be disjoint")
+
+
+def check_estimator(owner: str, estimator: Estimator, use: str) -> None:
+    if use not in estimator.capabilities:
+        raise ValueError(
+            f"{owner} needs an estimator with {use!r} (got {estimator.name!r}, which offers "
+            f"{sorted(estimator.capabilities)})"
+        )

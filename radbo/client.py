@@ -1,0 +1,541 @@
+"""What crosses between the server and a client, and how client work is written and run.
+
+These types sit below the mask policies, the algorithms, the simulation engine and every
+backend, which all speak them:
+
+* :class:`ClientBudget` -- what one client can afford in a round (capacity r, local steps);
+* :class:`ClientTask` -- everything one client receives for one phase of one round;
+* :class:`ClientResult` / :class:`CostRecord` -- its reply: an update, metrics, and the work
+  and bytes it cost;
+* :class:`ClientRuntime` -- the read-only context client work runs in (problem, data, model);
+* :class:`ClientWork`, :class:`Prepared`, :class:`Cohort` -- client work, written once, that a
+  backend can run for one client or for a cohort of clients at once;
+* :class:`Phase` and :class:`Algorithm` -- an algorithm as state plus pure phase functions;
+* :class:`Backend` and :class:`MaskAssigner` -- the engine's pluggable parts.
+
+**Client work.** A phase's client work is a :class:`ClientWork`: ``prepare(runtime, task)``
+makes every random draw of the task from the task's own generator (minibatches, sampled
+coordinates) and returns them as a :class:`Prepared`; ``run(runtime, cohort)`` does the
+arithmetic for a :class:`Cohort` -- one client with its own tensors, or several clients whose
+tensors have equal shapes stacked along a new leading dimension -- and returns one
+:class:`ClientResult` per client. ``run`` is written once, with the cohort-aware helpers of
+:mod:`radbo.autodiff` (per-client inner products, step sizes and stopping tests) and
+:meth:`Cohort.loss` (the problem's loss, under ``torch.vmap`` for a stacked cohort), so the
+sequential, batched and Flower backends all run the same code.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from radbo.cost import FlopMeter, tensor_bytes
+from radbo.problem import Batch, BilevelProblem, ClientData, bind_losses
+from radbo.typing import IndexSet, Params
+
+__all__ = [
+    "Algorithm",
+    "Backend",
+    "ClientBudget",
+    "ClientResult",
+    "ClientRuntime",
+    "ClientTask",
+    "ClientWork",
+    "Cohort",
+    "CostRecord",
+    "MaskAssigner",
+    "Phase",
+    "Prepared",
+    "mean_metric",
+    "reply",
+    "run_measured",
+]
+
+State = TypeVar("State")
+
+
+@dataclass(frozen=True)
+class ClientBudget:
+    """What one client can afford this round: capacity ratio r in (0, 1] and local steps."""
+
+    capacity: float = 1.0
+    local_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.capacity <= 1:
+            raise ValueError(f"ClientBudget.capacity must be in (0, 1], got {self.capacity}")
+        if self.local_steps < 1:
+            raise ValueError(f"ClientBudget.local_steps must be >= 1, got {self.local_steps}")
+
+
+@dataclass(frozen=True)
+class CostRecord:
+    """Work one client did in one phase, and what crossed the (simulated) wire.
+
+    ``n_grad`` counts first-order gradient evaluations, ``n_hvp`` second-order products
+    (Hessian- or Jacobian-vector), ``samples`` the examples forwarded, ``bytes_down`` /
+    ``bytes_up`` the payload tensors received / sent (numel x element size). ``flops`` is
+    filled in by the engine's :class:`~radbo.cost.FlopMeter` (measured, not modelled).
+    """
+
+    n_grad: int = 0
+    n_hvp: int = 0
+    samples: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    flops: int = 0
+
+
+@dataclass(frozen=True)
+class ClientTask:
+    """Everything one client receives for one phase of one round.
+
+    ``slot`` is the client's position among the phase's participants (see ``Phase.select``).
+    """
+
+    client: int
+    round: int
+    phase: str
+    params: Params
+    index_set: IndexSet
+    data: ClientData
+    seed: int
+    budget: ClientBudget
+    slot: int = 0
+
+    def generator(self) -> torch.Generator:
+        """A fresh generator seeded for this (client, round, phase)."""
+        return torch.Generator().manual_seed(self.seed)
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """A client's reply: an update in submodel coordinates, its cost and scalar metrics.
+
+    ``slot`` is set by the engine to the task's slot (client functions need not fill it).
+    """
+
+    client: int
+    update: Params
+    cost: CostRecord
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    slot: int = 0
+
+
+def _shape_key(index_set: IndexSet) -> tuple:
+    if all(i is None for idx in index_set.values() for i in idx):
+        return ("dense",)
+    return tuple(
+        (n, tuple(-1 if i is None else i.numel() for i in idx))
+        for n, idx in sorted(index_set.items())
+    )
+
+
+@dataclass
+class ClientRuntime:
+    """Read-only context shared by all client work: problem, training data and the factory of
+    submodel skeletons (modules whose tensor shapes match an index set).
+
+    Skeletons are cached by shape: ``functional_call`` supplies every parameter and buffer, so
+    clients whose submodels have the same shapes share one module.
+    """
+
+    problem: BilevelProblem
+    features: Tensor
+    labels: Tensor
+    model: nn.Module
+    build_submodel: Callable[[IndexSet], nn.Module] | None = None
+    _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
+
+    def module_for(self, index_set: IndexSet) -> nn.Module:
+        """A module in training mode whose tensor shapes are those selected by ``index_set``."""
+        key = _shape_key(index_set)
+        module = self._cache.get(key)
+        if module is None:
+            if key == ("dense",):
+                module = copy.deepcopy(self.model)
+            elif self.build_submodel is None:
+                raise ValueError("a submodel was requested but no mask structure is configured")
+            else:
+                module = self.build_submodel(index_set)
+            module.train()
+            self._cache[key] = module
+        return module
+
+    def batch(self, indices: Tensor) -> Batch:
+        """The examples at ``indices`` of the training set (any leading shape)."""
+        return Batch(self.features[indices], self.labels[indices])
+
+
+# ---------------------------------------------------------------------------- client work
+@dataclass(frozen=True)
+class Prepared:
+    """A client's random draws for one task, made before any arithmetic.
+
+    Attributes:
+        data: tensors drawn once (e.g. a minibatch's example indices); a cohort stacks them
+            along a new first dimension.
+        steps: tensors drawn once per local step, step first (``[num_steps, ...]``); a cohort
+            stacks them along a new *second* dimension (``[steps, clients, ...]``) and pads a
+            client with fewer steps by repeating its last entry (those steps are masked out,
+            see :meth:`Cohort.active`).
+        num_steps: the client's number of local steps (the length of every ``steps`` entry).
+        key: anything else clients must share to run together (hashable; default none).
+    """
+
+    data: Mapping[str, Tensor] = field(default_factory=dict)
+    steps: Mapping[str, Tensor] = field(default_factory=dict)
+    num_steps: int = 0
+    key: Hashable = ()
+
+    def signature(self) -> Hashable:
+        """What two clients' draws must have in common to run as one cohort (shapes, dtypes
+        and ``key``; not the number of steps)."""
+
+        def sig(items: Mapping[str, Tensor], skip: int) -> tuple:
+            return tuple((k, tuple(t.shape[skip:]), t.dtype) for k, t in sorted(items.items()))
+
+        return (sig(self.data, 0), sig(self.steps, 1), self.key)
+
+
+def no_draws(runtime: ClientRuntime, task: ClientTask) -> Prepared:
+    """The ``prepare`` of client work that draws nothing."""
+    return Prepared()
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """Clients that run one phase's work together: one client, or several whose tensors have
+    equal shapes, stacked along a new first dimension (``stacked``).
+
+    Client work reads its inputs through the cohort (:meth:`params`, :meth:`data`,
+    :meth:`step_data`), evaluates the problem's losses through :meth:`loss`, and answers with
+    :meth:`replies`; with :mod:`radbo.autodiff`'s helpers at ``lead = cohort.lead`` the same
+    code serves both cases.
+    """
+
+    tasks: tuple[ClientTask, ...]
+    prepared: tuple[Prepared, ...]
+    stacked: bool = False
+
+    @classmethod
+    def single(cls, task: ClientTask, prepared: Prepared) -> Cohort:
+        return cls((task,), (prepared,), stacked=False)
+
+    @classmethod
+    def stack(cls, tasks: Sequence[ClientTask], prepared: Sequence[Prepared]) -> Cohort:
+        """A stacked cohort (every task's tensors must have equal shapes)."""
+        if not tasks or len(tasks) != len(prepared):
+            raise ValueError(f"a cohort needs tasks and draws, got {len(tasks)} and {len(prepared)}")
+        return cls(tuple(tasks), tuple(prepared), stacked=True)
+
+    # -- shape of the cohort
+    @property
+    def lead(self) -> int:
+        """Leading client dimensions of every tensor: 1 when stacked, else 0."""
+        return 1 if self.stacked else 0
+
+    @property
+    def size(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def index_set(self) -> IndexSet:
+        """The submodel's index set (the clients' index sets select equal shapes)."""
+        return self.tasks[0].index_set
+
+    def module(self, runtime: ClientRuntime) -> nn.Module:
+        """The submodel skeleton the cohort's clients share."""
+        return runtime.module_for(self.index_set)
+
+    # -- inputs
+    def _gather(self, tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+        return torch.stack(list(tensors), dim=dim) if self.stacked else tensors[0]
+
+    def param(self, name: str) -> Tensor:
+        """Received tensor ``name`` (stacked over clients when stacked)."""
+        return self._gather([t.params[name] for t in self.tasks])
+
+    def params(self, names: Sequence[str], *, clone: bool = False) -> Params:
+        """Received tensors ``names``, detached (cloned when ``clone``: safe to write to)."""
+        out = {}
+        for n in names:
+            t = self.param(n).detach()
+            out[n] = t.clone() if clone and not self.stacked else t
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.tasks[0].params
+
+    def data(self, key: str) -> Tensor:
+        """A once-drawn tensor of :attr:`Prepared.data`."""
+        return self._gather([p.data[key] for p in self.prepared])
+
+    @property
+    def num_steps(self) -> list[int]:
+        return [p.num_steps for p in self.prepared]
+
+    @property
+    def max_steps(self) -> int:
+        return max(self.num_steps)
+
+    def step_data(self, key: str, step: int) -> Tensor:
+        """The per-step tensor ``key`` at ``step`` (clients past their last step see their last
+        entry again; :meth:`active` masks what they compute)."""
+        entries = []
+        for p in self.prepared:
+            t = p.steps[key]
+            entries.append(t[min(step, t.shape[0] - 1)])
+        return self._gather(entries)
+
+    def active(self, step: int) -> Tensor | None:
+        """Which clients still run ``step`` (a bool per client), or ``None`` when all do."""
+        flags = [step < n for n in self.num_steps]
+        if all(flags):
+            return None
+        return torch.tensor(flags)
+
+    # -- losses
+    def loss(
+        self,
+        fn: Callable[..., Tensor],
+        module: nn.Module,
+        x: Params,
+        y: Params,
+        buffers: Params,
+        batch: Batch,
+    ) -> Tensor:
+        """``fn(module, x, y, buffers, batch)`` (a problem's ``inner_loss`` or ``outer_loss``)
+        per client: a scalar for one client, ``torch.vmap`` over the stacked clients (one value
+        each) otherwise. BatchNorm running statistics in ``buffers`` are updated in place."""
+        if not self.stacked:
+            return fn(module, x, y, buffers, batch)
+
+        def one(x_: Params, y_: Params, b_: Params, inputs: Tensor, targets: Tensor) -> Tensor:
+            return fn(module, x_, y_, b_, Batch(inputs, targets))
+
+        return torch.vmap(one)(x, y, buffers, batch.inputs, batch.targets)
+
+    def bind(
+        self,
+        problem: BilevelProblem,
+        module: nn.Module,
+        buffers: Params,
+        inner_batch: Batch,
+        outer_batch: Batch,
+    ) -> tuple[Callable[[Params, Params], Tensor], Callable[[Params, Params], Tensor]]:
+        """``(outer(x, y), inner(x, y))`` closed over module, batches and a private copy of
+        ``buffers`` (so that a hypergradient's many evaluations do not move BatchNorm
+        statistics), evaluated per client as :meth:`loss` does."""
+        return bind_losses(problem, module, buffers, inner_batch, outer_batch, call=self.loss)
+
+    # -- outputs
+    def numbers(self, value: Tensor | float | int | Sequence[float]) -> list[float]:
+        """A per-client scalar (a number, a 0-dim tensor, a ``[C]`` tensor or a list) as one
+        Python number per client."""
+        if isinstance(value, Tensor):
+            if value.ndim == 0:
+                return [value.item()] * self.size
+            return [v.item() for v in value.detach().cpu()]
+        if isinstance(value, list | tuple):
+            return list(value)
+        return [value] * self.size
+
+    def unstack(self, tensors: Params) -> list[Params]:
+        """Per-client dicts of stacked ``tensors`` (the dict itself for one client)."""
+        if not self.stacked:
+            return [dict(tensors)]
+        return [{k: t[c] for k, t in tensors.items()} for c in range(self.size)]
+
+    def replies(
+        self,
+        update: Params,
+        metrics: Mapping[str, Tensor | float | Sequence[float]] | None = None,
+        *,
+        received: Sequence[str] | None = None,
+        **counts: Tensor | int | Sequence[int],
+    ) -> list[ClientResult]:
+        """One :class:`ClientResult` per client: its slice of ``update``, its ``metrics`` and
+        work ``counts`` (``n_grad``, ``n_hvp``, ``samples``; numbers or one per client), and
+        the bytes that crossed the wire: the received tensors named ``received`` down (default:
+        all of them) and the update up."""
+        metric_values = {k: self.numbers(v) for k, v in (metrics or {}).items()}
+        count_values = {k: [int(c) for c in self.numbers(v)] for k, v in counts.items()}
+        out = []
+        for c, (task, part) in enumerate(zip(self.tasks, self.unstack(update), strict=True)):
+            down = task.params if received is None else {n: task.params[n] for n in received}
+            out.append(
+                ClientResult(
+                    client=task.client,
+                    update=part,
+                    cost=CostRecord(
+                        bytes_down=tensor_bytes(down),
+                        bytes_up=tensor_bytes(part),
+                        **{k: v[c] for k, v in count_values.items()},
+                    ),
+                    metrics={k: float(v[c]) for k, v in metric_values.items()},
+                    slot=task.slot,
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class ClientWork:
+    """A phase's client work: ``prepare`` draws, ``run`` computes (see the module docstring).
+
+    Calling it runs one client: ``work(runtime, task) -> ClientResult``.
+    """
+
+    run: Callable[[ClientRuntime, Cohort], list[ClientResult]]
+    prepare: Callable[[ClientRuntime, ClientTask], Prepared] = no_draws
+
+    def __call__(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
+        (result,) = self.run(runtime, Cohort.single(task, self.prepare(runtime, task)))
+        return result
+
+
+def reply(
+    task: ClientTask,
+    update: Params,
+    metrics: Mapping[str, float] | None = None,
+    *,
+    received: Params | None = None,
+    **counts: int,
+) -> ClientResult:
+    """A client's result for ``task``: ``update``, its work ``counts`` (``n_grad``, ``n_hvp``,
+    ``samples``) and the bytes that crossed the wire: ``received`` down (default: all of
+    ``task.params``) and ``update`` up."""
+    down = task.params if received is None else received
+    return ClientResult(
+        client=task.client,
+        update=update,
+        cost=CostRecord(bytes_down=tensor_bytes(down), bytes_up=tensor_bytes(update), **counts),
+        metrics=dict(metrics or {}),
+        slot=task.slot,
+    )
+
+
+def mean_metric(results: Sequence[ClientResult], key: str) -> float:
+    """Mean of one scalar client metric over a phase's results (NaN when there are none)."""
+    return sum(r.metrics[key] for r in results) / len(results) if results else float("nan")
+
+
+def run_measured(
+    work: Callable[[ClientRuntime, ClientTask], ClientResult],
+    runtime: ClientRuntime,
+    meter: FlopMeter | None,
+    task: ClientTask,
+    result: ClientResult | None = None,
+) -> ClientResult:
+    """Run one client's work (or take its ``result`` computed elsewhere, e.g. in a batched
+    cohort) and attach its measured FLOPs, cached per distinct workload.
+
+    The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
+    local steps): FLOPs of these models are linear in the batch, so equal counts on equal
+    shapes mean equal work. A workload not seen before is measured by running the work for this
+    one client again under the FLOP counter, so every backend charges what the client alone
+    would execute.
+    """
+    from radbo.cost import shape_signature
+
+    if result is None:
+        result = work(runtime, task)
+    if meter is None:
+        return result
+    c = result.cost
+    key = (
+        task.phase,
+        shape_signature(task.params),
+        c.n_grad,
+        c.n_hvp,
+        c.samples,
+        task.budget.local_steps,
+    )
+    flops = meter.flops(key, lambda: work(runtime, task))
+    return replace(result, cost=replace(c, flops=flops))
+
+
+# ------------------------------------------------------------------ algorithms and backends
+@dataclass(frozen=True)
+class Phase(Generic[State]):
+    """One communication round trip of an algorithm.
+
+    ``broadcast(state, index_set, slot) -> params`` builds what the server sends one client (in
+    submodel coordinates); ``client`` is the client's local work (a :class:`ClientWork`, or any
+    ``(runtime, task) -> ClientResult`` callable, which backends run one client at a time);
+    ``server(state, results, index_sets, weights) -> (state, metrics)`` aggregates.
+
+    By default every client sampled for the round (and still in it) takes part, in sampled
+    order. ``select(state, candidates, generator) -> clients`` instead picks the participants
+    of this phase from those candidates, in slot order: FedMBO samples afresh for every
+    communication round, FedMSA sends its local phase to one client. The engine passes each
+    participant's position as ``slot`` to ``broadcast`` and in ``ClientTask.slot``, and sets
+    ``ClientResult.slot``, so that a server can match results to per-slot state (FedMBO's
+    Hessian-inverse chains) even when some results are missing. A phase whose ``select``
+    returns no client is skipped: nothing is sent, the server function is not called and it
+    does not count as a communication round.
+    """
+
+    name: str
+    broadcast: Callable[[State, IndexSet, int], Params]
+    client: Callable[[ClientRuntime, ClientTask], ClientResult]
+    server: Callable[
+        [State, Sequence[ClientResult], Sequence[IndexSet], Sequence[float]],
+        tuple[State, dict[str, float]],
+    ]
+    select: Callable[[State, Sequence[int], torch.Generator], Sequence[int]] | None = None
+
+
+class Algorithm(Protocol[State]):
+    """A federated bilevel algorithm: initial state, phases, and the full model state."""
+
+    name: str
+
+    def init(self, x: Params, y: Params, buffers: Params) -> State: ...
+
+    def phases(self) -> Sequence[Phase[State]]: ...
+
+    def model_state(self, state: State) -> Params: ...
+
+
+class Backend(Protocol):
+    """Runs a phase's client work for a list of tasks, returning results in task order, each
+    with its FLOPs measured by ``meter`` (:func:`run_measured`)."""
+
+    def run(
+        self,
+        work: Callable[[ClientRuntime, ClientTask], ClientResult],
+        runtime: ClientRuntime,
+        meter: FlopMeter | None,
+        tasks: Sequence[ClientTask],
+    ) -> list[ClientResult]: ...
+
+
+class MaskAssigner(Protocol):
+    """Chooses each sampled client's submodel (index sets in full-model coordinates)."""
+
+    def prepare(
+        self,
+        model_state: Params,
+        round: int,
+        clients: Sequence[int],
+        budgets: Sequence[ClientBudget],
+    ) -> None: ...
+
+    def assign(
+        self, budget: ClientBudget, client: int, round: int, generator: torch.Generator
+    ) -> IndexSet: ...
+
+
+def stack_key(task: ClientTask, prepared: Prepared) -> Hashable:
+    """What two tasks must share to run as one stacked cohort: phase, index-set shapes, the
+    received tensors' shapes and dtypes, and the draws' signature."""
+    received = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(task.params.items()))
+    return (task.phase, _shape_key(task.index_set), received, prepared.signature())
+

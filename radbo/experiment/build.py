@@ -1,0 +1,347 @@
+"""Building a run from its config: data, model, task, fleet, masks, algorithm, simulation.
+
+:func:`build` wires the parts each config section builds (``config.data.load``,
+``config.model.build``, ``config.algorithm.build``, ...) into a
+:class:`~radbo.simulation.Simulation` and its initial state; :func:`fleet_table` shows what the
+fleet will do. Every error a user's config can cause here is a :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radbo.algorithms import Wiring
+from radbo.client import Algorithm, ClientBudget, ClientRuntime
+from radbo.config import ConfigError, RunConfig
+from radbo.data import Dataset, split_indices
+from radbo.devices import Fleet
+from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
+from radbo.experiment.evaluation import calibration_inputs, make_evaluator
+from radbo.masks.assigner import SubmodelAssigner
+from radbo.masks.policies import POLICIES, MaskPolicy
+from radbo.masks.structure import StructurePlan
+from radbo.models import BilevelModel
+from radbo.problem import BilevelProblem, ClientData
+from radbo.randomness import Stream, derive_seed, generator
+from radbo.simulation import BatchedBackend, SequentialBackend, Simulation
+from radbo.simulation.schedules import UniformLocalSteps
+
+__all__ = [
+    "Experiment",
+    "budget_planner",
+    "build",
+    "build_algorithm",
+    "build_fleet",
+    "build_model",
+    "build_policy",
+    "client_budgets",
+    "fleet_table",
+    "load_data",
+    "partition",
+]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built from a config: the simulation and its initial state."""
+
+    config: RunConfig
+    model: BilevelModel
+    simulation: Simulation[Any]
+    initial_state: Any
+    train: Dataset
+    test: Dataset
+    clients: list[ClientData]
+    fleet: Fleet | None = None
+    device_budgets: list[Budget] | None = None
+    planner: BudgetPlanner | None = None
+
+
+def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
+    """Training and test set of the configured data, shaped for the configured model (flat
+    vectors or images ``(C, H, W)``) and in the run's dtype. A missing or unreadable data file
+    is a :class:`ConfigError` naming ``data.root``."""
+    dc = config.data
+    try:
+        train, test = dc.load(config.seed, flat=config.model.flat)
+    except (OSError, ValueError) as err:  # FileNotFoundError, corrupt or truncated files
+        where = f"data.root = {getattr(dc, 'root')!r}" if hasattr(dc, "root") else f"data.name = {dc.name!r}"
+        raise ConfigError(f"config error: {where}: {err}") from None
+    dtype = _DTYPES[config.runtime.dtype]
+    return _as(train, dtype), _as(test, dtype)
+
+
+def _as(data: Dataset, dtype: torch.dtype) -> Dataset:
+    if data.features.dtype == dtype:
+        return data
+    return Dataset(data.features.to(dtype), data.labels, data.num_classes, data.name)
+
+
+def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -> BilevelModel:
+    """The configured model for inputs of ``input_shape`` (one example) and ``classes``
+    outputs, initialised from the run seed (global RNG state is restored), in the run's dtype.
+    Inputs the model cannot take are a :class:`ConfigError`."""
+    mc = config.model
+    if not mc.flat:
+        try:
+            mc.image(tuple(input_shape), config.data.name)
+        except ValueError as err:
+            raise ConfigError(f"config error: model.name = {mc.name!r}: {err}") from None
+    with torch.random.fork_rng():
+        torch.manual_seed(derive_seed(config.seed, Stream.INIT))
+        try:
+            model = mc.build(tuple(input_shape), classes)
+        except ValueError as err:  # sizes the model cannot take
+            raise ConfigError(
+                f"config error: model.name = {mc.name!r}: cannot take {config.data.name} inputs "
+                f"of shape {tuple(input_shape)}: {err}"
+            ) from None
+    return model.to(_DTYPES[config.runtime.dtype])
+
+
+def build_task(config: RunConfig, train: Dataset) -> BilevelProblem:
+    """The configured bilevel task (its inner and outer losses) for the training set."""
+    problem: BilevelProblem = config.task.build(train)
+    return problem
+
+
+def build_algorithm(
+    config: RunConfig, outer: list[str], inner: list[str], buffers: list[str]
+) -> Algorithm[Any]:
+    """The configured algorithm, wired with the model's names, the estimator, the BatchNorm
+    mode, the local-steps mode and its own random stream."""
+    wiring = Wiring(
+        outer_names=tuple(outer),
+        inner_names=tuple(inner),
+        buffer_names=tuple(buffers),
+        estimator=config.estimator,
+        aggregate_buffers=not config.model.static_batchnorm,
+        budget_steps=config.fleet.local_steps != "fixed",
+        seed=derive_seed(config.seed, Stream.ALGORITHM),
+    )
+    algorithm: Algorithm[Any] = config.algorithm.build(wiring)
+    return algorithm
+
+
+def partition(config: RunConfig, labels: torch.Tensor) -> list[torch.Tensor]:
+    """Split training indices over clients as configured."""
+    gen = generator(config.seed, Stream.PARTITION)
+    return config.partition.split(labels, config.fleet.num_clients, gen)
+
+
+def build_policy(config: RunConfig) -> MaskPolicy:
+    """The configured mask policy."""
+    mc = config.mask
+    per_round = config.fleet.clients_per_round or config.fleet.num_clients
+    try:
+        return POLICIES[mc.policy](mc, per_round)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"config error: mask.policy = {mc.policy!r}: {err}") from None
+
+
+def build_fleet(config: RunConfig) -> Fleet | None:
+    """The configured device fleet (tier mix, fleet file or trace), or ``None``."""
+    fc = config.fleet
+    try:
+        if fc.devices is not None:
+            seed = derive_seed(config.seed, Stream.FLEET)
+            fleet = Fleet.from_tiers(fc.devices, fc.num_clients, seed)
+        elif fc.file is not None:
+            fleet = Fleet.from_file(fc.file)
+        elif fc.trace is not None:
+            fleet = Fleet.from_trace(
+                fc.trace.path,
+                flops_per_sample=fc.trace.flops_per_sample,
+                memory_bytes=fc.trace.memory_bytes,
+                availability=fc.trace.availability,
+            )
+        else:
+            return None
+    except ValueError as err:  # includes ProfileError: bad device ids, fleet or trace files
+        source = next(k for k in ("devices", "file", "trace") if getattr(fc, k) is not None)
+        raise ConfigError(f"config error: fleet.{source}: {err}") from None
+    if len(fleet) != fc.num_clients:
+        raise ConfigError(
+            f"config error: fleet.num_clients = {fc.num_clients}: the fleet has "
+            f"{len(fleet)} devices; make them equal"
+        )
+    return fleet
+
+
+def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) -> BudgetPlanner:
+    """Memory / FLOP / bytes model of the configured model at each capacity level, with the
+    hypergradient buffers of the configured estimator."""
+    estimator = config.estimator
+    return BudgetPlanner(
+        plan,
+        config.algorithm.batch_size,
+        levels=tuple(config.fleet.capacity_levels),
+        hypergradient="none" if estimator is None else estimator.memory_model,  # type: ignore[arg-type]
+        inner_names=model.inner_param_names(),
+    )
+
+
+def build(config: RunConfig) -> Experiment:
+    """Build data, model, fleet, masks, algorithm and the simulation for ``config``."""
+    train, test = load_data(config)
+    try:
+        parts = partition(config, train.labels)
+    except ValueError as err:
+        raise ConfigError(f"config error: partition ({config.partition.kind}): {err}") from None
+    client_gen = generator(config.seed, Stream.CLIENT_SPLIT)
+    clients = []
+    for idx in parts:
+        inner, outer = split_indices(idx, 1.0 - config.data.outer_fraction, client_gen)
+        clients.append(ClientData(inner=inner, outer=outer))
+
+    model = build_model(config, tuple(train.input_shape), train.num_classes)
+    outer_names = model.outer_param_names()
+    inner_names = model.inner_param_names()
+    state = model.state_dict()
+    buffer_names = [n for n in state if n not in set(outer_names) | set(inner_names)]
+    shapes = {n: t.shape for n, t in state.items()}
+
+    fleet = build_fleet(config)
+    masked = config.mask.policy != "none"
+    plan: StructurePlan | None = None
+    if masked or fleet is not None:
+        plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
+    device_budgets: list[Budget] | None = None
+    planner: BudgetPlanner | None = None
+    if fleet is not None and plan is not None:
+        planner = budget_planner(config, model, plan)
+        device_budgets = [
+            planner.budget(p, config.fleet.deadline_s, allow_oversize=True) for p in fleet
+        ]
+    assigner: SubmodelAssigner | None = None
+    if masked and plan is not None:
+        assigner = SubmodelAssigner(
+            plan,
+            build_policy(config),
+            outer_names,
+            mask_x=config.mask.mask_x,
+            mask_y=config.mask.mask_y,
+        )
+
+    algorithm = build_algorithm(config, outer_names, inner_names, buffer_names)
+    budgets = client_budgets(config, fleet, device_budgets)
+    weights = None
+    if config.algorithm.weighting == "data_size":
+        weights = [float(c.inner.numel()) for c in clients]
+    runtime = ClientRuntime(
+        problem=build_task(config, train),
+        features=train.features,
+        labels=train.labels,
+        model=model,
+        build_submodel=None if plan is None else plan.submodel,
+    )
+    fc = config.fleet
+    simulation: Simulation[Any] = Simulation(
+        algorithm=algorithm,
+        runtime=runtime,
+        clients=clients,
+        budgets=budgets,
+        shapes=shapes,
+        masks=assigner,
+        backend=BatchedBackend() if config.runtime.backend == "batched" else SequentialBackend(),
+        seed=config.seed,
+        clients_per_round=fc.clients_per_round,
+        weights=weights,
+        evaluate=make_evaluator(
+            model, test, outer_names, inner_names, calibration=calibration_inputs(config, train)
+        ),
+        eval_every=config.eval_every,
+        profiles=None if fleet is None else list(fleet),
+        coverage={"x": outer_names, "y": inner_names},
+        dropout=[fc.dropout] * len(clients) if fc.dropout > 0 else None,
+        overcommit=fc.overcommit,
+        phase_deadline_s=fc.phase_deadline_s,
+        local_steps=(
+            UniformLocalSteps(*fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round")
+            if fc.local_steps in ("uniform", "uniform_per_round")
+            else None
+        ),
+    )
+    initial = algorithm.init(
+        {n: state[n] for n in outer_names},
+        {n: state[n] for n in inner_names},
+        {n: state[n] for n in buffer_names},
+    )
+    return Experiment(
+        config, model, simulation, initial, train, test, clients, fleet, device_budgets, planner
+    )
+
+
+def client_budgets(
+    config: RunConfig, fleet: Fleet | None, device_budgets: list[Budget] | None
+) -> list[ClientBudget]:
+    """Capacity and local steps of every client: explicit ``fleet.capacities`` first (cycled
+    list, or by device tier), then the device's memory budget (masked runs only), else the full
+    model."""
+    fc, steps = config.fleet, config.algorithm.local_steps_default
+    caps = fc.capacities
+    tiers = None if fleet is None else fleet.tiers()
+    if isinstance(caps, dict) and tiers is not None:
+        missing = sorted(set(tiers) - set(caps))
+        if missing:
+            raise ConfigError(
+                f"config error: fleet.capacities = {caps}: no capacity for device tier(s) "
+                f"{missing}; add them (tiers in this fleet: {sorted(set(tiers))})"
+            )
+    out = []
+    for i in range(fc.num_clients):
+        device = None if device_budgets is None else device_budgets[i]
+        if isinstance(caps, dict) and tiers is not None:
+            capacity = caps[tiers[i]]
+        elif isinstance(caps, list):
+            capacity = caps[i % len(caps)]
+        elif device is not None and config.mask.policy != "none":
+            if not device.memory_fits:
+                raise DeviceTooSmallError(
+                    f"client {i}: device cannot train even the smallest submodel "
+                    f"(r = {device.capacity:g} needs {device.memory.total} bytes); "
+                    "remove it from the fleet, add smaller capacity_levels or use a smaller model"
+                )
+            capacity = device.capacity
+        else:
+            capacity = 1.0
+        local = device.local_steps if device is not None and fc.local_steps == "budget" else steps
+        out.append(ClientBudget(capacity=capacity, local_steps=local))
+    return out
+
+
+def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
+    """Per client: device, tier, capacity r and local steps τ as the run will use them, the
+    r the device's memory budget would allow, training memory at r against the device's
+    memory, availability and the expected round time at (r, τ) (what ``radbo fleet`` prints).
+    """
+    exp = build(config)
+    rows = []
+    for i, budget in enumerate(exp.simulation.budgets):
+        row: dict[str, Any] = {
+            "client": i,
+            "device": "-",
+            "tier": "-",
+            "capacity": budget.capacity,
+            "local_steps": budget.local_steps,
+        }
+        if exp.fleet is not None and exp.device_budgets is not None and exp.planner is not None:
+            profile = exp.fleet[i]
+            actual = exp.planner.at(profile, budget.capacity, budget.local_steps)
+            row.update(
+                device=profile.name,
+                tier=profile.tier or profile.name,
+                budget_capacity=exp.device_budgets[i].capacity,
+                memory_mb=actual.memory.total / 1e6,
+                device_memory_mb=profile.memory_bytes / 1e6,
+                memory_fits=actual.memory_fits,
+                availability=profile.availability,
+                round_time_s=actual.round_time_s,
+            )
+        rows.append(row)
+    return rows

@@ -1,0 +1,238 @@
+"""Running a config end to end: the round loop with progress, checkpoints and results.
+
+>>> from radbo.config import RunConfig
+>>> cfg = RunConfig(rounds=2, eval_every=1)        # doctest: +SKIP
+>>> result = radbo.run(cfg, progress=False)        # doctest: +SKIP
+>>> result.final["test_accuracy"]                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from radbo.checkpoint import CheckpointError, atomic_write_text, load_checkpoint, save_checkpoint
+from radbo.client import Backend
+from radbo.config import RunConfig
+from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
+from radbo.experiment.baseline import baseline_config
+from radbo.experiment.build import build
+
+__all__ = ["RunResult", "run", "save_results"]
+
+
+@dataclass
+class RunResult:
+    """Outcome of :func:`run`.
+
+    Attributes:
+        rounds: per-round metrics (``RoundRecord.as_dict``).
+        final: the last evaluation (``test_accuracy``, ``test_loss``).
+        state: the final algorithm state.
+        totals: run totals (FLOPs, bytes, simulated time, communication rounds, ...).
+        totals_by_tier: the same counters per device tier.
+        ledger: one row per client, phase and round.
+        baseline: the paired full-model run's result (when ``baseline.enabled``).
+        savings: this run's compute, bytes and simulated time as fractions of the baseline's.
+    """
+
+    config: RunConfig
+    rounds: list[dict[str, Any]]
+    final: dict[str, float]
+    state: Any
+    output_dir: Path | None = None
+    totals: dict[str, float] = field(default_factory=dict)
+    totals_by_tier: dict[str, dict[str, float]] = field(default_factory=dict)
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    baseline: RunResult | None = None
+    savings: dict[str, float] | None = None
+
+
+def run(
+    config: RunConfig,
+    *,
+    progress: bool = True,
+    output_dir: str | Path | None = None,
+    save: bool = True,
+    resume: bool = False,
+    backend_factory: Callable[[RunConfig], Backend] | None = None,
+) -> RunResult:
+    """Run ``config`` end to end (and its full-model baseline when ``baseline.enabled``).
+
+    With ``save`` writes ``results.json``, ``ledger.json`` and ``accuracy.png`` to
+    ``output_dir`` (default ``config.output_dir``).
+
+    With ``config.checkpoint_every = N`` a checkpoint (safetensors + JSON, atomic) is written
+    to ``<output_dir>/checkpoints/run`` (``.../baseline`` for the baseline) every N rounds and
+    after the last. ``resume=True`` continues from those checkpoints when they exist (else it
+    starts afresh): the result is the same as an uninterrupted run's, number for number. The
+    stored config must match ``config`` except ``rounds``, which may grow (``output_dir`` and
+    ``checkpoint_every`` may differ too). One caveat when extending a finished run: its last
+    round was evaluated even if ``eval_every`` does not divide it, so the extended
+    ``results.json`` has one more evaluation row than a run made at the new length at once.
+
+    ``backend_factory(run_config)``, when given, makes the backend that runs the client work of
+    each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
+    place of the simulation's default sequential backend.
+    """
+    out = Path(output_dir if output_dir is not None else config.output_dir)
+    checkpoints = out / "checkpoints"
+    result = _run_once(
+        config,
+        progress=progress,
+        desc="radbo",
+        checkpoints=checkpoints / "run",
+        resume=resume,
+        backend_factory=backend_factory,
+    )
+    if config.baseline.enabled:
+        base = _run_once(
+            baseline_config(config),
+            progress=progress,
+            desc="baseline",
+            checkpoints=checkpoints / "baseline",
+            resume=resume,
+            backend_factory=backend_factory,
+        )
+        result.baseline = base
+        result.savings = savings(result.totals, base.totals)
+    if save:
+        save_results(result, out)
+        result.output_dir = out
+    return result
+
+
+# config keys a resumed run may change: the target length, where it writes, how often
+_RESUMABLE = ("rounds", "output_dir", "checkpoint_every")
+
+
+def _run_once(
+    config: RunConfig,
+    *,
+    progress: bool,
+    desc: str,
+    checkpoints: Path | None = None,
+    resume: bool = False,
+    backend_factory: Callable[[RunConfig], Backend] | None = None,
+) -> RunResult:
+    exp = build(config)
+    sim = exp.simulation
+    if backend_factory is not None:
+        sim.backend = backend_factory(config)
+    config_data = config.model_dump(mode="json")
+    state, clock_s, done = exp.initial_state, 0.0, 0
+    rows: list[dict[str, Any]] = []
+    ledger: list[dict[str, Any]] = []
+    if resume and checkpoints is not None and (checkpoints / "checkpoint.json").is_file():
+        ckpt = load_checkpoint(
+            checkpoints, template=exp.initial_state, config=config_data, ignore=_RESUMABLE
+        )
+        if ckpt.rounds_done > config.rounds:
+            raise CheckpointError(
+                f"the checkpoint in {checkpoints} is after round {ckpt.rounds_done}, past "
+                f"rounds = {config.rounds}; raise rounds to continue it"
+            )
+        state, clock_s, done = ckpt.state, ckpt.clock_s, ckpt.rounds_done
+        rows, ledger = ckpt.rows, ckpt.ledger
+        sim.load_state_dict(ckpt.sim_tensors, ckpt.sim_meta)
+    every = config.checkpoint_every
+    bar = tqdm(total=config.rounds, initial=done, desc=desc, unit="round", disable=not progress)
+    last_eval = _last_evaluation(rows)
+    try:
+        start = state
+        for state, record in sim.iterate(start, config.rounds - done, done, clock_s):  # noqa: B007
+            rows.append(record.as_dict())
+            ledger += as_dicts(record.ledger)
+            if record.evaluation is not None:
+                last_eval = record.evaluation
+            completed = record.round + 1
+            if every is not None and checkpoints is not None:
+                if completed % every == 0 or completed == config.rounds:
+                    sim_tensors, sim_meta = sim.state_dict()
+                    save_checkpoint(
+                        checkpoints,
+                        config=config_data,
+                        state=state,
+                        rounds_done=completed,
+                        clock_s=record.clock_s,
+                        rows=rows,
+                        ledger=ledger,
+                        sim_tensors=sim_tensors,
+                        sim_meta=sim_meta,
+                    )
+            bar.update(1)
+            postfix = {"outer": f"{record.metrics.get('outer_loss', float('nan')):.3f}"}
+            if last_eval:
+                postfix["acc"] = f"{last_eval['accuracy']:.3f}"
+            bar.set_postfix(postfix)
+    finally:
+        bar.close()
+    entries = [LedgerEntry(**row) for row in ledger]
+    run_totals = totals(entries)
+    run_totals["communication_rounds"] = sum(r["communication_rounds"] for r in rows)
+    run_totals["sim_time_s"] = rows[-1]["sim_clock_s"] if rows else 0.0
+    run_totals["client_rounds"] = sum(len(r["clients"]) for r in rows)
+    run_totals["unavailable_client_rounds"] = sum(len(r["unavailable"]) for r in rows)
+    run_totals["rejected_updates"] = sum(len(c) for r in rows for c in r["rejected"].values())
+    run_totals["dropped_client_rounds"] = sum(
+        len(c) for r in rows for c in r.get("dropped", {}).values()
+    )
+    run_totals["late_results"] = sum(len(c) for r in rows for c in r.get("late", {}).values())
+    run_totals["empty_rounds"] = sum(1 for r in rows if not r["clients"])
+    meter = sim.flop_meter
+    run_totals["flop_measurements"] = 0 if meter is None else meter.measurements
+    return RunResult(
+        config=config,
+        rounds=rows,
+        final={f"test_{k}": v for k, v in last_eval.items()},
+        state=state,
+        totals=run_totals,
+        totals_by_tier=totals_by_tier(entries),
+        ledger=ledger,
+    )
+
+
+def _last_evaluation(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The metrics of the last evaluated round among ``rows`` (``test_`` prefix removed)."""
+    for row in reversed(rows):
+        evaluation = {k[5:]: v for k, v in row.items() if k.startswith("test_")}
+        if evaluation:
+            return evaluation
+    return {}
+
+
+def _summary(result: RunResult) -> dict[str, Any]:
+    return {"final": result.final, "totals": result.totals, "totals_by_tier": result.totals_by_tier}
+
+
+def save_results(result: RunResult, out: Path) -> None:
+    """``results.json`` (config, final, totals, totals per tier, per-round metrics, baseline
+    and savings), ``ledger.json`` (one row per client, phase and round) and ``accuracy.png``."""
+    payload: dict[str, Any] = {
+        "radbo_version": _version(),
+        "config": result.config.model_dump(mode="json"),
+        **_summary(result),
+        "rounds": result.rounds,
+    }
+    if result.baseline is not None:
+        payload["baseline"] = {
+            "config": result.baseline.config.model_dump(mode="json"),
+            **_summary(result.baseline),
+        }
+        payload["savings"] = result.savings
+    atomic_write_text(out / "results.json", json.dumps(payload, indent=2, allow_nan=True))
+    atomic_write_text(out / "ledger.json", json.dumps(result.ledger, allow_nan=True))
+    from radbo.report import plot_accuracy
+
+    plot_accuracy(result.rounds, out / "accuracy.png", title=f"{result.config.algorithm.name}")
+
+
+def _version() -> str:
+    from radbo import __version__
+
+    return __version__

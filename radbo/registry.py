@@ -1,0 +1,148 @@
+"""Config sections and the registries that turn them into radbo's interchangeable parts.
+
+A run config (``radbo run CONFIG.toml``) has sections whose kind is chosen by a tag:
+``[algorithm] name = "rabo"``, ``[estimator] name = "cg"``, ``[data] name = "digits"``, ... Each
+kind is a :class:`Section` -- a strict, frozen pydantic model whose fields are the kind's
+settings, declared once, with their defaults, bounds and descriptions -- registered in the
+:class:`Registry` of its section. The registry builds the section's tagged union, so that
+validation picks the class from the tag and reports errors under the section's name, and the
+registered class says how it becomes the object radbo runs (its ``build`` method).
+
+Adding a kind therefore needs its file and one decorator, nothing else:
+
+>>> from typing import Annotated, Literal
+>>> from pydantic import Field
+>>> SHAPES = Registry("shape", "kind")
+>>> @SHAPES.register
+... class Square(Section):
+...     kind: Literal["square"] = "square"
+...     side: float = Field(1.0, gt=0)
+>>> class Drawing(Section):
+...     shape: Annotated[Section, SHAPES] = Field(default_factory=Square)
+>>> SHAPES.attach(Drawing)
+>>> Drawing.model_validate({"shape": {"kind": "square", "side": 2}}).shape.side
+2.0
+>>> @SHAPES.register                        # registered later: the union grows
+... class Circle(Section):
+...     kind: Literal["circle"]
+...     radius: float = 1.0
+>>> Drawing.model_validate({"shape": {"kind": "circle"}}).shape
+Circle(kind='circle', radius=1.0)
+"""
+
+from collections.abc import Iterator
+from typing import Any, Generic, Literal, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
+from pydantic_core import CoreSchema, core_schema
+
+__all__ = ["ConfigError", "Registry", "Section", "all_tags", "registries"]
+
+
+class ConfigError(ValueError):
+    """A configuration is missing, unreadable or invalid; the message is user-facing."""
+
+
+class Section(BaseModel):
+    """A strict config section: unknown keys are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+S = TypeVar("S", bound=Section)
+_REGISTRIES: list["Registry[Any]"] = []
+
+
+class Registry(Generic[S]):
+    """The registered kinds of one config section, keyed by the value of a tag field.
+
+    Args:
+        section: the section's name in a run config (``"algorithm"``), used in messages.
+        key: the tag field every kind declares as a ``Literal`` (``"name"``, ``"kind"``).
+    """
+
+    def __init__(self, section: str, key: str) -> None:
+        self.section = section
+        self.key = key
+        self._classes: dict[str, type[S]] = {}
+        self._dependents: list[type[BaseModel]] = []
+        _REGISTRIES.append(self)
+
+    def register(self, cls: type[S]) -> type[S]:
+        """Register a section class under every value of its tag ``Literal`` (a decorator).
+
+        Models that hold this section (see :meth:`attach`) are rebuilt, so a kind registered
+        after them -- a plug-in, or a toy algorithm in a test -- validates like the built-in
+        ones. A tag registered twice by different classes is an error.
+        """
+        field = cls.model_fields.get(self.key)
+        annotation = None if field is None else field.annotation
+        if annotation is None or get_origin(annotation) is not Literal:
+            raise TypeError(
+                f"{cls.__name__} must declare its {self.section} tag as "
+                f"`{self.key}: Literal[...]` to be registered"
+            )
+        for tag in get_args(annotation):
+            other = self._classes.get(tag)
+            if other is not None and other is not cls:
+                raise ValueError(
+                    f"{self.section} {tag!r} is already registered by {other.__qualname__}"
+                )
+            self._classes[tag] = cls
+        for model in self._dependents:
+            model.model_rebuild(force=True)
+        return cls
+
+    def attach(self, model: type[BaseModel]) -> None:
+        """Rebuild ``model`` (which has a field annotated ``Annotated[Base, registry]``)
+        whenever a kind is registered later."""
+        if model not in self._dependents:
+            self._dependents.append(model)
+        model.model_rebuild(force=True)
+
+    def __getitem__(self, tag: str) -> type[S]:
+        try:
+            return self._classes[tag]
+        except KeyError:
+            raise ConfigError(
+                f"config error: {self.section}.{self.key} = {tag!r}: unknown; registered: "
+                f"{', '.join(sorted(self._classes))}"
+            ) from None
+
+    def __contains__(self, tag: object) -> bool:
+        return tag in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._classes)
+
+    def classes(self) -> list[type[S]]:
+        """The registered classes, each once, in registration order."""
+        return list(dict.fromkeys(self._classes.values()))
+
+    def tags(self) -> set[str]:
+        return set(self._classes)
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        choices: dict[Any, CoreSchema] = {}
+        schemas: dict[type, CoreSchema] = {}
+        for tag, cls in self._classes.items():
+            if cls not in schemas:
+                schemas[cls] = handler.generate_schema(cls)
+            choices[tag] = schemas[cls]
+        return core_schema.tagged_union_schema(choices, discriminator=self.key)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.section!r}, {sorted(self._classes)})"
+
+
+def registries() -> "list[Registry[Any]]":
+    """Every registry created so far."""
+    return list(_REGISTRIES)
+
+
+def all_tags() -> set[str]:
+    """The tags of every registered kind of every section (pydantic puts them in the location
+    of a validation error; the error formatter leaves them out)."""
+    return {tag for registry in _REGISTRIES for tag in registry.tags()}
