@@ -1,6 +1,7 @@
 # radbo: two commands for a fresh machine.
 #   make demo   create .venv if missing, install radbo, run the demo job
 #   make test   same set-up, then the whole test suite
+#   make lint   ruff (lint and format) and mypy on radbo/
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -28,6 +29,8 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check radbo tests examples benchmarks
+	$(VENV)/bin/ruff format --check radbo tests examples benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

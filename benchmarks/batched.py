@@ -1,19 +1,20 @@
 """Speed-up of :class:`~radbo.simulation.BatchedBackend` over the sequential backend.
 
-RABO on the digits MLP (``examples/demo.toml`` with full models everywhere: no masks, r = 1,
-no device profiles, iid split) for fleets of 10, 50 and 100 clients. Two measurements, both
-after a warm-up that fills the FLOP meter's cache (FLOPs are measured once per workload in
-either backend):
+Every algorithm's client work runs batched (``radbo.client.ClientWork``); this measures RABO
+(both phases: T SGD steps on y, then the hypergradient by CG with per-client stopping) and
+ShroFBO (tau simultaneous steps with second-order products) on the digits MLP
+(``examples/demo.toml`` with full models everywhere: no masks, r = 1, no device profiles,
+iid split) for fleets of 10, 50 and 100 clients. Two measurements, both after a warm-up that
+fills the FLOP meter's cache (FLOPs are measured once per workload in either backend):
 
-* **inner phase**: ``backend.map`` over one ``train.inner`` task per client (the phase that
-  is batched: T SGD steps on y under ``torch.func.vmap``);
-* **round**: ``Simulation.step`` (inner phase batched, outer phase -- hypergradients by CG --
-  sequential in both, plus the server's aggregation).
+* **first phase**: ``backend.run`` over one task per client of the algorithm's first phase;
+* **round**: ``Simulation.step`` (every phase, plus the server's aggregation).
 
 Sequential and batched runs alternate in the same process; each time is the median of
 ``--repeats`` (3). Speed-up = sequential time / batched time. Clients whose local data is
-smaller than the batch size draw smaller minibatches and form their own groups (the "groups"
-column). Prints a Markdown table. Run it with one thread on an otherwise idle machine:
+smaller than the batch size draw smaller minibatches and form cohorts of their own (the
+"cohorts" column counts the distinct stack keys of the first phase). Prints a Markdown
+table. Run it with one thread on an otherwise idle machine:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --clients 10 50 100 --repeats 3
@@ -22,53 +23,61 @@ column). Prints a Markdown table. Run it with one thread on an otherwise idle ma
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from radbo.client import ClientTask, ClientWork, stack_key
 from radbo.config import parse_config
 from radbo.experiment import Experiment, build
-from radbo.simulation import BatchedBackend, SequentialBackend
-from radbo.simulation.batched import batched_impl
-from radbo.client import ClientTask, run_measured
-from radbo.simulation import full_index_set
-from radbo.randomness import derive_seed
+from radbo.randomness import task_seed
+from radbo.simulation import BatchedBackend, SequentialBackend, full_index_set
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "rabo": {"name": "rabo", "inner_lr": 0.5, "outer_lr": 0.2, "inner_steps": 10},
+    "shrofbo": {"name": "shrofbo", "local_steps": 10},
+}
 
 
-def experiment(num_clients: int) -> Experiment:
+def experiment(algorithm: str, num_clients: int) -> Experiment:
     data = tomllib.loads(DEMO.read_text())
     data["fleet"] = {"num_clients": num_clients, "capacities": [1.0]}
     data["mask"] = {"policy": "none"}
     data["partition"] = {"kind": "iid"}
     data["baseline"] = {"enabled": False}
+    data["algorithm"] = ALGORITHMS[algorithm]
+    if algorithm != "rabo":
+        data.pop("estimator", None)
     return build(parse_config(data))
 
 
-def inner_tasks(exp: Experiment) -> list[ClientTask]:
-    sim, algo = exp.simulation, exp.simulation.algorithm
+def first_phase_tasks(exp: Experiment) -> tuple[ClientWork, list[ClientTask]]:
+    sim = exp.simulation
+    phase = sim.algorithm.phases()[0]
     index_set = full_index_set(sim.shapes)
-    params = algo.broadcast_inner(exp.initial_state, index_set)
-    return [
+    params = phase.broadcast(exp.initial_state, index_set, 0)
+    tasks = [
         ClientTask(
             client=c,
             round=0,
-            phase="train.inner",
+            phase=phase.name,
             params=params,
             index_set=index_set,
             data=sim.clients[c],
-            seed=derive_seed(sim.seed, 0, 1, c),
+            seed=task_seed(sim.seed, 0, 0, c),
             budget=sim.budgets[c],
             slot=c,
         )
         for c in range(len(sim.clients))
     ]
+    assert isinstance(phase.client, ClientWork)
+    return phase.client, tasks
 
 
 def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -82,41 +91,41 @@ def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def measure(num_clients: int, repeats: int) -> dict[str, float]:
-    exp = experiment(num_clients)
-    sim, algo = exp.simulation, exp.simulation.algorithm
-    tasks = inner_tasks(exp)
-    fn = functools.partial(run_measured, algo.client_inner, sim.runtime, sim.flop_meter)
-    impl = batched_impl(algo.client_inner)
-    assert impl is not None
-    groups = len({impl.group_key(algo, sim.runtime, t) for t in tasks})
+def measure(algorithm: str, num_clients: int, repeats: int) -> dict[str, float]:
+    exp = experiment(algorithm, num_clients)
+    sim = exp.simulation
+    work, tasks = first_phase_tasks(exp)
+    cohorts = len({stack_key(t, work.prepare(sim.runtime, t)) for t in tasks})
     seq_backend, bat_backend = SequentialBackend(), BatchedBackend()
 
-    def step(backend):
+    def step(backend: Any) -> object:
         sim.backend = backend
         return sim.step(exp.initial_state, 0)
 
+    def phase(backend: Any) -> object:
+        return backend.run(work, sim.runtime, sim.flop_meter, tasks)
+
     step(seq_backend)  # warm-up: fills the FLOP meter's cache, builds skeletons
     step(bat_backend)
-    phase = alternate(
-        {"seq": lambda: seq_backend.map(fn, tasks), "bat": lambda: bat_backend.map(fn, tasks)},
-        repeats,
+    phases = alternate(
+        {"seq": lambda: phase(seq_backend), "bat": lambda: phase(bat_backend)}, repeats
     )
     rounds = alternate(
         {"seq": lambda: step(seq_backend), "bat": lambda: step(bat_backend)}, repeats
     )
     return {
-        "groups": groups,
-        "inner_seq": phase["seq"],
-        "inner_bat": phase["bat"],
+        "cohorts": cohorts,
+        "phase_seq": phases["seq"],
+        "phase_bat": phases["bat"],
         "round_seq": rounds["seq"],
         "round_bat": rounds["bat"],
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(
@@ -124,18 +133,20 @@ def main() -> None:
     )
     print()
     print(
-        "| clients | groups | inner seq (ms) | inner batched (ms) | inner speed-up "
-        "| round seq (ms) | round batched (ms) | round speed-up |"
+        "| algorithm | clients | cohorts | 1st phase seq (ms) | batched (ms) | speed-up "
+        "| round seq (ms) | batched (ms) | speed-up |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n in args.clients:
-        m = measure(n, args.repeats)
-        print(
-            f"| {n} | {m['groups']} | {1e3 * m['inner_seq']:.1f} | {1e3 * m['inner_bat']:.1f} "
-            f"| {m['inner_seq'] / m['inner_bat']:.2f}x | {1e3 * m['round_seq']:.1f} "
-            f"| {1e3 * m['round_bat']:.1f} | {m['round_seq'] / m['round_bat']:.2f}x |",
-            flush=True,
-        )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for algorithm in args.algorithms:
+        for n in args.clients:
+            m = measure(algorithm, n, args.repeats)
+            print(
+                f"| {algorithm} | {n} | {m['cohorts']} | {1e3 * m['phase_seq']:.1f} "
+                f"| {1e3 * m['phase_bat']:.1f} | {m['phase_seq'] / m['phase_bat']:.2f}x "
+                f"| {1e3 * m['round_seq']:.1f} | {1e3 * m['round_bat']:.1f} "
+                f"| {m['round_seq'] / m['round_bat']:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

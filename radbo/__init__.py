@@ -46,8 +46,7 @@ from radbo.registry import Registry, Section
 from radbo.report import compare, load_run
 from radbo.simulation import BatchedBackend, SequentialBackend, Simulation
 from radbo.tasks import FeatureL2, HyperRepresentation
-
-__version__ = "0.1.0"
+from radbo.version import __version__
 
 __all__ = [
     "ALGORITHMS",

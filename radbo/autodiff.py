@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -56,6 +56,7 @@ __all__ = [
     "check_int",
     "loss_grads",
     "params_norm",
+    "params_where",
     "penalty_gradients",
     "per_client_sum",
     "project_ball",
@@ -134,6 +135,15 @@ def tuple_where(mask: Tensor | None, new: Sequence[Tensor], old: Sequence[Tensor
     )
 
 
+def params_where(mask: Tensor | None, new: Params, old: Params) -> Params:
+    """:func:`tuple_where` on named tensors: per client, ``new`` where ``mask`` holds, ``old``
+    elsewhere (``mask = None``: ``new``). Client work uses it to freeze the clients of a cohort
+    that have finished their local steps while the others go on."""
+    if mask is None:
+        return new
+    return dict(zip(new, tuple_where(mask, tuple(new.values()), tuple(old.values())), strict=True))
+
+
 def tuple_norm(u: Sequence[Tensor], lead: int = 0) -> Tensor:
     """Euclidean norm over all tensors of ``u`` in float64 (one per client with ``lead``)."""
     if not u:
@@ -150,7 +160,9 @@ def params_norm(tensors: Params, lead: int = 0) -> Tensor:
     """L2 norm of all tensors together, computed in float64 (per client with ``lead``)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
-    return torch.sqrt(sum(per_client_sum(t.double() ** 2, lead) for t in tensors.values()))
+    # ``tensors`` is not empty, so sum() adds tensors and never returns its start value 0
+    total = cast(Tensor, sum(per_client_sum(t.double() ** 2, lead) for t in tensors.values()))
+    return torch.sqrt(total)
 
 
 def project_ball(tensors: Params, radius: float, lead: int = 0) -> Params:
@@ -293,6 +305,7 @@ class Linearization(Protocol):
     lead: int
     n_grad: int
     n_hvp: int
+    g_value: Tensor
 
     @property
     def grad_y_g(self) -> TensorTuple: ...
@@ -387,9 +400,14 @@ class ImplicitSystem(InnerSystem):
     """
 
     def __init__(
-        self, outer_loss: BilevelLoss, inner_loss: BilevelLoss, x: Params, y: Params, *,
+        self,
+        outer_loss: BilevelLoss,
+        inner_loss: BilevelLoss,
+        x: Params,
+        y: Params,
+        *,
         lead: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._leaves(x, y, lead)
         x_leaf, y_leaf = self._leaf_dicts()
         # f first: its graph is freed before g's double-backward graph is built
@@ -426,9 +444,15 @@ class FiniteDifferenceSystem:
     """
 
     def __init__(
-        self, inner_loss: BilevelLoss, x: Params, y: Params, *, mu: float, lead: int = 0,
+        self,
+        inner_loss: BilevelLoss,
+        x: Params,
+        y: Params,
+        *,
+        mu: float,
+        lead: int = 0,
         with_x: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if len(y) == 0:
             raise ValueError("y must hold at least one tensor, got an empty dict.")
         check_finite("FiniteDifferenceSystem", "mu", mu, low=0, strict=True)
@@ -451,9 +475,17 @@ class FiniteDifferenceSystem:
         self, y: TensorTuple, *, wrt_x: bool, value: list[Tensor] | None = None
     ) -> tuple[TensorTuple, TensorTuple]:
         return loss_grads(
-            self.loss, "inner_loss", self.x_names, self._x, self.y_names, y,
-            wrt_x=wrt_x, wrt_y=True, lead=self.lead, value=value,
-        )  # fmt: skip
+            self.loss,
+            "inner_loss",
+            self.x_names,
+            self._x,
+            self.y_names,
+            y,
+            wrt_x=wrt_x,
+            wrt_y=True,
+            lead=self.lead,
+            value=value,
+        )
 
     @property
     def grad_y_g(self) -> TensorTuple:
@@ -472,7 +504,9 @@ class FiniteDifferenceSystem:
             eps = torch.where(norm > 0, self.mu / norm, torch.full_like(norm, self.mu))
         self.n_grad += 1
         sx, sy = self._grads(tuple_axpy(eps, u, self._y), wrt_x=wrt_x)
-        dx = tuple(_quotient(s - b, eps) for s, b in zip(sx, self._gx if wrt_x else (), strict=True))
+        dx = tuple(
+            _quotient(s - b, eps) for s, b in zip(sx, self._gx if wrt_x else (), strict=True)
+        )
         dy = tuple(_quotient(s - b, eps) for s, b in zip(sy, self._gy, strict=True))
         return dx, dy
 
@@ -636,9 +670,17 @@ def bilevel_directions(
     values: list[Tensor] = []
     x_names, y_names = tuple(x), tuple(y)
     fx, fy = loss_grads(
-        outer_loss, "outer_loss", x_names, tuple(x.values()), y_names, tuple(y.values()),
-        wrt_x=True, wrt_y=True, lead=system.lead, value=values,
-    )  # fmt: skip
+        outer_loss,
+        "outer_loss",
+        x_names,
+        tuple(x.values()),
+        y_names,
+        tuple(y.values()),
+        wrt_x=True,
+        wrt_y=True,
+        lead=system.lead,
+        value=values,
+    )
     vt = tuple(v[n] for n in y_names)
     jxy, hyy = system.both(vt)
     return BilevelDirections(
@@ -666,8 +708,8 @@ class PenaltyGradients:
 
     ``parts`` keeps the six gradients the combinations are made of (``"f_x"``, ``"g_x"``,
     ``"gz_x"``, ``"f_y"``, ``"g_y"``, ``"gz_y"``; the x ones empty without ``with_x``) for
-    variance-reduced methods that track them one by one. ``f = f(x, y)``, ``g = g(x, z)``; ``n_grad = 3`` (one gradient of each
-    loss at each point).
+    variance-reduced methods that track them one by one. ``f = f(x, y)``, ``g = g(x, z)``;
+    ``n_grad = 3`` (one gradient of each loss at each point).
     """
 
     x: Params
@@ -701,9 +743,17 @@ def penalty_gradients(
     def grads(loss: BilevelLoss, name: str, point: Params, values: list[Tensor] | None):
         pt = tuple(point[n] for n in y_names)
         return loss_grads(
-            loss, name, x_names, xs, y_names, pt, wrt_x=with_x, wrt_y=True, lead=lead,
+            loss,
+            name,
+            x_names,
+            xs,
+            y_names,
+            pt,
+            wrt_x=with_x,
+            wrt_y=True,
+            lead=lead,
             value=values,
-        )  # fmt: skip
+        )
 
     f_x, f_y = grads(outer_loss, "outer_loss", y, f_values)
     g_x, g_y = grads(inner_loss, "inner_loss", y, None)

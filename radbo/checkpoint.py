@@ -52,9 +52,10 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, damaged, or does not belong to this run."""
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Create ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder,
-    which is flushed to disk and then renamed over ``path``."""
+    which is flushed to disk and then renamed over ``path`` (what ``write`` returns is
+    ignored)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -108,8 +108,10 @@ def _run(args: argparse.Namespace) -> int:
             f"compute {sv['compute_fraction']:.1%}, bytes {sv['bytes_fraction']:.1%}, "
             f"simulated time {sv['time_fraction']:.1%}"
         )
-    print(f"results: {result.output_dir / 'results.json'}")
-    print(f"plot:    {result.output_dir / 'accuracy.png'}")
+    out = result.output_dir
+    assert out is not None, "run() saves its results (save=True) and records where"
+    print(f"results: {out / 'results.json'}")
+    print(f"plot:    {out / 'accuracy.png'}")
     return 0
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -231,7 +231,9 @@ class Cohort:
     def stack(cls, tasks: Sequence[ClientTask], prepared: Sequence[Prepared]) -> Cohort:
         """A stacked cohort (every task's tensors must have equal shapes)."""
         if not tasks or len(tasks) != len(prepared):
-            raise ValueError(f"a cohort needs tasks and draws, got {len(tasks)} and {len(prepared)}")
+            raise ValueError(
+                f"a cohort needs tasks and draws, got {len(tasks)} and {len(prepared)}"
+            )
         return cls(tuple(tasks), tuple(prepared), stacked=True)
 
     # -- shape of the cohort
@@ -342,7 +344,7 @@ class Cohort:
             if value.ndim == 0:
                 return [value.item()] * self.size
             return [v.item() for v in value.detach().cpu()]
-        if isinstance(value, list | tuple):
+        if isinstance(value, Sequence):
             return list(value)
         return [value] * self.size
 
@@ -538,4 +540,3 @@ def stack_key(task: ClientTask, prepared: Prepared) -> Hashable:
     received tensors' shapes and dtypes, and the draws' signature."""
     received = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(task.params.items()))
     return (task.phase, _shape_key(task.index_set), received, prepared.signature())
-

@@ -209,12 +209,16 @@ class RunConfig(_Strict):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        for section, key, default in _DEFAULT_TAGS:
+        for section, key, kind in _DEFAULT_TAGS:
             value = data.get(section)
             if isinstance(value, dict) and key not in value:
-                data[section] = {key: default, **value}
+                data[section] = {key: kind, **value}
         algorithm = data.get("algorithm", {"name": "rabo"})
-        name = algorithm.get("name") if isinstance(algorithm, dict) else getattr(algorithm, "name", None)
+        name = (
+            algorithm.get("name")
+            if isinstance(algorithm, dict)
+            else getattr(algorithm, "name", None)
+        )
         default = None
         if isinstance(name, str) and name in ALGORITHMS:
             default = ALGORITHMS[name].default_estimator
@@ -275,7 +279,12 @@ class RunConfig(_Strict):
         use = algorithm.estimator_use(estimator)
         relevant = estimator.fields_for(use or "")
         if relevant is not None:
-            idle = sorted(estimator.model_fields_set - relevant - {"name"})
+            defaults = type(estimator)(name=estimator.name)
+            idle = sorted(
+                f
+                for f in estimator.model_fields_set - relevant - {"name"}
+                if getattr(estimator, f) != getattr(defaults, f)
+            )
             if idle:
                 keep = ", ".join(sorted(relevant)) or "none"
                 raise ValueError(

@@ -49,14 +49,15 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
 from radbo.checkpoint import atomic_write, atomic_write_text
+from radbo.client import ClientBudget
 from radbo.config import RunConfig
 from radbo.cost import index_metadata_bytes, tensor_bytes
 from radbo.experiment import Experiment, build
 from radbo.flops import training_step_flops
+from radbo.masks.assigner import SubmodelAssigner
 from radbo.masks.index import dense_mask, extract
 from radbo.masks.policies import RoundPreparedPolicy
 from radbo.masks.structure import StructurePlan
-from radbo.client import ClientBudget
 from radbo.typing import IndexSet, Params
 
 __all__ = [
@@ -128,6 +129,7 @@ def round0_assignment(
         model = experiment.model
         plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
         return plan, [plan.full_index_set() for _ in clients], budgets
+    assert isinstance(sim.masks, SubmodelAssigner), "build() gives a SubmodelAssigner"
     index_sets = sim.round_index_sets(experiment.initial_state, 0, clients, budgets)
     return sim.masks.plan, index_sets, budgets
 
@@ -238,7 +240,9 @@ def export_submodels(
     # Round 0 of a run: which clients take part, and the masks it gives them.
     sampled = sim.sample_clients(0)
     round0_sets = dict(zip(clients, index_sets, strict=True))
-    if sim.masks is not None and isinstance(sim.masks.policy, RoundPreparedPolicy):
+    # round0_assignment made sure that masks, when there are any, are a SubmodelAssigner
+    masks = sim.masks
+    if isinstance(masks, SubmodelAssigner) and isinstance(masks.policy, RoundPreparedPolicy):
         if sampled != clients:
             actual = sim.round_index_sets(
                 exp.initial_state, 0, sampled, sim.round_budgets(0, sampled)
@@ -345,7 +349,7 @@ def export_submodels(
         if not per_submodel[submodel_of[c]]["max_abs_diff"] <= tolerance
         or not _pt2_ok(per_submodel[submodel_of[c]]["torch_export"], tolerance)
     )
-    from radbo import __version__
+    from radbo.version import __version__
 
     manifest: dict[str, Any] = {
         "format": FORMAT,

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written."""
+"""The README's Python examples run as written (blocks fenced ```python; ```py blocks are
+sketches with elided bodies)."""
 
 import re
 from pathlib import Path

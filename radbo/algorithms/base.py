@@ -16,11 +16,10 @@ Python API constructs the algorithm class directly with the same keyword argumen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar, cast
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from radbo.hypergrad import ESTIMATORS, Estimator
 from radbo.registry import Registry, Section
@@ -31,8 +30,6 @@ __all__ = [
     "AlgorithmConfig",
     "Wiring",
     "clone",
-    "check_names",
-    "check_estimator",
 ]
 
 #: The registered ``[algorithm]`` kinds.
@@ -93,12 +90,18 @@ class AlgorithmConfig(Section):
     full_model: ClassVar[bool] = False
     flower_actions: ClassVar[tuple[str, ...]] = ()
 
+    if TYPE_CHECKING:
+        # Every kind declares these fields itself (its own default, bounds and meaning); they
+        # are named here for the type checker only, so that pydantic sees no field of the base.
+        inner_lr: float
+        outer_lr: float
+        batch_size: int
+        outer_batch_size: int
+
     def accepted_estimators(self) -> tuple[str, ...]:
         """The registered estimator names this config accepts."""
         return tuple(
-            tag
-            for tag in ESTIMATORS
-            if ESTIMATORS[tag].capabilities & set(self.estimator_uses)
+            tag for tag in ESTIMATORS if ESTIMATORS[tag].capabilities & set(self.estimator_uses)
         )
 
     def estimator_use(self, estimator: Estimator) -> str | None:
@@ -114,11 +117,11 @@ class AlgorithmConfig(Section):
         """The settings a full-model baseline run of this config reuses: step sizes, local
         steps, batch sizes, client weighting and hypergradient clipping."""
         return {
-            "inner_lr": getattr(self, "inner_lr"),
-            "outer_lr": getattr(self, "outer_lr"),
+            "inner_lr": self.inner_lr,
+            "outer_lr": self.outer_lr,
             "inner_steps": self.local_steps_default,
-            "batch_size": getattr(self, "batch_size"),
-            "outer_batch_size": getattr(self, "outer_batch_size"),
+            "batch_size": self.batch_size,
+            "outer_batch_size": self.outer_batch_size,
             "weighting": self.weighting,
             "max_hypergrad_norm": getattr(self, "max_hypergrad_norm", None),
         }
@@ -142,16 +145,33 @@ class AlgorithmConfig(Section):
         wired = {k: v for k, v in {**names, **extra}.items() if k in fields}
         if wiring.estimator is not None and "estimator" in fields:
             wired["estimator"] = wiring.estimator
-        return cls.model_construct(**values, **wired)
+        # model_construct builds a ``cls``; the pydantic mypy plugin types it as the bound's
+        return cast(A, cls.model_construct(**values, **wired))
 
 
 class AlgorithmBase(Section):
-    """Fields every algorithm class adds to its config: the wiring of a run."""
+    """Fields every algorithm class adds to its config: the wiring of a run. Constructing an
+    algorithm checks the wiring: x and y are disjoint, and its ``estimator`` (if it has one)
+    offers one of the config's ``estimator_uses``."""
 
     outer_names: tuple[str, ...]
     inner_names: tuple[str, ...]
     buffer_names: tuple[str, ...] = ()
     aggregate_buffers: bool = True
+
+    @model_validator(mode="after")
+    def _check_wiring(self) -> Self:
+        owner = type(self).__name__
+        if set(self.outer_names) & set(self.inner_names):
+            raise ValueError(f"{owner}: outer and inner parameter names must be disjoint")
+        estimator = getattr(self, "estimator", None)
+        uses: tuple[str, ...] = getattr(self, "estimator_uses", ())
+        if estimator is not None and not estimator.capabilities & set(uses):
+            raise ValueError(
+                f"{owner} needs an estimator offering {' or '.join(map(repr, uses))}; "
+                f"{estimator.name!r} offers {sorted(estimator.capabilities)}"
+            )
+        return self
 
     def model_state(self, state: Any) -> Params:
         """All model tensors (x, y and buffers) in full-model coordinates."""
@@ -165,16 +185,3 @@ class AlgorithmBase(Section):
 def clone(tensors: Params) -> Params:
     """Detached copies of ``tensors``."""
     return {k: t.detach().clone() for k, t in tensors.items()}
-
-
-def check_names(owner: str, outer: Sequence[str], inner: Sequence[str]) -> None:
-    if set(outer) & set(inner):
-        raise ValueError(f"{owner}: outer and inner parameter names must be disjoint")
-
-
-def check_estimator(owner: str, estimator: Estimator, use: str) -> None:
-    if use not in estimator.capabilities:
-        raise ValueError(
-            f"{owner} needs an estimator with {use!r} (got {estimator.name!r}, which offers "
-            f"{sorted(estimator.capabilities)})"
-        )

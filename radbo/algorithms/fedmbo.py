@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from radbo.aggregation import step_inner
 from radbo.algorithms.base import (
@@ -50,8 +50,6 @@ from radbo.algorithms.base import (
     AlgorithmBase,
     AlgorithmConfig,
     Wiring,
-    check_estimator,
-    check_names,
     clone,
 )
 from radbo.autodiff import axpy, loss_grads, params_norm, project_ball, scalar
@@ -147,12 +145,6 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
     estimator: Estimator = Field(default_factory=Autograd)
     seed: int = 0
 
-    @model_validator(mode="after")
-    def _check(self) -> FedMBO:
-        check_names("FedMBO", self.outer_names, self.inner_names)
-        check_estimator("FedMBO", self.estimator, "products")
-        return self
-
     # -- state -------------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> FedMBOState:
         return FedMBOState(x=clone(x), y=clone(y), buffers=clone(buffers))
@@ -230,9 +222,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         """The full model (x^k, y^{k,t}) and buffers."""
         return {k: t for k, t in self.model_state(state).items()}
 
-    def chain_broadcast(
-        self, level: int | None
-    ) -> Callable[[FedMBOState, IndexSet, int], Params]:
+    def chain_broadcast(self, level: int | None) -> Callable[[FedMBOState, IndexSet, int], Params]:
         def broadcast(state: FedMBOState, index_set: IndexSet, slot: int = 0) -> Params:
             chain = self.running(state, level)[slot]
             p = {f"{P}:{n}": state.chains[f"{P}:{n}"][chain] for n in self.inner_names}
@@ -258,7 +248,9 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         module, x, y, buffers = self._unpack(runtime, cohort)
         idx = cohort.data("inner")
         y_var = {n: t.clone().requires_grad_(True) for n, t in y.items()}
-        loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, runtime.batch(idx))
+        loss = cohort.loss(
+            runtime.problem.inner_loss, module, x, y_var, buffers, runtime.batch(idx)
+        )
         grads = torch.autograd.grad(scalar("inner_loss", loss, cohort.lead), list(y_var.values()))
         update = dict(zip(y_var, (g.detach() for g in grads), strict=True))
         if self.aggregate_buffers:
@@ -284,13 +276,28 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         xn, yn = tuple(x), tuple(y)
         value: list[torch.Tensor] = []
         d, _ = loss_grads(
-            outer_phi, "outer_loss", xn, tuple(x.values()), yn, tuple(y.values()),
-            wrt_x=True, wrt_y=False, lead=cohort.lead, value=value,
-        )  # fmt: skip
+            outer_phi,
+            "outer_loss",
+            xn,
+            tuple(x.values()),
+            yn,
+            tuple(y.values()),
+            wrt_x=True,
+            wrt_y=False,
+            lead=cohort.lead,
+            value=value,
+        )
         _, grad_y = loss_grads(
-            outer_theta, "outer_loss", xn, tuple(x.values()), yn, tuple(y.values()),
-            wrt_x=False, wrt_y=True, lead=cohort.lead,
-        )  # fmt: skip
+            outer_theta,
+            "outer_loss",
+            xn,
+            tuple(x.values()),
+            yn,
+            tuple(y.values()),
+            wrt_x=False,
+            wrt_y=True,
+            lead=cohort.lead,
+        )
         scale = self.neumann_terms * self.eta
         update = {
             **dict(zip(xn, d, strict=True)),

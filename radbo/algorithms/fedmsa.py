@@ -40,18 +40,16 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from radbo.algorithms.base import (
     ALGORITHMS,
     AlgorithmBase,
     AlgorithmConfig,
     Wiring,
-    check_estimator,
-    check_names,
     clone,
 )
-from radbo.autodiff import axpy, bilevel_directions, tuple_where
+from radbo.autodiff import axpy, bilevel_directions, params_where
 from radbo.client import (
     ClientResult,
     ClientRuntime,
@@ -136,12 +134,6 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
     name: Literal["fedmsa"] = "fedmsa"
     estimator: Estimator = Field(default_factory=Autograd)
 
-    @model_validator(mode="after")
-    def _check(self) -> FedMSA:
-        check_names("FedMSA", self.outer_names, self.inner_names)
-        check_estimator("FedMSA", self.estimator, "products")
-        return self
-
     # -- state ---------------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> FedMSAState:
         """(x_0, Z_0) with v_0 = 0; the previous point is the initial one (line 2)."""
@@ -216,7 +208,9 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
             out.update({f"{QV}:{k}": t for k, t in state.q_v.items()})
         return out
 
-    def _draw_pair(self, task: ClientTask, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw_pair(
+        self, task: ClientTask, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         inner = draw_indices(task.data.inner, self.batch_size, gen)
         outer = draw_indices(task.data.outer, self.outer_batch_size, gen)
         return inner, outer
@@ -315,7 +309,10 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
         pairs = [self._draw_pair(task, gen) for _ in range(steps - 1)]
         if not pairs:
             return Prepared(num_steps=0)
-        data = {"inner": torch.stack([i for i, _ in pairs]), "outer": torch.stack([o for _, o in pairs])}
+        data = {
+            "inner": torch.stack([i for i, _ in pairs]),
+            "outer": torch.stack([o for _, o in pairs]),
+        }
         return Prepared(steps=data, num_steps=len(pairs))
 
     def run_local(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
@@ -358,8 +355,7 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
             if active is not None:  # clients past their K keep what they had
                 new = (x, w, v, h, q_w, q_v, buffers)
                 x, w, v, h, q_w, q_v, buffers = (
-                    dict(zip(n, tuple_where(active, tuple(n.values()), tuple(o.values())), strict=True))
-                    for n, o in zip(new, old, strict=True)
+                    params_where(active, n, o) for n, o in zip(new, old, strict=True)
                 )
         update = {**x, **w, **{f"{V}:{k}": t for k, t in v.items()}}
         if self.aggregate_buffers:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from radbo.aggregation import apply_mean, apply_step, coverage_weighted_mean, step_inner
 from radbo.algorithms.base import (
@@ -44,16 +44,21 @@ from radbo.algorithms.base import (
     AlgorithmBase,
     AlgorithmConfig,
     Wiring,
-    check_estimator,
-    check_names,
     clone,
 )
-from radbo.autodiff import params_norm, project_ball, scalar, tuple_where
-from radbo.client import ClientResult, ClientRuntime, ClientTask, ClientWork, Cohort, Phase, Prepared
-from radbo.client import mean_metric
+from radbo.autodiff import params_norm, params_where, project_ball, scalar
+from radbo.client import (
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    ClientWork,
+    Cohort,
+    Phase,
+    Prepared,
+    mean_metric,
+)
 from radbo.hypergrad import Estimator, ImplicitCG, init_state
-from radbo.masks.index import alias
-from radbo.masks.index import extract
+from radbo.masks.index import alias, extract
 from radbo.problem import draw_indices
 from radbo.typing import IndexSet, Params
 
@@ -120,12 +125,6 @@ class RABO(RABOConfig, AlgorithmBase):
     estimator: Estimator = Field(default_factory=ImplicitCG)
     use_budget_steps: bool = False
 
-    @model_validator(mode="after")
-    def _check(self) -> RABO:
-        check_names("RABO", self.outer_names, self.inner_names)
-        check_estimator("RABO", self.estimator, "hypergradient")
-        return self
-
     # -- state ---------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> RABOState:
         """Initial state from full-model tensors (cloned, detached)."""
@@ -176,18 +175,22 @@ class RABO(RABOConfig, AlgorithmBase):
             y_var = {n: t.requires_grad_(True) for n, t in y.items()}
             loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
             grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
-            stepped = {n: (t - self.inner_lr * g).detach() for (n, t), g in zip(y_var.items(), grads, strict=True)}
+            stepped = {
+                n: (t - self.inner_lr * g).detach()
+                for (n, t), g in zip(y_var.items(), grads, strict=True)
+            }
             if active is None:
                 y = stepped
                 for n, g in zip(y_var, grads, strict=True):
                     total[n] += g
                 loss_value = loss.detach()
             else:  # clients past their last step keep what they had
-                y = dict(zip(y, tuple_where(active, tuple(stepped.values()), tuple(t.detach() for t in y_var.values())), strict=True))
-                for n, g in zip(y_var, grads, strict=True):
-                    total[n] += torch.where(active.reshape(-1, *(1,) * (g.ndim - 1)), g, 0.0)
+                y = params_where(active, stepped, {n: t.detach() for n, t in y_var.items()})
+                zeros = {n: torch.zeros_like(g) for n, g in zip(y_var, grads, strict=True)}
+                done = params_where(active, dict(zip(y_var, grads, strict=True)), zeros)
+                total = {n: t + done[n] for n, t in total.items()}
                 loss_value = torch.where(active, loss.detach(), loss_value)
-                buffers = dict(zip(buffers, tuple_where(active, tuple(buffers.values()), tuple(before.values())), strict=True))
+                buffers = params_where(active, buffers, before)
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
         samples = [n * b for n, b in zip(cohort.num_steps, batch_sizes, strict=True)]
@@ -252,7 +255,9 @@ class RABO(RABOConfig, AlgorithmBase):
         aux = cohort.params(aux_names)
         prefix = "estimator:"
         draws = {
-            k[len(prefix) :]: cohort.data(k) for k in cohort.prepared[0].data if k.startswith(prefix)
+            k[len(prefix) :]: cohort.data(k)
+            for k in cohort.prepared[0].data
+            if k.startswith(prefix)
         }
         result = self.estimator(outer, inner, x, y, state=aux or None, draws=draws, lead=lead)
         grad = result.grad

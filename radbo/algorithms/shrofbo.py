@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from radbo.aggregation import CoverageMean, apply_normalized_step
-from radbo.algorithms.simfbo import V, SimFBO, SimFBOState, normalize
+from radbo.algorithms.simfbo import SimFBO, SimFBOState, V, normalize
 from radbo.typing import Params
 
 __all__ = ["ShroFBO"]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import Field, model_validator
@@ -56,16 +56,15 @@ from radbo.algorithms.base import (
     AlgorithmBase,
     AlgorithmConfig,
     Wiring,
-    check_names,
     clone,
 )
 from radbo.autodiff import (
     axpy,
     bilevel_directions,
     broadcast,
+    params_where,
     penalty_gradients,
     project_ball,
-    tuple_where,
 )
 from radbo.client import (
     ClientResult,
@@ -88,6 +87,14 @@ __all__ = ["V", "SimFBO", "SimFBOConfig", "SimFBOState"]
 V = "v"
 
 _Rate = Field(gt=0, allow_inf_nan=False)
+
+
+@runtime_checkable
+class _Penalty(Protocol):
+    """An estimator with the ``"penalty"`` capability: it holds the penalty ``lam``
+    (:class:`~radbo.hypergrad.FirstOrder`)."""
+
+    lam: float
 
 
 @dataclass(frozen=True)
@@ -161,22 +168,14 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
     name: Literal["simfbo", "shrofbo"] = "simfbo"
     estimator: Estimator = Field(default_factory=Autograd)
 
-    @model_validator(mode="after")
-    def _check(self) -> SimFBO:
-        check_names(type(self).__name__, self.outer_names, self.inner_names)
-        if not self.estimator.capabilities & {"products", "penalty"}:
-            raise ValueError(
-                f"{type(self).__name__} needs an estimator with second-order products or a "
-                f"penalty; {self.estimator.name!r} offers {sorted(self.estimator.capabilities)}"
-            )
-        return self
-
     @property
     def penalty(self) -> float | None:
         """The penalty lam of the first-order mode (``None``: second-order products)."""
         if "products" in self.estimator.capabilities:
             return None
-        return float(getattr(self.estimator, "lam"))
+        # without products, the wiring check made sure the estimator offers a penalty
+        assert isinstance(self.estimator, _Penalty), "a penalty estimator holds its lam"
+        return float(self.estimator.lam)
 
     # -- state ---------------------------------------------------------------------------
     def init(self, x: Params, y: Params, buffers: Params) -> SimFBOState:
@@ -228,7 +227,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             active = cohort.active(step)
             old = (x, y, v, q_x, q_y, q_v, buffers)
             if buffers:  # BatchNorm running statistics follow the local training batches
-                buffers = {n: t.clone() for n, t in buffers.items()} if active is not None else buffers
+                buffers = (
+                    {n: t.clone() for n, t in buffers.items()} if active is not None else buffers
+                )
                 with torch.no_grad():
                     cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
             outer, inner = cohort.bind(runtime.problem, module, buffers, inner_batch, outer_batch)
@@ -253,8 +254,7 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             if active is not None:  # clients past their tau_i keep what they had
                 new = (x, y, v, q_x, q_y, q_v, buffers)
                 x, y, v, q_x, q_y, q_v, buffers = (
-                    dict(zip(n, tuple_where(active, tuple(n.values()), tuple(o.values())), strict=True))
-                    for n, o in zip(new, old, strict=True)
+                    params_where(active, n, o) for n, o in zip(new, old, strict=True)
                 )
         taus = torch.tensor(cohort.num_steps, dtype=torch.float64)
         a_norm: Any = a * taus if cohort.stacked else a * cohort.num_steps[0]
@@ -262,7 +262,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         if self.aggregate_buffers:
             update.update(buffers)
         inner_loss, outer_loss = first if first is not None else (0.0, 0.0)
-        per_step = [n_grad // cohort.max_steps, n_hvp // cohort.max_steps] if cohort.max_steps else [0, 0]
+        per_step = (
+            [n_grad // cohort.max_steps, n_hvp // cohort.max_steps] if cohort.max_steps else [0, 0]
+        )
         batch = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
@@ -103,7 +103,9 @@ class FileData(DataConfig):
             if len(split) == 0:
                 raise ValueError(f"{split.name} is empty")
             if flat and split.features.ndim > 2:
-                split = Dataset(split.features.flatten(1), split.labels, split.num_classes, split.name)
+                split = Dataset(
+                    split.features.flatten(1), split.labels, split.num_classes, split.name
+                )
             if limit is not None:
                 split = stratified_subset(split, limit, generator(seed, Stream.SUBSET, i))
             parts.append(split)

@@ -397,13 +397,12 @@ def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
 
 
 def _check_number(name: str, value: object, *, positive: bool = True) -> float:
-    ok = (
+    if not (
         isinstance(value, numbers.Real)
         and not isinstance(value, bool)
         and math.isfinite(float(value))
         and (float(value) > 0 if positive else float(value) >= 0)
-    )
-    if not ok:
+    ):
         what = "> 0" if positive else ">= 0"
         raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
     return float(value)

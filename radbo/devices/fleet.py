@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, TypeGuard, overload
 
 import numpy as np
 
@@ -36,7 +36,7 @@ _FLEET_VERSION = 1
 _TRACE_FIELDS = ("computation", "communication")
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -45,7 +45,7 @@ def _is_finite_number(value: object, *, strict: bool = True) -> bool:
     if not _is_number(value):
         return False
     try:
-        number = float(value)  # type: ignore[arg-type]
+        number = float(value)
     except OverflowError:  # an int too large for a float
         return False
     if not math.isfinite(number):

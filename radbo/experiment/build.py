@@ -70,7 +70,7 @@ def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
     try:
         train, test = dc.load(config.seed, flat=config.model.flat)
     except (OSError, ValueError) as err:  # FileNotFoundError, corrupt or truncated files
-        where = f"data.root = {getattr(dc, 'root')!r}" if hasattr(dc, "root") else f"data.name = {dc.name!r}"
+        where = f"data.root = {dc.root!r}" if hasattr(dc, "root") else f"data.name = {dc.name!r}"
         raise ConfigError(f"config error: {where}: {err}") from None
     dtype = _DTYPES[config.runtime.dtype]
     return _as(train, dtype), _as(test, dtype)
@@ -181,7 +181,7 @@ def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) 
         plan,
         config.algorithm.batch_size,
         levels=tuple(config.fleet.capacity_levels),
-        hypergradient="none" if estimator is None else estimator.memory_model,  # type: ignore[arg-type]
+        hypergradient="none" if estimator is None else estimator.memory_model,
         inner_names=model.inner_param_names(),
     )
 
@@ -262,7 +262,9 @@ def build(config: RunConfig) -> Experiment:
         overcommit=fc.overcommit,
         phase_deadline_s=fc.phase_deadline_s,
         local_steps=(
-            UniformLocalSteps(*fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round")
+            UniformLocalSteps(
+                *fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round"
+            )
             if fc.local_steps in ("uniform", "uniform_per_round")
             else None
         ),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radbo.data import Dataset, calibration_set
-from radbo.models import BilevelModel
+from radbo.models import BatchNormConfig, BilevelModel
 from radbo.problem import forward
 from radbo.typing import Params
 
@@ -98,4 +98,5 @@ def calibration_inputs(config: RunConfig, train: Dataset) -> torch.Tensor | None
     mc = config.model
     if not mc.static_batchnorm:
         return None
-    return calibration_set(train, int(getattr(mc, "calibration_samples")), config.seed)
+    assert isinstance(mc, BatchNormConfig), "only a BatchNormConfig has static BN"
+    return calibration_set(train, int(mc.calibration_samples), config.seed)

@@ -22,6 +22,7 @@ from radbo.config import RunConfig
 from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
 from radbo.experiment.baseline import baseline_config
 from radbo.experiment.build import build
+from radbo.version import __version__
 
 __all__ = ["RunResult", "run", "save_results"]
 
@@ -233,6 +234,4 @@ def save_results(result: RunResult, out: Path) -> None:
 
 
 def _version() -> str:
-    from radbo import __version__
-
     return __version__

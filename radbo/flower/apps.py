@@ -34,11 +34,11 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from radbo.client import run_measured
 from radbo.config import RunConfig, load_config, parse_config
 from radbo.experiment import Experiment, RunResult, build, run
 from radbo.flower.backend import FlowerBackend, FlowerTaskError, actions, message_type
-from radbo.flower.codec import CONFIG, decode_task, encode_result
-from radbo.client import run_measured
+from radbo.flower.codec import CONFIG, config_number, decode_task, encode_result
 
 #: Config-record key of the run config (JSON) in every task message.
 CONFIG_KEY = "radbo.config"
@@ -143,7 +143,7 @@ def discover_nodes(grid: Grid, num_clients: int, *, wait_s: float = 120.0) -> di
     for reply in replies:
         if reply.has_error():
             continue
-        partition = int(reply.content.config_records[CONFIG][PARTITION])
+        partition = int(config_number(reply.content.config_records[CONFIG], PARTITION))
         if 0 <= partition < num_clients:
             mapping.setdefault(partition, int(reply.metadata.src_node_id))
     missing = sorted(set(range(num_clients)) - set(mapping))

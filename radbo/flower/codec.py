@@ -25,8 +25,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import Tensor
 
-from radbo.problem import ClientData
 from radbo.client import ClientBudget, ClientResult, ClientTask, CostRecord
+from radbo.problem import ClientData
 from radbo.typing import IndexSet, Params
 
 ARRAYS = "arrays"
@@ -54,6 +54,24 @@ def _put_params(arrays: dict[str, Array], prefix: str, params: Mapping[str, Tens
 
 def _get_params(record: ArrayRecord, prefix: str, names: list[str]) -> Params:
     return {name: _tensor(record[f"{prefix}/{name}"]) for name in names}
+
+
+def config_number(config: ConfigRecord, key: str) -> int | float:
+    """The number :func:`encode_task` / :func:`encode_result` stored under ``key``."""
+    value = config[key]
+    if not isinstance(value, int | float):
+        raise TypeError(f"config record entry {key!r} is not a number: {value!r}")
+    return value
+
+
+def _config_strings(config: ConfigRecord, key: str) -> list[str]:
+    """The list of strings stored under ``key``."""
+    value = config[key]
+    if isinstance(value, list):
+        strings = [v for v in value if isinstance(v, str)]
+        if len(strings) == len(value):
+            return strings
+    raise TypeError(f"config record entry {key!r} is not a list of strings: {value!r}")
 
 
 def encode_task(task: ClientTask, extra: Mapping[str, Any] | None = None) -> RecordDict:
@@ -95,23 +113,25 @@ def decode_task(content: RecordDict) -> ClientTask:
     arrays = content.array_records[ARRAYS]
     config = content.config_records[CONFIG]
     index_set: IndexSet = {}
-    for name, flags in zip(config["index_names"], config["index_whole"], strict=True):
+    names, whole = _config_strings(config, "index_names"), _config_strings(config, "index_whole")
+    for name, flags in zip(names, whole, strict=True):
         index_set[name] = tuple(
             None if flag == "1" else _tensor(arrays[f"index/{name}/{d}"])
             for d, flag in enumerate(flags)
         )
     return ClientTask(
-        client=int(config["client"]),
-        round=int(config["round"]),
+        client=int(config_number(config, "client")),
+        round=int(config_number(config, "round")),
         phase=str(config["phase"]),
-        params=_get_params(arrays, "params", list(config["param_names"])),
+        params=_get_params(arrays, "params", _config_strings(config, "param_names")),
         index_set=index_set,
         data=ClientData(inner=_tensor(arrays["data/inner"]), outer=_tensor(arrays["data/outer"])),
-        seed=int(config["seed"]),
+        seed=int(config_number(config, "seed")),
         budget=ClientBudget(
-            capacity=float(config["capacity"]), local_steps=int(config["local_steps"])
+            capacity=float(config_number(config, "capacity")),
+            local_steps=int(config_number(config, "local_steps")),
         ),
-        slot=int(config["slot"]),
+        slot=int(config_number(config, "slot")),
     )
 
 
@@ -138,9 +158,11 @@ def decode_result(content: RecordDict) -> ClientResult:
     arrays = content.array_records[ARRAYS]
     config = content.config_records[CONFIG]
     return ClientResult(
-        client=int(config["client"]),
-        update=_get_params(arrays, "update", list(config["update_names"])),
-        cost=CostRecord(**{k: int(config[f"cost/{k}"]) for k in _COST_FIELDS}),
-        metrics={k: config[f"metric/{k}"] for k in config["metric_names"]},
-        slot=int(config["slot"]),
+        client=int(config_number(config, "client")),
+        update=_get_params(arrays, "update", _config_strings(config, "update_names")),
+        cost=CostRecord(**{k: int(config_number(config, f"cost/{k}")) for k in _COST_FIELDS}),
+        metrics={
+            k: config_number(config, f"metric/{k}") for k in _config_strings(config, "metric_names")
+        },
+        slot=int(config_number(config, "slot")),
     )

@@ -40,11 +40,15 @@ __all__ = [
     "Estimator",
     "FiniteFloat",
     "HypergradResult",
+    "MemoryModel",
     "init_state",
 ]
 
 #: What an estimator can give an algorithm (see the module docstring).
 Capability = Literal["hypergradient", "products", "penalty"]
+#: The hypergradient buffers an estimator needs, as the budget planner models them (one of
+#: :data:`radbo.devices.budget.Hypergradient`).
+MemoryModel = Literal["implicit", "finite_difference", "first_order"]
 #: A float that must be finite (no NaN, no infinity).
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -101,7 +105,7 @@ class Estimator(Section):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     products_fields: ClassVar[frozenset[str]] = frozenset()
     penalty_fields: ClassVar[frozenset[str]] = frozenset()
-    memory_model: ClassVar[str] = "implicit"
+    memory_model: ClassVar[MemoryModel] = "implicit"
     state_keys: ClassVar[tuple[str, ...]] = ()
 
     def fields_for(self, use: str) -> frozenset[str] | None:

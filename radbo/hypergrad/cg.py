@@ -14,6 +14,7 @@ from radbo.hypergrad.base import (
     Estimator,
     FiniteFloat,
     HypergradResult,
+    MemoryModel,
     implicit_result,
     require_y,
 )
@@ -62,7 +63,7 @@ class ImplicitCG(Estimator):
     damping: FiniteFloat = Field(0.0, ge=0, description="added to the diagonal of H_yy")
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
-    memory_model: ClassVar[str] = "implicit"
+    memory_model: ClassVar[MemoryModel] = "implicit"
 
     def __call__(
         self,

@@ -18,7 +18,14 @@ from radbo.autodiff import (
     solve_cg,
     tuple_dot,
 )
-from radbo.hypergrad.base import ESTIMATORS, Estimator, FiniteFloat, HypergradResult, require_y
+from radbo.hypergrad.base import (
+    ESTIMATORS,
+    Estimator,
+    FiniteFloat,
+    HypergradResult,
+    MemoryModel,
+    require_y,
+)
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FiniteDifference"]
@@ -123,12 +130,9 @@ class FiniteDifference(Estimator):
     -2.0
     """
 
-
     name: Literal["finite_difference"] = "finite_difference"
     num_coordinates: int | None = Field(None, ge=1, description="|P|; default all of x")
-    fraction: FiniteFloat | None = Field(
-        None, gt=0, le=1, description="|P| as a share of dim(x)"
-    )
+    fraction: FiniteFloat | None = Field(None, gt=0, le=1, description="|P| as a share of dim(x)")
     mu: FiniteFloat = Field(1e-3, gt=0, description="coordinate step of eq. (10)")
     hvp_mu: FiniteFloat = Field(1e-3, gt=0, description="norm of the y-step of H_yy u")
     cg_iters: int = Field(10, ge=1, description="at most this many CG iterations")
@@ -143,7 +147,7 @@ class FiniteDifference(Estimator):
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "products"})
     products_fields: ClassVar[frozenset[str]] = frozenset({"hvp_mu"})
-    memory_model: ClassVar[str] = "finite_difference"
+    memory_model: ClassVar[MemoryModel] = "finite_difference"
 
     @model_validator(mode="after")
     def _one_size(self) -> FiniteDifference:
@@ -225,18 +229,26 @@ class FiniteDifference(Estimator):
             outer_loss, "outer_loss", x_names, xs, y_names, ys, wrt_x=True, wrt_y=True, lead=lead
         )
         system = FiniteDifferenceSystem(
-            inner_loss, dict(zip(x_names, xs, strict=True)), dict(zip(y_names, ys, strict=True)),
-            mu=self.hvp_mu, lead=lead, with_x=False,
-        )  # fmt: skip
+            inner_loss,
+            dict(zip(x_names, xs, strict=True)),
+            dict(zip(y_names, ys, strict=True)),
+            mu=self.hvp_mu,
+            lead=lead,
+            with_x=False,
+        )
         base = system.grad_y_g
         calls: int | Tensor = 0
         if self.as_printed:
             w = grad_y_f  # Alg. 2 line 7 as printed
         else:
             v, calls = solve_cg(
-                system.hvp, grad_y_f, max_iter=self.cg_iters, tol=self.tol,
-                damping=self.damping, lead=lead,
-            )  # fmt: skip
+                system.hvp,
+                grad_y_f,
+                max_iter=self.cg_iters,
+                tol=self.tol,
+                damping=self.damping,
+                lead=lead,
+            )
             w = tuple(-t for t in v)
 
         # x as one flat vector per client; a coordinate p is perturbed in a copy of it
@@ -264,9 +276,16 @@ class FiniteDifference(Estimator):
                     f"x[{x_names[i]!r}] = {value!r} in {old.dtype}; raise mu."
                 )
             _, shifted = loss_grads(
-                inner_loss, "inner_loss", x_names, unflat(flat.scatter(-1, p, new)), y_names, ys,
-                wrt_x=False, wrt_y=True, lead=lead,
-            )  # fmt: skip
+                inner_loss,
+                "inner_loss",
+                x_names,
+                unflat(flat.scatter(-1, p, new)),
+                y_names,
+                ys,
+                wrt_x=False,
+                wrt_y=True,
+                lead=lead,
+            )
             diff = tuple(s - b for s, b in zip(shifted, base, strict=True))
             # in float64, as a plain-float computation would be; then added once in x's dtype
             term = scale * tuple_dot(diff, w, lead).double() / step.reshape(lead_shape).double()

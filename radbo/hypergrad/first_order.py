@@ -14,6 +14,7 @@ from radbo.hypergrad.base import (
     Estimator,
     FiniteFloat,
     HypergradResult,
+    MemoryModel,
     require_y,
     state_blocks,
 )
@@ -96,7 +97,7 @@ class FirstOrder(Estimator):
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "penalty"})
     penalty_fields: ClassVar[frozenset[str]] = frozenset({"lam"})
-    memory_model: ClassVar[str] = "first_order"
+    memory_model: ClassVar[MemoryModel] = "first_order"
     state_keys: ClassVar[tuple[str, ...]] = ("y_lambda", "z")
 
     def __call__(

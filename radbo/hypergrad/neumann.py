@@ -14,6 +14,7 @@ from radbo.hypergrad.base import (
     Estimator,
     FiniteFloat,
     HypergradResult,
+    MemoryModel,
     implicit_result,
     require_y,
 )
@@ -70,7 +71,7 @@ class Neumann(Estimator):
     eta: FiniteFloat = Field(0.1, gt=0, description="series step, 1/L of the inner curvature")
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
-    memory_model: ClassVar[str] = "implicit"
+    memory_model: ClassVar[MemoryModel] = "implicit"
 
     def __call__(
         self,

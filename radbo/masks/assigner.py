@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from radbo.client import ClientBudget
 from radbo.masks.policies import MaskPolicy, RoundPreparedPolicy
 from radbo.masks.structure import StructurePlan
-from radbo.client import ClientBudget
 from radbo.typing import IndexSet, Params
 
 

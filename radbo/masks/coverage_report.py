@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
 __all__ = ["CoverageStats", "CoverageTracker", "RoundCoverage", "coverage_stats"]
 
 

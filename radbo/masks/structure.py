@@ -18,8 +18,9 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch_pruning as tp
@@ -30,8 +31,19 @@ from radbo.typing import IndexSet, Params
 
 __all__ = ["StructurePlan", "kept_count"]
 
+
+class _Handler(Protocol):
+    """A Torch-Pruning pruning function: a method bound to its pruner (``__self__``), which
+    prunes ``idxs`` channels of ``layer`` in place and may return it."""
+
+    __name__: str
+    __self__: Any  # a torch_pruning pruner (torch_pruning has no type information)
+
+    def __call__(self, layer: nn.Module, idxs: Sequence[int]) -> nn.Module | None: ...
+
+
 #: Key of one layer operation: (layer name, Torch-Pruning handler, pruning dim of the handler).
-_OpKey = tuple[str, Callable[..., nn.Module], int]
+_OpKey = tuple[str, _Handler, int]
 
 
 def kept_count(channels: int, ratio: float) -> int:
@@ -222,15 +234,15 @@ class StructurePlan:
         slices: list[_Slice] = []
         for name, tag in tags.items():
             new = after.get(name)
-            plain = new is not None and new.ndim == tag.ndim
-            changed = [d for d in range(tag.ndim) if plain and new.shape[d] != tag.shape[d]]
-            if plain and not changed and torch.equal(new, tag):
-                continue
-            if plain and len(changed) == 1:
-                dim = changed[0]
-                if tag.shape[dim] == channels and torch.equal(new, tag.index_select(dim, kept)):
-                    slices.append(_Slice(_join(lname, name), dim, channels))
+            if new is not None and new.ndim == tag.ndim:  # else not a plain index selection
+                changed = [d for d in range(tag.ndim) if new.shape[d] != tag.shape[d]]
+                if not changed and torch.equal(new, tag):
                     continue
+                if len(changed) == 1:
+                    dim = changed[0]
+                    if tag.shape[dim] == channels and torch.equal(new, tag.index_select(dim, kept)):
+                        slices.append(_Slice(_join(lname, name), dim, channels))
+                        continue
             raise NotImplementedError(
                 f"{handler.__name__} on layer {lname!r} ({type(layer).__name__}) does not slice "
                 f"{name!r} as a plain index selection along one dimension (grouped convolutions, "

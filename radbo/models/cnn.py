@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
-from typing import ClassVar, Literal
-
-from pydantic import Field
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
-from radbo.models.base import BatchNormConfig, MODELS, BilevelModel, ModelConfig, Width
+from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, Width
 
 
 class SmallCNN(BilevelModel):

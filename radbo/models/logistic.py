@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from typing import ClassVar, Literal
 
-from pydantic import Field
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
-from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
+from radbo.models.base import MODELS, BilevelModel, ModelConfig
 from radbo.typing import Params
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from pydantic import Field
-from collections.abc import Sequence
-
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
@@ -22,8 +21,8 @@ class MLP(BilevelModel):
     hyper-representation network on MNIST; ``MLP(64, [128], 10)`` fits scikit-learn's digits.
     """
 
-    inner_modules = ("head",)
-    output_layers = ("head",)
+    inner_modules: tuple[str, ...] = ("head",)
+    output_layers: tuple[str, ...] = ("head",)
 
     def __init__(self, in_features: int = 64, hidden: Sequence[int] = (128,), classes: int = 10):
         super().__init__()

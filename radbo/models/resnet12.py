@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from pydantic import Field
-from collections.abc import Sequence
-
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
-from radbo.models.base import BatchNormConfig, MODELS, BilevelModel, ModelConfig, Width
+from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, Width
 
 #: Stage widths of ResNet-12 in MetaOptNet (Lee et al., CVPR 2019) and RFS (Tian et al., 2020).
 RESNET12_WIDTHS: tuple[int, int, int, int] = (64, 160, 320, 640)

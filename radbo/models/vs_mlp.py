@@ -4,12 +4,11 @@ VS-loss parameters, y = the whole network)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from pydantic import Field
-from collections.abc import Sequence
-
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, ModelConfig, Width

@@ -77,7 +77,9 @@ class BatchedBackend:
             size = self.max_group or len(members)
             for start in range(0, len(members), size):
                 chunk = members[start : start + size]
-                for i, result in zip(chunk, self._run(work, runtime, tasks, prepared, chunk), strict=True):
+                for i, result in zip(
+                    chunk, self._run(work, runtime, tasks, prepared, chunk), strict=True
+                ):
                     results[i] = run_measured(work, runtime, meter, tasks[i], result)
         return [r for r in results if r is not None]
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,6 +42,7 @@ from radbo.cost import (
 )
 from radbo.masks.coverage_report import CoverageTracker
 from radbo.masks.index import coverage_counts
+from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seed, task_seed
 from radbo.typing import IndexSet, Params
 
@@ -282,7 +282,9 @@ class Simulation(Generic[State]):
         n = len(self.clients)
         if self.profiles is None:
             return list(range(n))
-        draws = torch.rand(n, generator=self._generator(round, Stream.AVAILABILITY), dtype=torch.float64)
+        draws = torch.rand(
+            n, generator=self._generator(round, Stream.AVAILABILITY), dtype=torch.float64
+        )
         return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
 
     def dropouts(self, round: int, sampled: Sequence[int], num_phases: int) -> dict[int, int]:
@@ -344,9 +346,7 @@ class Simulation(Generic[State]):
             comm_s=comm_s,
         )
 
-    def _coverage(
-        self, index_sets: Sequence[IndexSet], weights: Sequence[float]
-    ) -> dict[str, Any]:
+    def _coverage(self, index_sets: Sequence[IndexSet], weights: Sequence[float]) -> dict[str, Any]:
         """Per-block coverage of this round's index sets (RABO Definition 3); clients of
         weight 0 hold nothing (:func:`radbo.masks.index.coverage_counts`)."""
         out: dict[str, Any] = {}

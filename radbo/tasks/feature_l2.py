@@ -11,7 +11,7 @@ in the bias too (the per-feature term covers the weights), as the implicit hyper
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -20,12 +20,22 @@ from radbo.tasks.hyper_representation import HyperRepresentation
 from radbo.typing import Params
 
 
+@runtime_checkable
+class _RegularizedModel(Protocol):
+    """A model supplying the inner loss's regularizer, like
+    :class:`~radbo.models.logistic.FeatureL2Logistic` (tasks may not import models)."""
+
+    def regularizer(self, x: Params, y: Params) -> Tensor: ...
+
+
 @TASKS.register
 class FeatureL2(HyperRepresentation):
     """Cross-entropy losses (:class:`HyperRepresentation`'s); the inner one adds the model's
     per-feature L2 regularizer before the ``inner_l2`` term (``[task] name = "feature_l2"``,
     model ``logistic``: x is outside the forward pass, so there is nothing to prune)."""
 
+    # a subclass narrowing its parent's Literal tag: pydantic's tagged unions need it, mypy
+    # sees an incompatible override
     name: Literal["feature_l2"] = "feature_l2"  # type: ignore[assignment]
     inner_l2: float = InnerL2(1e-3)
 
@@ -33,4 +43,5 @@ class FeatureL2(HyperRepresentation):
     maskable: ClassVar[bool] = False
 
     def regularizer(self, module: nn.Module, x: Params, y: Params) -> Tensor:
+        assert isinstance(module, _RegularizedModel), "feature_l2 needs the logistic model"
         return module.regularizer(x, y)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,14 @@ def balanced_class_weights(labels: Tensor, num_classes: int) -> Tensor:
     return (inverse / inverse[present].mean()).to(torch.float32)
 
 
+@runtime_checkable
+class _VSModel(Protocol):
+    """A model holding the VS-loss hyperparameters, like :class:`~radbo.models.VSMLP`
+    (tasks may not import models)."""
+
+    def vs_parameters(self, x: Params) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
 @dataclass(frozen=True, eq=False)
 class VSLoss:
     """VS inner loss (x read from the model, :meth:`~radbo.models.VSMLP.vs_parameters`) with
@@ -106,6 +114,7 @@ class VSLoss:
     def inner_loss(
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
+        assert isinstance(module, _VSModel), "the VS loss reads x through VSMLP.vs_parameters"
         logits = forward(module, x, y, buffers, batch.inputs)
         weight, shift, scale = module.vs_parameters(x)
         loss = vs_cross_entropy(logits, batch.targets, weight, shift, scale)

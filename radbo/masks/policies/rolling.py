@@ -43,7 +43,7 @@ class RollingPolicy:
             raise ValueError(
                 f"stride must be a positive integer number of channels per round, got {stride!r}"
             )
-        self.stride = int(stride)
+        self.stride: int = int(stride)
 
     def __call__(
         self,

@@ -1,0 +1,219 @@
+"""radbo's shape: the import layers, and an algorithm added without touching radbo.
+
+1. Every import in ``radbo/`` (module level or inside a function) goes from a higher layer to a
+   lower one (or stays inside its own package): no package imports one above it, so there is
+   no import cycle between packages.
+2. A toy algorithm defined and registered in this file alone runs through ``radbo.run`` from a
+   plain config mapping, on the sequential and the batched backend, and checkpoints -- adding
+   an algorithm is its file plus its registration, nothing else.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import pytest
+import torch
+from pydantic import Field
+
+import radbo
+from radbo.aggregation import apply_step, coverage_weighted_mean
+from radbo.algorithms import ALGORITHMS, AlgorithmConfig, Wiring
+from radbo.algorithms.base import AlgorithmBase, clone
+from radbo.autodiff import loss_grads, scalar
+from radbo.client import ClientResult, ClientRuntime, ClientTask, ClientWork, Cohort, Phase, Prepared
+from radbo.config import ConfigError, parse_config
+from radbo.masks.index import extract
+from radbo.problem import draw_indices
+from radbo.typing import IndexSet, Params
+
+ROOT = Path(radbo.__file__).resolve().parent
+
+#: The layers of radbo, lowest first. A module may import its own package and any package of a
+#: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
+LAYERS: list[set[str]] = [
+    {"typing", "randomness", "registry", "version", "flops"},
+    {"autodiff", "problem", "cost", "checkpoint"},
+    {"client"},
+    {"masks", "models", "data", "tasks", "hypergrad"},
+    {"aggregation", "devices"},
+    {"algorithms", "simulation"},
+    {"config", "report"},
+    {"experiment"},
+    {"export"},
+    {"cli", "flower"},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def node(module: str) -> str:
+    """The package (or root module) a dotted ``radbo.x.y`` module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports_of(path: Path) -> list[str]:
+    """Every radbo module ``path`` imports, at any depth of the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = ".".join(("radbo", *path.relative_to(ROOT).with_suffix("").parts))
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            found += [a.name for a in n.names if a.name.split(".")[0] == "radbo"]
+        elif isinstance(n, ast.ImportFrom):
+            if n.level:  # relative import: resolve against this module
+                base = package.rsplit(".", n.level)[0]
+                module = f"{base}.{n.module}" if n.module else base
+            else:
+                module = n.module or ""
+            if module.split(".")[0] == "radbo":
+                found += [module]
+    return found
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    files = sorted(ROOT.rglob("*.py"))
+    seen_nodes = set()
+    problems = []
+    for path in files:
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("__init__.py", "__main__.py"):
+            continue
+        here = rel.parts[0].removesuffix(".py")
+        seen_nodes.add(here)
+        assert here in LAYER, f"{rel}: package {here!r} has no layer in LAYERS"
+        for module in imports_of(path):
+            there = node(module)
+            if there == here:
+                continue
+            if there not in LAYER or LAYER[there] >= LAYER[here]:
+                problems.append(f"{rel} imports {module} (layer {LAYER.get(there)} >= {LAYER[here]})")
+    assert not problems, "\n".join(problems)
+    assert seen_nodes == set(LAYER), f"LAYERS lists packages that do not exist: {set(LAYER) - seen_nodes}"
+
+
+def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
+    source = "def f():\n    from radbo.experiment import run\n    import radbo.cli\n"
+    path = ROOT / "_probe.py"
+    try:
+        path.write_text(source)
+        assert imports_of(path) == ["radbo.experiment", "radbo.cli"]
+    finally:
+        path.unlink()
+
+
+# ------------------------------------------------------------------- a toy algorithm, here only
+@dataclass(frozen=True)
+class ToyState:
+    x: Params
+    y: Params
+    buffers: Params
+    round: int = 0
+
+
+@ALGORITHMS.register
+class ToyConfig(AlgorithmConfig):
+    """A toy first-order method: each client takes ``local_steps`` SGD steps on y and one
+    gradient of f in x at its last y (ignoring y's dependence on x); the server averages."""
+
+    name: Literal["toy_alternating"]
+    inner_lr: float = Field(0.3, gt=0)
+    outer_lr: float = Field(0.1, gt=0)
+    local_steps: int = Field(3, ge=1)
+    batch_size: int = Field(16, ge=1)
+    outer_batch_size: int = Field(16, ge=1)
+
+    @property
+    def local_steps_default(self) -> int:
+        return self.local_steps
+
+    def build(self, wiring: Wiring) -> Toy:
+        return self.bind(Toy, wiring)
+
+
+class Toy(ToyConfig, AlgorithmBase):
+    def init(self, x: Params, y: Params, buffers: Params) -> ToyState:
+        return ToyState(clone(x), clone(y), clone(buffers))
+
+    def phases(self) -> Sequence[Phase[ToyState]]:
+        return (Phase("train", self.broadcast, ClientWork(self.run_client, self.prepare), self.server),)
+
+    def broadcast(self, state: ToyState, index_set: IndexSet, slot: int = 0) -> Params:
+        return extract(self.model_state(state), index_set)
+
+    def prepare(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        gen = task.generator()
+        steps = torch.stack(
+            [draw_indices(task.data.inner, self.batch_size, gen) for _ in range(self.local_steps)]
+        )
+        outer = draw_indices(task.data.outer, self.outer_batch_size, gen)
+        return Prepared(data={"outer": outer}, steps={"inner": steps}, num_steps=self.local_steps)
+
+    def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        module = cohort.module(runtime)
+        x = cohort.params(self.outer_names)
+        y = cohort.params(self.inner_names, clone=True)
+        buffers = cohort.params(self.buffer_names, clone=True)
+        start = {n: t.clone() for n, t in y.items()}
+        for step in range(cohort.max_steps):
+            batch = runtime.batch(cohort.step_data("inner", step))
+            y_var = {n: t.requires_grad_(True) for n, t in y.items()}
+            loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
+            grads = torch.autograd.grad(scalar("g", loss, cohort.lead), list(y_var.values()))
+            y = {n: (t - self.inner_lr * g).detach() for (n, t), g in zip(y_var.items(), grads)}
+        outer, _ = cohort.bind(runtime.problem, module, buffers, batch, runtime.batch(cohort.data("outer")))
+        gx, _ = loss_grads(
+            outer, "f", tuple(x), tuple(x.values()), tuple(y), tuple(y.values()),
+            wrt_x=True, wrt_y=False, lead=cohort.lead,
+        )  # fmt: skip
+        update = {**dict(zip(x, gx)), **{n: (start[n] - y[n]) / self.inner_lr for n in y}}
+        return cohort.replies(update, n_grad=self.local_steps + 1)
+
+    def server(self, state, results, index_sets, weights):
+        shapes = {n: t.shape for n, t in {**state.x, **state.y}.items()}
+        agg = coverage_weighted_mean([r.update for r in results], index_sets, shapes, weights)
+        x = apply_step(state.x, agg, self.outer_lr)
+        y = apply_step(state.y, agg, self.inner_lr)
+        return replace(state, x=x, y=y, round=state.round + 1), {}
+
+
+TOY = {
+    "rounds": 6,
+    "eval_every": 3,
+    "seed": 1,
+    "fleet": {"num_clients": 4, "capacities": [1.0, 0.5]},
+    "model": {"name": "mlp", "hidden": [32]},
+    "partition": {"kind": "iid"},
+    "algorithm": {"name": "toy_alternating", "local_steps": 3},
+}
+
+
+def test_a_toy_algorithm_registered_in_a_test_runs_through_radbo_run(tmp_path: Path) -> None:
+    cfg = parse_config(TOY)
+    assert isinstance(cfg.algorithm, ToyConfig) and cfg.estimator is None
+    untrained = radbo.run(parse_config({**TOY, "rounds": 1}), progress=False, save=False)
+    result = radbo.run(cfg, progress=False, save=False, output_dir=tmp_path)
+    assert result.totals["communication_rounds"] == 6
+    assert result.final["test_loss"] < untrained.final["test_loss"]  # it learns
+    batched = radbo.run(
+        parse_config({**TOY, "runtime": {"backend": "batched", "dtype": "float64"}}),
+        progress=False,
+        save=False,
+    )
+    sequential = radbo.run(parse_config({**TOY, "runtime": {"dtype": "float64"}}), progress=False, save=False)
+    for k, t in sequential.state.x.items():
+        assert float((t - batched.state.x[k]).abs().max()) <= 1e-10 * float(t.abs().max())
+    assert batched.ledger == sequential.ledger
+
+
+def test_a_registered_toy_algorithm_gets_the_config_checks() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm.local_steps = 0: Input should be greater"):
+        parse_config({**TOY, "algorithm": {"name": "toy_alternating", "local_steps": 0}})
+    with pytest.raises(ConfigError, match="algorithm toy_alternating takes no estimator"):
+        parse_config({**TOY, "estimator": {"name": "cg"}})
+    with pytest.raises(ConfigError, match="'toy_alternating'"):  # listed among the known tags
+        parse_config({**TOY, "algorithm": {"name": "nope"}})
