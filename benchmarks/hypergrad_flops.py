@@ -88,7 +88,7 @@ def hyper_representation(model, batch: int, gen: torch.Generator):
     y = {n: state[n] for n in inner_names}
     buffers = {n: t for n, t in state.items() if n not in x and n not in y}
     model.train()
-    outer, inner = bind_losses(HyperRepresentation(0.01), model, buffers, b, b)
+    outer, inner = bind_losses(HyperRepresentation(inner_l2=0.01), model, buffers, b, b)
     return outer, inner, x, y
 
 

@@ -36,6 +36,7 @@ def config_for(method: str, seed: int):
         # the demo's fleet and masks with ShroFBO (examples/shrofbo.toml's step sizes), tau = 10
         shro = load_config(ROOT / "examples" / "shrofbo.toml").model_dump()["algorithm"]
         data["algorithm"] = {**shro, "local_steps": 10}
+        data.pop("estimator")  # ShroFBO's own default: exact (autograd) second-order products
     data.update(seed=seed, rounds=rounds, eval_every=1)
     data["baseline"] = {"enabled": False}
     return parse_config(data)

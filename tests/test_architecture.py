@@ -14,7 +14,7 @@ import ast
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import pytest
 import torch
@@ -25,7 +25,15 @@ from radbo.aggregation import apply_step, coverage_weighted_mean
 from radbo.algorithms import ALGORITHMS, AlgorithmConfig, Wiring
 from radbo.algorithms.base import AlgorithmBase, clone
 from radbo.autodiff import loss_grads, scalar
-from radbo.client import ClientResult, ClientRuntime, ClientTask, ClientWork, Cohort, Phase, Prepared
+from radbo.client import (
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    ClientWork,
+    Cohort,
+    Phase,
+    Prepared,
+)
 from radbo.config import ConfigError, parse_config
 from radbo.masks.index import extract
 from radbo.problem import draw_indices
@@ -91,9 +99,13 @@ def test_every_import_goes_down_the_layers() -> None:
             if there == here:
                 continue
             if there not in LAYER or LAYER[there] >= LAYER[here]:
-                problems.append(f"{rel} imports {module} (layer {LAYER.get(there)} >= {LAYER[here]})")
+                problems.append(
+                    f"{rel} imports {module} (layer {LAYER.get(there)} >= {LAYER[here]})"
+                )
     assert not problems, "\n".join(problems)
-    assert seen_nodes == set(LAYER), f"LAYERS lists packages that do not exist: {set(LAYER) - seen_nodes}"
+    assert seen_nodes == set(LAYER), (
+        f"LAYERS lists packages that do not exist: {set(LAYER) - seen_nodes}"
+    )
 
 
 def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
@@ -140,7 +152,9 @@ class Toy(ToyConfig, AlgorithmBase):
         return ToyState(clone(x), clone(y), clone(buffers))
 
     def phases(self) -> Sequence[Phase[ToyState]]:
-        return (Phase("train", self.broadcast, ClientWork(self.run_client, self.prepare), self.server),)
+        return (
+            Phase("train", self.broadcast, ClientWork(self.run_client, self.prepare), self.server),
+        )
 
     def broadcast(self, state: ToyState, index_set: IndexSet, slot: int = 0) -> Params:
         return extract(self.model_state(state), index_set)
@@ -164,13 +178,28 @@ class Toy(ToyConfig, AlgorithmBase):
             y_var = {n: t.requires_grad_(True) for n, t in y.items()}
             loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
             grads = torch.autograd.grad(scalar("g", loss, cohort.lead), list(y_var.values()))
-            y = {n: (t - self.inner_lr * g).detach() for (n, t), g in zip(y_var.items(), grads)}
-        outer, _ = cohort.bind(runtime.problem, module, buffers, batch, runtime.batch(cohort.data("outer")))
+            y = {
+                n: (t - self.inner_lr * g).detach()
+                for (n, t), g in zip(y_var.items(), grads, strict=True)
+            }
+        outer, _ = cohort.bind(
+            runtime.problem, module, buffers, batch, runtime.batch(cohort.data("outer"))
+        )
         gx, _ = loss_grads(
-            outer, "f", tuple(x), tuple(x.values()), tuple(y), tuple(y.values()),
-            wrt_x=True, wrt_y=False, lead=cohort.lead,
-        )  # fmt: skip
-        update = {**dict(zip(x, gx)), **{n: (start[n] - y[n]) / self.inner_lr for n in y}}
+            outer,
+            "f",
+            tuple(x),
+            tuple(x.values()),
+            tuple(y),
+            tuple(y.values()),
+            wrt_x=True,
+            wrt_y=False,
+            lead=cohort.lead,
+        )
+        update = {
+            **dict(zip(x, gx, strict=True)),
+            **{n: (start[n] - y[n]) / self.inner_lr for n in y},
+        }
         return cohort.replies(update, n_grad=self.local_steps + 1)
 
     def server(self, state, results, index_sets, weights):
@@ -204,7 +233,9 @@ def test_a_toy_algorithm_registered_in_a_test_runs_through_radbo_run(tmp_path: P
         progress=False,
         save=False,
     )
-    sequential = radbo.run(parse_config({**TOY, "runtime": {"dtype": "float64"}}), progress=False, save=False)
+    sequential = radbo.run(
+        parse_config({**TOY, "runtime": {"dtype": "float64"}}), progress=False, save=False
+    )
     for k, t in sequential.state.x.items():
         assert float((t - batched.state.x[k]).abs().max()) <= 1e-10 * float(t.abs().max())
     assert batched.ledger == sequential.ledger

@@ -41,10 +41,12 @@ def test_full_model_baselines_refuse_masks(name):
 
 
 def test_fleet_dropout_is_counted_and_training_goes_on():
+    """Measured with seeds 0, 1, 2 (examples/fedmsa.toml, dropout 0.3): accuracy 0.886, 0.928,
+    0.936 (untrained 0.097, 0.150, 0.117). Asserted: 0.8."""
     result = run(example("fedmsa", dropout=0.3), progress=False, save=False)
     dropped = result.totals["dropped_client_rounds"]
     assert 0.15 * result.totals["client_rounds"] < dropped < 0.45 * result.totals["client_rounds"]
-    assert result.final["test_accuracy"] > 0.5
+    assert result.final["test_accuracy"] >= 0.8
 
 
 def test_fedmbo_as_the_savings_baseline_takes_the_runs_settings():

@@ -3,21 +3,27 @@
 import torch
 from torch.func import functional_call
 
+from radbo.config import RunConfig
 from radbo.experiment import build, calibrate_batchnorm, run
 from radbo.models import SmallCNN
 from tests.configs import small_config
+from tests.untrained import untrained_metrics
 
 
 def test_calibration_recomputes_exact_batch_statistics():
+    """In float64: BatchNorm's running statistics vs ``mean``/``var`` of the same 64 x 8 x 8 =
+    4096 conv outputs per channel. Both sum 4096 values of size O(1) in different orders; the
+    bound n * eps * sum|terms| = 4096 * 1.1e-16 * 4096 = 2e-9 on a sum, i.e. 5e-13 on the mean
+    (and on the variance, whose terms are squares of O(1) deviations): atol = 1e-10."""
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = SmallCNN()
+        model = SmallCNN().double()
     state = model.state_dict()
     x = {n: state[n] for n in model.outer_param_names()}
     y = {n: state[n] for n in model.inner_param_names()}
     b = {n: t for n, t in state.items() if n not in x and n not in y}
-    inputs = torch.randn(64, 1, 8, 8, generator=gen)
+    inputs = torch.randn(64, 1, 8, 8, generator=gen, dtype=torch.float64)
 
     with torch.no_grad():
         new = calibrate_batchnorm(model, x, y, b, inputs)
@@ -25,22 +31,33 @@ def test_calibration_recomputes_exact_batch_statistics():
             model.body[0], {"weight": x["body.0.weight"], "bias": x["body.0.bias"]}, (inputs,)
         )
 
-    assert torch.allclose(new["body.1.running_mean"], conv.mean(dim=(0, 2, 3)), atol=1e-5)
-    assert torch.allclose(
-        new["body.1.running_var"], conv.var(dim=(0, 2, 3), unbiased=True), atol=1e-4
-    )
+    mean, var = conv.mean(dim=(0, 2, 3)), conv.var(dim=(0, 2, 3), unbiased=True)
+    torch.testing.assert_close(new["body.1.running_mean"], mean, rtol=0, atol=1e-10)
+    torch.testing.assert_close(new["body.1.running_var"], var, rtol=0, atol=1e-10)
+    assert not torch.allclose(new["body.1.running_var"], torch.ones_like(var))  # recomputed
     assert torch.equal(b["body.1.running_mean"], state["body.1.running_mean"])  # input untouched
     assert model.body[1].momentum == 0.1  # restored
 
 
-def test_static_bn_keeps_server_statistics_out_of_aggregation_and_still_learns():
-    cfg = small_config(
-        rounds=6,
-        eval_every=6,
+def static_bn_config(seed: int = 0, rounds: int = 3) -> RunConfig:
+    return small_config(
+        seed=seed,
+        rounds=rounds,
+        eval_every=rounds,
         model={"name": "cnn", "batchnorm": "static", "calibration_samples": 256},
         fleet={"capacities": [1.0, 0.5], "devices": None},
+        baseline={"enabled": False},
     )
+
+
+def test_static_bn_keeps_server_statistics_out_of_aggregation_and_still_learns():
+    """Learning, against the untrained model (statistics calibrated the same way). Measured
+    (static_bn_config(seed), seeds 0, 1, 2): accuracy 0.106, 0.100, 0.139 -> 0.568, 0.607,
+    0.574; loss 2.339, 2.316, 2.355 -> 1.518, 1.484, 1.543. Asserted: accuracy +0.25 (measured
+    at least +0.43) and loss -0.4 (measured at least -0.81)."""
+    cfg = static_bn_config()
     exp = build(cfg)
+    untrained = untrained_metrics(cfg)
 
     result = run(cfg, progress=False, save=False)
 
@@ -49,11 +66,15 @@ def test_static_bn_keeps_server_statistics_out_of_aggregation_and_still_learns()
     inner = [e for e in result.ledger if e["phase"] == "train.inner"]
     aggregated = run(
         small_config(
-            rounds=1, model={"name": "cnn"}, fleet={"capacities": [1.0, 0.5], "devices": None}
+            rounds=1,
+            model={"name": "cnn"},
+            fleet={"capacities": [1.0, 0.5], "devices": None},
+            baseline={"enabled": False},
         ),
         progress=False,
         save=False,
     )
     agg_inner = [e for e in aggregated.ledger if e["phase"] == "train.inner"]
     assert inner[0]["bytes_up"] < agg_inner[0]["bytes_up"]  # no statistics sent up
-    assert result.final["test_accuracy"] > 0.3
+    assert result.final["test_accuracy"] >= untrained["test_accuracy"] + 0.25
+    assert result.final["test_loss"] <= untrained["test_loss"] - 0.4

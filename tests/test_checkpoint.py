@@ -70,7 +70,11 @@ CASES = {
     ),
     "shrofbo-uniform-tau": dict(
         algorithm={"name": "shrofbo"},
-        fleet={"capacities": [1.0, 0.5], "local_steps": "uniform_per_round"},
+        fleet={
+            "capacities": [1.0, 0.5],
+            "local_steps": "uniform_per_round",
+            "local_steps_range": [1, 4],
+        },
     ),
     "first-order": dict(estimator={"name": "first_order", "inner_steps": 3}),
     "fedmbo-dropout": dict(
@@ -88,7 +92,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch, case):
-    cfg = small_config(rounds=6, checkpoint_every=2, **CASES[case])
+    # the baseline's checkpoints are test_crash_in_the_baseline_resumes_both_runs's subject
+    cfg = small_config(rounds=4, checkpoint_every=2, baseline={"enabled": False}, **CASES[case])
     whole = run(cfg, progress=False, output_dir=tmp_path / "whole")
 
     crash_at(monkeypatch, 3)  # the checkpoint after round 2 is the last one written
@@ -104,14 +109,14 @@ def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch, case):
 
 
 def test_crash_in_the_baseline_resumes_both_runs(tmp_path, monkeypatch):
-    cfg = small_config(rounds=4, checkpoint_every=3, baseline={"enabled": True})
+    cfg = small_config(rounds=3, checkpoint_every=2, baseline={"enabled": True})
     run(cfg, progress=False, output_dir=tmp_path / "whole")
-    crash_at(monkeypatch, 3, skip=1)  # the main run passes round 3, the baseline dies there
+    crash_at(monkeypatch, 2, skip=1)  # the main run passes round 2, the baseline dies there
     with pytest.raises(Crash):
         run(cfg, progress=False, output_dir=tmp_path / "cut")
     done = json.loads((tmp_path / "cut/checkpoints/run/checkpoint.json").read_text())
     base = json.loads((tmp_path / "cut/checkpoints/baseline/checkpoint.json").read_text())
-    assert (done["rounds_done"], base["rounds_done"]) == (4, 3)
+    assert (done["rounds_done"], base["rounds_done"]) == (3, 2)
     assert not (tmp_path / "cut/results.json").exists()
 
     run(cfg, progress=False, output_dir=tmp_path / "cut", resume=True)
@@ -119,12 +124,13 @@ def test_crash_in_the_baseline_resumes_both_runs(tmp_path, monkeypatch):
 
 
 def test_extending_a_finished_run_equals_running_longer(tmp_path):
+    """The run and its baseline both continue from their last checkpoints (rounds 2 -> 3)."""
     long = run(
-        small_config(rounds=6, checkpoint_every=2), progress=False, output_dir=tmp_path / "a"
+        small_config(rounds=3, checkpoint_every=2), progress=False, output_dir=tmp_path / "a"
     )
-    run(small_config(rounds=4, checkpoint_every=2), progress=False, output_dir=tmp_path / "b")
+    run(small_config(rounds=2, checkpoint_every=2), progress=False, output_dir=tmp_path / "b")
     extended = run(
-        small_config(rounds=6, checkpoint_every=2),
+        small_config(rounds=3, checkpoint_every=2),
         progress=False,
         output_dir=tmp_path / "b",
         resume=True,
@@ -134,7 +140,7 @@ def test_extending_a_finished_run_equals_running_longer(tmp_path):
 
 
 def test_resume_without_checkpoint_starts_afresh(tmp_path):
-    cfg = small_config(rounds=2)
+    cfg = small_config(rounds=2, baseline={"enabled": False})
     a = run(cfg, progress=False, output_dir=tmp_path / "a", resume=True)
     b = run(cfg, progress=False, output_dir=tmp_path / "b")
     assert_same_state(a.state, b.state)
@@ -142,11 +148,21 @@ def test_resume_without_checkpoint_starts_afresh(tmp_path):
 
 
 def test_other_config_or_fewer_rounds_is_refused(tmp_path):
-    run(small_config(rounds=4, checkpoint_every=2), progress=False, output_dir=tmp_path)
+    off = {"enabled": False}
+    run(
+        small_config(rounds=2, checkpoint_every=1, baseline=off),
+        progress=False,
+        output_dir=tmp_path,
+    )
     with pytest.raises(CheckpointError, match=r"different config \(seed: 0 then, 1 now\)"):
-        run(small_config(rounds=4, seed=1), progress=False, output_dir=tmp_path, resume=True)
-    with pytest.raises(CheckpointError, match="after round 4, past rounds = 3"):
-        run(small_config(rounds=3), progress=False, output_dir=tmp_path, resume=True)
+        run(
+            small_config(rounds=2, seed=1, baseline=off),
+            progress=False,
+            output_dir=tmp_path,
+            resume=True,
+        )
+    with pytest.raises(CheckpointError, match="after round 2, past rounds = 1"):
+        run(small_config(rounds=1, baseline=off), progress=False, output_dir=tmp_path, resume=True)
 
 
 def test_cli_resume_and_bad_checkpoint_exit_codes(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Config validation and the `radbo run` command line."""
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -105,29 +106,21 @@ def test_cli_missing_file_and_bad_toml_exit_2(tmp_path, capsys):
     assert "not valid TOML" in capsys.readouterr().err
 
 
-def test_cli_run_writes_results_and_plot(tmp_path):
+def test_cli_run_writes_results_and_plot(tmp_path, capsys):
+    """``radbo run`` in-process (a fresh interpreter costs 8 s more, mostly imports and first
+    builds; test_python_dash_m_radbo_is_the_cli checks the entry point)."""
     out = tmp_path / "run"
+    config = tmp_path / "demo.toml"  # the demo without its full-model baseline run
+    text = DEMO.read_text()
+    assert "[baseline]\n" in text and "enabled = true\n" in text
+    config.write_text(text.replace("enabled = true\n", "enabled = false\n"))
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "radbo",
-            "run",
-            str(DEMO),
-            "--rounds",
-            "2",
-            "--output-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    code = main(["run", str(config), "--rounds", "2", "--output-dir", str(out)])
 
-    assert proc.returncode == 0, proc.stderr
-    assert "final test accuracy" in proc.stdout
-    assert "radbo" in proc.stderr  # the progress bar
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "final test accuracy" in captured.out
+    assert "radbo" in captured.err  # the progress bar
     results = json.loads((out / "results.json").read_text())
     assert len(results["rounds"]) == 2
     row = results["rounds"][-1]
@@ -140,8 +133,21 @@ def test_cli_run_writes_results_and_plot(tmp_path):
         "untrained_fraction_x",
     ):
         assert key in row
-    assert results["config"]["rounds"] == 2
+    assert results["config"]["rounds"] == 2 and not results["config"]["baseline"]["enabled"]
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_python_dash_m_radbo_is_the_cli():
+    proc = subprocess.run(
+        [sys.executable, "-m", "radbo", "run", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # as tests/conftest.py: one thread
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: radbo run") and "--output-dir" in proc.stdout
 
 
 def test_section_without_its_tag_takes_the_default_kind():

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from radbo.client import ClientBudget, ClientResult, ClientRuntime, ClientTask, CostRecord, Phase
 from radbo.config import ConfigError, load_config, parse_config
 from radbo.cost import LedgerEntry, index_metadata_bytes, phase_times, round_time, totals
 from radbo.devices.budget import DeviceTooSmallError
 from radbo.experiment import build, fleet_table, run
 from radbo.problem import ClientData
-from radbo.client import ClientBudget, ClientResult, ClientRuntime, ClientTask, CostRecord, Phase
 from radbo.simulation import Simulation
 from tests.configs import DEMO, demo_dict, small_config
 
@@ -208,7 +208,7 @@ def test_bytes_are_the_tensors_on_the_wire_and_quarter_capacity_sends_a_quarter_
 
 def test_run_reports_totals_tiers_and_savings_against_full_model_baseline():
     data = demo_dict()
-    data.update(rounds=3, eval_every=3, baseline={"enabled": True})
+    data.update(rounds=2, eval_every=2, baseline={"enabled": True})
 
     result = run(parse_config(data), progress=False, save=False)
 

@@ -5,6 +5,7 @@ import pytest
 from radbo.config import ConfigError
 from radbo.experiment import build, run
 from tests.configs import small_config
+from tests.untrained import untrained_metrics
 
 
 def _records(**overrides):
@@ -48,14 +49,21 @@ def test_rolling_policy_trains_everything_over_rounds_and_reports_it():
 
 
 @pytest.mark.parametrize("policy", ["random", "rolling", "coverage", "leading", "importance"])
-def test_every_policy_runs_end_to_end(policy):
+def test_every_policy_trains_end_to_end(policy):
+    """Two rounds at r = 1/2 beat the untrained model by a margin. Measured on seeds 0, 1, 2
+    (digits, untrained accuracy 0.10-0.15, loss 2.29-2.31): accuracy gains of at least 0.31
+    (leading, seed 0: 0.097 -> 0.407; the 15 runs reach 0.41-0.62) and loss drops of at least
+    0.21 (rolling, seed 1: 2.303 -> 2.089). Asserted: +0.2 and -0.1."""
     cfg = small_config(
         rounds=2,
         mask={"policy": policy, "coverage_k": 1},
         fleet={"capacities": [0.5], "devices": None},
+        baseline={"enabled": False},
     )
+    untrained = untrained_metrics(cfg)
 
     result = run(cfg, progress=False, save=False)
 
-    assert result.final["test_accuracy"] > 0.1
+    assert result.final["test_accuracy"] >= untrained["test_accuracy"] + 0.2
+    assert result.final["test_loss"] <= untrained["test_loss"] - 0.1
     assert "never_trained_fraction_x" in result.rounds[-1]

@@ -52,8 +52,11 @@ def solve_inner(inner, x, y):
 
     for _ in range(30):
         grad = torch.autograd.functional.jacobian(g, flat)
+        converged = float(grad.norm()) < 1e-12
         hess = torch.autograd.functional.hessian(g, flat)
         flat = flat - torch.linalg.solve(hess, grad)
+        if converged:  # one step past |grad| < 1e-12: Newton's quadratic rate ends at rounding
+            break
     assert float(torch.autograd.functional.jacobian(g, flat).norm()) < 1e-12
     return {n: p.reshape(y[n].shape) for n, p in zip(names, flat.split(sizes), strict=True)}
 
@@ -77,14 +80,37 @@ def test_implicit_hypergradient_equals_the_derivative_of_the_validation_loss():
     assert float((grad - numeric).norm() / numeric.norm()) < 1e-6
 
 
+def learned_and_fixed(rounds: int, seed: int = 0):
+    """examples/feature_l2.toml for ``rounds`` rounds, and the same with x fixed at its
+    initial log-weights (-1 for every feature)."""
+    data = load_config(ROOT / "examples" / "feature_l2.toml").model_dump()
+    data.update(rounds=rounds, seed=seed)
+    learned = run(parse_config(data), progress=False, save=False)
+    data["algorithm"]["outer_lr"] = 1e-12  # x stays put
+    fixed = run(parse_config(data), progress=False, save=False)
+    return learned, fixed
+
+
+def test_fifteen_rounds_of_learning_the_weights_beat_keeping_them_fixed():
+    """The cheap version of the 60-round test below. Measured (learned_and_fixed(15, seed),
+    seeds 0, 1, 2): test loss 1.673 vs 1.880, 1.666 vs 1.872, 1.663 vs 1.867 (gaps 0.204 to
+    0.207; they grow with the rounds: 0.1 after 10, 0.33 after 20), accuracy 0.841, 0.880,
+    0.864 learned, smallest log-weight -2.49, -2.47, -2.31 (-1 at the start).
+    Asserted: a loss gap of 0.1, accuracy 0.75, smallest log-weight below -2."""
+    learned, fixed = learned_and_fixed(15)
+
+    assert learned.final["test_loss"] <= fixed.final["test_loss"] - 0.1
+    assert learned.final["test_accuracy"] >= 0.75
+    assert float(learned.state.x["log_l2"].min()) < -2.0
+    assert float((fixed.state.x["log_l2"] + 1.0).abs().max()) < 1e-6
+
+
+@pytest.mark.slow
 def test_learning_the_weights_beats_keeping_them_fixed():
     """examples/feature_l2.toml: measured test loss 0.82 learned vs 1.88 fixed, accuracy 0.88
     vs 0.80."""
-    cfg = load_config(ROOT / "examples" / "feature_l2.toml")
-    learned = run(cfg, progress=False, save=False)
-    data = cfg.model_dump()
-    data["algorithm"]["outer_lr"] = 1e-12  # x stays put
-    fixed = run(parse_config(data), progress=False, save=False)
+    learned, fixed = learned_and_fixed(60)
+
     assert learned.final["test_loss"] < 0.6 * fixed.final["test_loss"]
     assert learned.final["test_accuracy"] >= 0.85
     x = learned.state.x["log_l2"]

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from radbo.algorithms.fedmbo import FedMBO
+from radbo.client import ClientBudget, ClientRuntime
 from radbo.models import MLP
 from radbo.problem import Batch, ClientData
-from radbo.client import ClientBudget, ClientRuntime
-from radbo.simulation import Simulation
 from radbo.randomness import derive_seed
+from radbo.simulation import Simulation
 from radbo.tasks import HyperRepresentation
 
 TASK = HyperRepresentation(inner_l2=0.1)
@@ -158,7 +158,10 @@ def test_a_chain_that_loses_its_client_ends_the_others_finish():
     [
         ({"eta": 0.0}, "eta\n  Input should be greater than 0"),
         ({"neumann_terms": 0}, "neumann_terms\n  Input should be greater than or equal to 1"),
-        ({"clients_per_phase": 0}, "clients_per_phase\n  Input should be greater than or equal to 1"),
+        (
+            {"clients_per_phase": 0},
+            "clients_per_phase\n  Input should be greater than or equal to 1",
+        ),
         ({"max_hypergrad_norm": -1.0}, "max_hypergrad_norm\n  Input should be greater than 0"),
     ],
 )

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from radbo.algorithms.fedmsa import FedMSA
+from radbo.client import ClientBudget, ClientRuntime
 from radbo.models import MLP
 from radbo.problem import ClientData, sample_batch
-from radbo.client import ClientBudget, ClientRuntime
-from radbo.simulation import Simulation
 from radbo.randomness import derive_seed
+from radbo.simulation import Simulation
 from radbo.tasks import HyperRepresentation
 
 TASK = HyperRepresentation(inner_l2=0.1)

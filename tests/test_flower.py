@@ -195,9 +195,13 @@ def test_flower_backend_reports_missing_and_failed_replies(recorded, flower_iden
         FlowerBackend(grid, {}, extra=extra).run(None, None, None, tasks)
 
 
+@pytest.mark.slow
 def test_flower_simulation_matches_engine():
     """RABO with masks on the demo fleet, 2 rounds on Flower's Ray runtime (one SuperNode per
-    client) gives bitwise the state, ledger and per-round records of ``radbo.experiment.run``."""
+    client) gives bitwise the state, ledger and per-round records of ``radbo.experiment.run``.
+
+    Slow (20-30 s on 2 cores, nearly all of it starting Ray and Flower: 3 SuperNodes and 1
+    round take as long). The fake-grid tests above run the same FlowerBackend in-process."""
     config = small_config(rounds=2, baseline={"enabled": False})
     # Bitwise equality needs the same float summation order everywhere: Ray gives each
     # SuperNode one CPU (one intra-op thread), so the in-process run uses one thread too.

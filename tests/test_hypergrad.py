@@ -26,10 +26,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from torch import Tensor, nn
 from torch.func import functional_call
-
-from pydantic import ValidationError
 
 import radbo.autodiff
 import radbo.hypergrad.base

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import Tensor, nn
 from torch.func import functional_call
-
-from pydantic import ValidationError
 
 import radbo.hypergrad.autograd
 import radbo.hypergrad.finite_difference
@@ -668,7 +667,9 @@ def test_fd_products_never_build_a_gradient_graph(
         ),
         (lambda: FirstOrder(lr=float("nan")), "lr\n  Input should be a finite number"),
         (
-            lambda: FiniteDifferenceSystem(lambda x, y: y["w"].sum(), {}, {"w": torch.ones(1)}, mu=0.0),
+            lambda: FiniteDifferenceSystem(
+                lambda x, y: y["w"].sum(), {}, {"w": torch.ones(1)}, mu=0.0
+            ),
             "FiniteDifferenceSystem.mu must be a finite number > 0",
         ),
     ],

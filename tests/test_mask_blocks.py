@@ -3,10 +3,10 @@
 import torch
 from torch import nn
 
+from radbo.client import ClientBudget
 from radbo.masks import LeadingPolicy, StructurePlan
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.models import BilevelModel
-from radbo.client import ClientBudget
 
 
 class TwoLayerHead(BilevelModel):

@@ -86,7 +86,11 @@ def test_bad_values(kw, message):
 def test_config_keys_reach_the_engine_and_the_totals():
     from radbo.experiment import run
 
-    cfg = small_config(rounds=2, fleet={"clients_per_round": 4, "overcommit": 0.5})
+    cfg = small_config(
+        rounds=2,
+        fleet={"clients_per_round": 4, "overcommit": 0.5},
+        baseline={"enabled": False},
+    )
     exp = build(cfg)
     assert exp.simulation.overcommit == 0.5 and exp.simulation.phase_deadline_s is None
     result = run(cfg, progress=False, save=False)

@@ -131,7 +131,8 @@ def test_run_totals_count_rejections(monkeypatch):
         return exp
 
     monkeypatch.setattr(runner, "build", poisoned_build)
-    result = experiment.run(small_config(rounds=2), progress=False, save=False)
+    cfg = small_config(rounds=2, baseline={"enabled": False})
+    result = experiment.run(cfg, progress=False, save=False)
     rounds_with_1 = sum(1 in r["clients"] for r in result.rounds)
     assert rounds_with_1 > 0
     assert result.totals["rejected_updates"] == 2 * rounds_with_1

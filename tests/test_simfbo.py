@@ -6,9 +6,10 @@ from torch import nn
 
 from radbo.algorithms.shrofbo import ShroFBO
 from radbo.algorithms.simfbo import SimFBO
-from radbo.experiment import build, run
-from radbo.problem import Batch, ClientData
 from radbo.client import ClientBudget, ClientRuntime
+from radbo.experiment import build, run
+from radbo.hypergrad import FiniteDifference, FirstOrder
+from radbo.problem import Batch, ClientData
 from radbo.simulation import Simulation
 from tests.configs import small_config
 
@@ -36,7 +37,7 @@ class QuadraticClients:
         return 0.5 * ((y["y"] - batch.inputs.mean(0)) ** 2).sum()
 
 
-def _two_client_run(cls, taus, rounds=400):
+def _two_client_run(cls, taus, rounds=150, **kwargs):
     d = 3
     centers = torch.tensor([[1.0, -2.0, 0.5], [-3.0, 4.0, 2.0]], dtype=torch.float64)
     model = TwoVariables(d).double()
@@ -52,6 +53,7 @@ def _two_client_run(cls, taus, rounds=400):
         radius=None,
         batch_size=1,
         outer_batch_size=1,
+        **kwargs,
     )
     sim = Simulation(
         algorithm=algo,
@@ -113,17 +115,68 @@ def test_one_communication_round_per_iteration():
     assert all(r["communication_rounds"] == 1 for r in result.rounds)
 
 
+@pytest.mark.parametrize(
+    "estimator", [FiniteDifference(), FirstOrder(lam=1.0), FirstOrder(lam=10.0)]
+)
+def test_second_order_free_modes_reach_the_closed_form_points(estimator):
+    """Finite-difference products (exact on a quadratic) and the fully first-order penalty
+    mode keep Theorems 1 and 2 on the two-client quadratic: SimFBO goes to the tau-weighted
+    point, ShroFBO to the true minimiser. For this problem the penalty hypergradient
+    ``lam (x - y_lam) = lam / (1 + lam) (x - c_i)`` vanishes at the same point for every lam,
+    so the penalty mode has no lam-bias here. Measured: within 3e-6 after 150 rounds (the
+    O(eta) local drift, as for the exact products)."""
+    taus = (1, 9)
+    sim_state, c = _two_client_run(SimFBO, taus, estimator=estimator)
+    shro_state, _ = _two_client_run(ShroFBO, taus, estimator=estimator)
+    tau_weighted = (taus[0] * c[0] + taus[1] * c[1]) / sum(taus)
+    assert torch.allclose(sim_state.x["x"], tau_weighted, atol=1e-4)
+    assert torch.allclose(shro_state.x["x"], c.mean(0), atol=1e-4)
+    assert torch.allclose(shro_state.y["y"], shro_state.x["x"], atol=1e-4)  # y (z) tracks y*(x)
+
+
 @pytest.mark.parametrize("estimator", ["finite_difference", "first_order"])
-def test_second_order_free_products_run_without_hessian_vector_products(estimator):
+def test_second_order_free_modes_make_no_hessian_vector_products(estimator):
     cfg = small_config(algorithm={"name": "shrofbo"}, estimator={"name": estimator}, rounds=2)
 
     result = run(cfg, progress=False, save=False)
 
     assert result.totals["n_hvp"] == 0
-    assert result.totals["n_grad"] > 0
-    assert result.final["test_accuracy"] == result.final["test_accuracy"]  # not NaN
+    assert (
+        result.totals["n_grad"]
+        == 3
+        * sum(  # 3 gradients per local step (tau = 5)
+            1 for row in result.ledger if row["phase"] == "train"
+        )
+        * 5
+    )
 
 
+def test_twenty_rounds_shrofbo_beats_simfbo_under_heterogeneous_local_steps():
+    """examples/shrofbo.toml (tau_i uniform on {1..10}) for 20 rounds in float64 (so another
+    CPU's rounding cannot move the numbers). Measured, seeds 1 / 2 / 3: SimFBO test loss 0.695 /
+    1.211 / 0.921, ShroFBO 0.662 / 1.092 / 0.855; accuracy 0.894 / 0.850 / 0.869 vs 0.900 /
+    0.905 / 0.897. The 100-round version is the slow test below."""
+    from radbo.config import load_config, parse_config
+    from tests.configs import ROOT
+
+    data = load_config(ROOT / "examples" / "shrofbo.toml").model_dump()
+    final = {}
+    for name in ("simfbo", "shrofbo"):
+        cfg = parse_config(
+            {
+                **data,
+                "rounds": 20,
+                "eval_every": 20,
+                "runtime": {"dtype": "float64", "backend": "batched"},
+                "algorithm": {**data["algorithm"], "name": name},
+            }
+        )
+        final[name] = run(cfg, progress=False, save=False).final
+    assert final["shrofbo"]["test_loss"] < final["simfbo"]["test_loss"]
+    assert min(f["test_accuracy"] for f in final.values()) >= 0.85
+
+
+@pytest.mark.slow
 def test_shrofbo_reaches_simfbo_accuracy_under_heterogeneous_local_steps():
     """The paper's Sec. 5 setting (examples/shrofbo.toml: 10 clients, tau_i uniform on
     {1..10}); benchmarks/shrofbo_vs_simfbo.py reports the same comparison over seeds 0-3."""

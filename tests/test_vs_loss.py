@@ -46,8 +46,11 @@ def solve_inner(inner, x, y):
 
     for _ in range(30):
         grad = torch.autograd.functional.jacobian(g, flat)
+        converged = float(grad.norm()) < 1e-12
         hess = torch.autograd.functional.hessian(g, flat)
         flat = flat - torch.linalg.solve(hess, grad)
+        if converged:  # one step past |grad| < 1e-12: Newton's quadratic rate ends at rounding
+            break
     assert float(torch.autograd.functional.jacobian(g, flat).norm()) < 1e-12
     return unflatten(flat)
 
@@ -254,18 +257,42 @@ def per_class_accuracy(cfg, result):
     )
 
 
+def learned_and_frozen(rounds: int, seed: int = 0):
+    """examples/vs_loss.toml for ``rounds`` rounds, and the same with x frozen at plain
+    cross-entropy: per-class test accuracies of both, and both results."""
+    data = load_config(EXAMPLE).model_dump()
+    data.update(rounds=rounds, seed=seed)
+    cfg = parse_config(data)
+    data["algorithm"]["outer_lr"] = 1e-12  # x stays put: plain cross-entropy
+    frozen_cfg = parse_config(data)
+    learned = run(cfg, progress=False, save=False)
+    frozen = run(frozen_cfg, progress=False, save=False)
+    return per_class_accuracy(cfg, learned), per_class_accuracy(frozen_cfg, frozen), learned, frozen
+
+
+def test_ten_rounds_of_learning_x_beat_frozen_x_on_the_tail_classes():
+    """The cheap version of the 60-round test below: after 10 rounds the gap is even wider.
+    Measured (learned_and_frozen(10, seed) for seeds 0, 1, 2): tail classes 5-9 0.743 vs 0.602,
+    0.803 vs 0.697, 0.842 vs 0.657 (gaps 0.14, 0.11, 0.19); mean per-class accuracy 0.835 vs
+    0.773, 0.874 vs 0.818, 0.910 vs 0.820 (gaps 0.062, 0.056, 0.090); mean vs_shift of the
+    three most frequent classes minus the three rarest 0.21, 0.20, 0.21.
+    Asserted: gaps of 0.05, 0.025 and 0.1."""
+    acc_learned, acc_frozen, learned, frozen = learned_and_frozen(10)
+
+    assert float(acc_learned[5:].mean()) >= float(acc_frozen[5:].mean()) + 0.05
+    assert float(acc_learned.mean()) >= float(acc_frozen.mean()) + 0.025
+    assert all(float(t.abs().max()) < 1e-6 for t in frozen.state.x.values())
+    shift = learned.state.x["vs_shift"]
+    assert float(shift[7:].mean()) < float(shift[:3].mean()) - 0.1
+
+
+@pytest.mark.slow
 def test_learning_x_beats_frozen_x_on_the_tail_classes():
     """examples/vs_loss.toml, 60 rounds: accuracy on the tail classes 5-9 of the balanced test
     set 0.832 learned vs 0.781 frozen (x kept at plain cross-entropy), balanced accuracy 0.897
     vs 0.866. (Seeds 1 and 2: tail 0.899 vs 0.825 and 0.905 vs 0.819.)"""
-    cfg = load_config(EXAMPLE)
-    learned = run(cfg, progress=False, save=False)
-    data = cfg.model_dump()
-    data["algorithm"]["outer_lr"] = 1e-12  # x stays put: plain cross-entropy
-    frozen_cfg = parse_config(data)
-    frozen = run(frozen_cfg, progress=False, save=False)
-    acc_learned = per_class_accuracy(cfg, learned)
-    acc_frozen = per_class_accuracy(frozen_cfg, frozen)
+    acc_learned, acc_frozen, learned, frozen = learned_and_frozen(60)
+
     assert float(acc_learned[5:].mean()) >= float(acc_frozen[5:].mean()) + 0.03
     assert float(acc_learned.mean()) >= float(acc_frozen.mean()) + 0.015
     assert all(float(t.abs().max()) < 1e-6 for t in frozen.state.x.values())
