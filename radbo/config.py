@@ -41,11 +41,9 @@ __all__ = [
     "parse_config",
 ]
 
-_Strict = Section
-
 
 # -- fleet and masks ------------------------------------------------------------------------
-class TraceConfig(_Strict):
+class TraceConfig(Section):
     """A FedScale-style trace file: ``{client id: {computation: ms/sample, communication: kbit/s}}``
     in JSON or TOML. ``flops_per_sample`` converts ms/sample to FLOP/s."""
 
@@ -55,7 +53,7 @@ class TraceConfig(_Strict):
     availability: float = Field(1.0, ge=0, le=1)
 
 
-class FleetConfig(_Strict):
+class FleetConfig(Section):
     """Clients, their devices and what each can afford.
 
     Devices come from one source at most: ``devices`` (a tier mix of catalog ids -> weights,
@@ -124,7 +122,7 @@ class FleetConfig(_Strict):
         return any(getattr(self, k) is not None for k in ("devices", "file", "trace"))
 
 
-class MaskConfig(_Strict):
+class MaskConfig(Section):
     """Mask policy (``none`` = every client trains the full model) and which blocks to mask.
 
     ``coverage`` assigns channel segments so that every coordinate trained in a round is held
@@ -147,7 +145,7 @@ class MaskConfig(_Strict):
         return policy
 
 
-class BaselineConfig(_Strict):
+class BaselineConfig(Section):
     """The full-model reference run a savings report compares with, on the same fleet, data,
     seed and number of rounds (iterations), every client on the full model (capacity 1, no
     masks).
@@ -167,7 +165,7 @@ class BaselineConfig(_Strict):
     clients_per_phase: int | None = Field(None, ge=1, description="FedMBO's n")
 
 
-class RuntimeConfig(_Strict):
+class RuntimeConfig(Section):
     """How the simulation runs (not what it computes).
 
     ``backend``: ``"sequential"`` runs clients one after another; ``"batched"`` runs clients
@@ -180,7 +178,7 @@ class RuntimeConfig(_Strict):
     dtype: Literal["float32", "float64"] = "float32"
 
 
-class RunConfig(_Strict):
+class RunConfig(Section):
     """A whole run: what ``radbo run CONFIG.toml`` reads."""
 
     seed: int = 0

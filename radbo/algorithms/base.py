@@ -177,10 +177,6 @@ class AlgorithmBase(Section):
         """All model tensors (x, y and buffers) in full-model coordinates."""
         return {**state.x, **state.y, **state.buffers}
 
-    def with_(self, **changes: Any) -> Self:
-        """A copy with ``changes`` (validated)."""
-        return type(self).model_validate({**dict(self), **changes})
-
 
 def clone(tensors: Params) -> Params:
     """Detached copies of ``tensors``."""
