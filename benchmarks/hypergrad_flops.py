@@ -1,6 +1,7 @@
-"""FLOPs of one local hypergradient per estimator, measured with FlopCounterMode.
+"""FLOPs and peak memory of one local hypergradient per estimator (FlopCounterMode; the CPU
+allocator's events).
 
-Three tables, all ratios to exact implicit CG on the same (sub)model, so machine speed does not
+Four tables, all ratios to exact implicit CG on the same (sub)model, so machine speed does not
 enter:
 
 1. **One hypergradient** on a fixed batch under ``torch.utils.flop_counter.FlopCounterMode``
@@ -18,6 +19,10 @@ enter:
    only be cheaper when a product costs more than a gradient.
 3. **Engine ledger**: the outer-phase FLOPs each client records in a 3-round run of
    ``examples/demo.toml`` (RABO, CG) with the estimator swapped, per device tier.
+4. **Peak memory** of one hypergradient call on the problems of table 1
+   (:func:`radbo.devices.budget.measure_peak_memory`: the CPU allocator's events, what the
+   call allocates on top of the model and the batch), as a multiple of CG's: the
+   finite-difference estimator keeps no graph of the gradient for double backward.
 
     .venv/bin/python benchmarks/hypergrad_flops.py            # about 2 minutes on 2 cores
 """
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from radbo.config import parse_config
+from radbo.devices.budget import measure_peak_memory
 from radbo.experiment import run
 from radbo.flops import count_flops
 from radbo.hypergrad import FiniteDifference, FirstOrder, ImplicitCG, Neumann
@@ -131,7 +137,8 @@ def measure(est, outer, inner, x, y) -> tuple[int, tuple[int, int]]:
     return flops, (results[0].n_grad, results[0].n_hvp)
 
 
-def micro_tables() -> None:
+def cases() -> list[tuple[str, tuple]]:
+    """The (label, (outer, inner, x, y)) problems of tables 1, 2 and 4."""
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -148,11 +155,15 @@ def micro_tables() -> None:
             ),
             ("feature L2 of logistic regression (64 x)", feature_regularization(256, gen)),
         ]
+    return cases
+
+
+def micro_tables() -> None:
     names = [n for n, _ in ESTIMATORS]
     print("| problem | " + " | ".join(cell(n) for n in names) + " |")
     print("|---|" + "---:|" * len(names))
     units = []
-    for label, (outer, inner, x, y) in cases:
+    for label, (outer, inner, x, y) in cases():
         flops, counts = {}, {}
         for name, est in ESTIMATORS:
             flops[name], counts[name] = measure(est, outer, inner, x, y)
@@ -171,6 +182,30 @@ def micro_tables() -> None:
     print("|---|---:|---:|---:|")
     for label, grad, hvp in units:
         print(f"| {label} | {grad / 1e6:.3f} M | {hvp / 1e6:.3f} M | {hvp / grad:.2f} |")
+
+
+def memory_table() -> None:
+    """Measured peak memory of one hypergradient call (allocator events; what the call
+    allocates on top of the model and the batch), as a multiple of exact CG's."""
+    names = [n for n, _ in ESTIMATORS]
+    print()
+    print("| problem | " + " | ".join(cell(n) for n in names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for label, (outer, inner, x, y) in cases():
+        peaks = {}
+        for name, est in ESTIMATORS:
+
+            def call(est=est, problem=(outer, inner, x, y)) -> None:
+                est(*problem, generator=torch.Generator().manual_seed(1))
+
+            call()  # warm-up: first-call allocations of the kernels
+            peaks[name] = measure_peak_memory(call)
+        base = peaks[names[0]]
+        cells = [
+            f"{peaks[n] / 1e6:.2f} MB" if n == names[0] else f"{peaks[n] / base:.2f}x"
+            for n in names
+        ]
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 
 def ledger_table(rounds: int = 3) -> None:
@@ -207,6 +242,7 @@ def ledger_table(rounds: int = 3) -> None:
 def main() -> None:
     micro_tables()
     ledger_table()
+    memory_table()
 
 
 if __name__ == "__main__":

@@ -86,7 +86,12 @@ def _run(args: argparse.Namespace) -> int:
         config = parse_config({**config.model_dump(), **overrides})
     result = run(config, progress=not args.quiet, output_dir=args.output_dir, resume=args.resume)
     final = result.final
-    print(f"final test accuracy: {final.get('test_accuracy', float('nan')):.4f}")
+    accuracy = f"{final.get('test_accuracy', float('nan')):.4f}"
+    if "test_accuracy_ci95" in final:  # few-shot: mean over test episodes and its 95 % interval
+        accuracy += (
+            f" ± {final['test_accuracy_ci95']:.4f} (95% CI, {int(final['test_episodes'])} episodes)"
+        )
+    print(f"final test accuracy: {accuracy}")
     print(f"final test loss:     {final.get('test_loss', float('nan')):.4f}")
     totals = result.totals
     print(f"communication rounds: {int(totals.get('communication_rounds', 0))}")

@@ -35,7 +35,14 @@ import torch
 from torch import Tensor, nn
 
 from radbo.cost import FlopMeter, tensor_bytes
-from radbo.problem import Batch, BilevelProblem, ClientData, bind_losses
+from radbo.problem import (
+    Batch,
+    BilevelProblem,
+    ClientData,
+    MinibatchSampler,
+    Sampler,
+    bind_losses,
+)
 from radbo.typing import IndexSet, Params
 
 __all__ = [
@@ -138,8 +145,9 @@ def _shape_key(index_set: IndexSet) -> tuple:
 
 @dataclass
 class ClientRuntime:
-    """Read-only context shared by all client work: problem, training data and the factory of
-    submodel skeletons (modules whose tensor shapes match an index set).
+    """Read-only context shared by all client work: problem, training data, how minibatches are
+    drawn (``sampler``; see :class:`~radbo.problem.Sampler`) and the factory of submodel
+    skeletons (modules whose tensor shapes match an index set).
 
     Skeletons are cached by shape: ``functional_call`` supplies every parameter and buffer, so
     clients whose submodels have the same shapes share one module.
@@ -150,6 +158,7 @@ class ClientRuntime:
     labels: Tensor
     model: nn.Module
     build_submodel: Callable[[IndexSet], nn.Module] | None = None
+    sampler: Sampler = field(default_factory=MinibatchSampler)
     _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
 
     def module_for(self, index_set: IndexSet) -> nn.Module:

@@ -53,6 +53,44 @@ def draw_indices(indices: Tensor, batch_size: int, generator: torch.Generator) -
     return indices[pick]
 
 
+class Sampler(Protocol):
+    """Which examples a client's minibatches hold. Client work draws every minibatch through
+    the runtime's sampler with the task's generator, so that a task can change what a batch is
+    (an episode of a few-shot task) without touching any algorithm.
+
+    * ``inner(data, size, generator)`` -- a minibatch for the inner loss g;
+    * ``outer(data, size, generator)`` -- a minibatch for the outer loss f;
+    * ``pair(data, inner_size, outer_size, generator)`` -- an inner and an outer minibatch that
+      belong together (one episode's support and query sets).
+    """
+
+    def inner(self, data: ClientData, size: int, generator: torch.Generator) -> Tensor: ...
+
+    def outer(self, data: ClientData, size: int, generator: torch.Generator) -> Tensor: ...
+
+    def pair(
+        self, data: ClientData, inner_size: int, outer_size: int, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass(frozen=True)
+class MinibatchSampler:
+    """Minibatches drawn uniformly without replacement from the client's inner (training)
+    and outer (validation) examples; a pair is an inner draw followed by an outer one."""
+
+    def inner(self, data: ClientData, size: int, generator: torch.Generator) -> Tensor:
+        return draw_indices(data.inner, size, generator)
+
+    def outer(self, data: ClientData, size: int, generator: torch.Generator) -> Tensor:
+        return draw_indices(data.outer, size, generator)
+
+    def pair(
+        self, data: ClientData, inner_size: int, outer_size: int, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        first = draw_indices(data.inner, inner_size, generator)
+        return first, draw_indices(data.outer, outer_size, generator)
+
+
 def sample_batch(
     features: Tensor, labels: Tensor, indices: Tensor, batch_size: int, generator: torch.Generator
 ) -> Batch:
@@ -123,3 +161,34 @@ def bind_losses(
         return call(problem.inner_loss, module, x, y, scratch, inner_batch)
 
     return outer, inner
+
+
+def split_state(state: Params, outer: set[str], inner: set[str]) -> tuple[Params, Params, Params]:
+    """``(x, y, buffers)`` of a full model state; the buffers are copies (evaluation in
+    training mode may update them)."""
+    x = {k: v for k, v in state.items() if k in outer}
+    y = {k: v for k, v in state.items() if k in inner}
+    buffers = {k: v.clone() for k, v in state.items() if k not in outer and k not in inner}
+    return x, y, buffers
+
+
+def calibrate_batchnorm(
+    module: nn.Module, x: Params, y: Params, buffers: Params, inputs: torch.Tensor
+) -> Params:
+    """Static BN: BatchNorm statistics of (x, y) recomputed over ``inputs`` (one pass, exact
+    cumulative mean and variance via ``momentum = None``); returns the new buffers."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in bns]
+    fresh = {
+        k: (torch.zeros_like(v) if not k.endswith("running_var") else torch.ones_like(v))
+        for k, v in buffers.items()
+    }
+    try:
+        for m in bns:
+            m.momentum = None
+        module.train()
+        forward(module, x, y, fresh, inputs)
+    finally:
+        for m, momentum in zip(bns, momenta, strict=True):
+            m.momentum = momentum
+    return fresh

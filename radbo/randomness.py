@@ -40,6 +40,7 @@ class Stream(IntEnum):
     SUBSET = 17  #: limit_train / limit_test subsets (index 0: train, 1: test)
     ALGORITHM = 18  #: an algorithm's own server-side draws (FedMBO's Neumann truncations)
     LONG_TAIL = 19  #: which examples a long-tailed training set keeps
+    EVALUATION = 20  #: a task's own evaluation draws (the few-shot test episodes)
     # -- per round: derive_seed(run seed, round, stream [, client or phase])
     AVAILABILITY = 0xA7A1  #: which clients are available in a round
     DROPOUT = 0xD809  #: which sampled clients drop out, and in which phase

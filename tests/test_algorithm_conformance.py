@@ -12,7 +12,9 @@ every estimator each one accepts (``test_cases_cover_every_algorithm_and_estimat
 * client work sent through Flower messages (an in-process fake grid) equals the engine;
 * the batched backend equals the sequential one.
 
-Runs are tiny (4 clients, an MLP with 16 hidden units, 2 rounds) and in float64, so that the
+Cases cover the hyper-representation task on an MLP and the few-shot task on Conv-4 (episodes,
+BatchNorm, static BN). Runs are tiny (4 clients, an MLP with 16 hidden units, 2 rounds) and in
+float64, so that the
 equivalence checks hold on any CPU: "bitwise" where the same operations run in the same
 order, 1e-10 relative where a stacked cohort reduces in another order (the finite-difference
 estimator divides rounding errors by its step mu = 1e-3, so it gets 1e-8).
@@ -91,6 +93,23 @@ CASES: dict[str, tuple[dict, dict | None, dict]] = {
         {"name": "fedmsa", "local_steps": 2},
         {"name": "finite_difference"},
         FULL_MODEL,
+    ),
+    "fedavg": ({"name": "fedavg", "local_steps": 3}, None, {}),
+    "rabo-cg-few_shot": (
+        {"name": "rabo", "inner_steps": 2},
+        {"name": "cg", "max_iter": 3},
+        {
+            "model": {"name": "conv4", "width": 4, "batchnorm": "static"},
+            "task": {"name": "few_shot", "ways": 5, "shots": 1, "queries": 3, "test_episodes": 20},
+        },
+    ),
+    "fedavg-few_shot": (
+        {"name": "fedavg", "local_steps": 2},
+        None,
+        {
+            "model": {"name": "conv4", "width": 4},
+            "task": {"name": "few_shot", "ways": 5, "shots": 1, "queries": 3, "test_episodes": 20},
+        },
     ),
 }
 

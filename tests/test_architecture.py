@@ -36,7 +36,6 @@ from radbo.client import (
 )
 from radbo.config import ConfigError, parse_config
 from radbo.masks.index import extract
-from radbo.problem import draw_indices
 from radbo.typing import IndexSet, Params
 
 ROOT = Path(radbo.__file__).resolve().parent
@@ -46,8 +45,8 @@ ROOT = Path(radbo.__file__).resolve().parent
 LAYERS: list[set[str]] = [
     {"typing", "randomness", "registry", "version", "flops"},
     {"autodiff", "problem", "cost", "checkpoint"},
-    {"client"},
-    {"masks", "models", "data", "tasks", "hypergrad"},
+    {"client", "data"},
+    {"masks", "models", "tasks", "hypergrad"},
     {"aggregation", "devices"},
     {"algorithms", "simulation"},
     {"config", "report"},
@@ -162,9 +161,12 @@ class Toy(ToyConfig, AlgorithmBase):
     def prepare(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         gen = task.generator()
         steps = torch.stack(
-            [draw_indices(task.data.inner, self.batch_size, gen) for _ in range(self.local_steps)]
+            [
+                runtime.sampler.inner(task.data, self.batch_size, gen)
+                for _ in range(self.local_steps)
+            ]
         )
-        outer = draw_indices(task.data.outer, self.outer_batch_size, gen)
+        outer = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
         return Prepared(data={"outer": outer}, steps={"inner": steps}, num_steps=self.local_steps)
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:

@@ -103,6 +103,7 @@ def test_digits_stays_the_default_data_and_takes_its_section_without_a_name() ->
         "name": "digits",
         "test_fraction": 0.2,
         "outer_fraction": 0.3,
+        "image_size": None,
     }
 
     cfg = parse_config({"data": {"test_fraction": 0.25}})
@@ -196,7 +197,7 @@ def test_new_model_kinds_validate_with_their_defaults(model: dict, expected: dic
         (
             {"model": {"name": "vgg"}},
             "config error: model = {...}: Input tag 'vgg' found using 'name' does not match any "
-            "of the expected tags: 'cnn', 'cnn7', 'logistic', 'mlp', 'resnet18', 'resnet12', 'vs_mlp'",
+            "of the expected tags: 'cnn', 'cnn7', 'conv4', 'logistic', 'mlp', 'resnet18', 'resnet12', 'vs_mlp'",
         ),
     ],
 )

@@ -179,7 +179,8 @@ def test_twenty_rounds_shrofbo_beats_simfbo_under_heterogeneous_local_steps():
 @pytest.mark.slow
 def test_shrofbo_reaches_simfbo_accuracy_under_heterogeneous_local_steps():
     """The paper's Sec. 5 setting (examples/shrofbo.toml: 10 clients, tau_i uniform on
-    {1..10}); benchmarks/shrofbo_vs_simfbo.py reports the same comparison over seeds 0-3."""
+    {1..10}); benchmarks/paper/shrofbo_heterogeneous.py reports the same comparison over
+    several seeds, with uniform client weights p_i = 1/n."""
     from radbo.config import load_config, parse_config
     from tests.configs import ROOT
 
@@ -195,3 +196,54 @@ def test_shrofbo_reaches_simfbo_accuracy_under_heterogeneous_local_steps():
     assert final["shrofbo"] >= final["simfbo"]
     assert final["simfbo"] > 0.85
     assert len(taus) == 1  # tau_i drawn once per client: the same mean every round
+
+
+def _rho_runs(**fleet):
+    """One round of ShroFBO with each rho (float64, full models, tau_i uniform on {1..5})."""
+    out = {}
+    for rho in ("holders", "printed"):
+        cfg = small_config(
+            rounds=1,
+            algorithm={"name": "shrofbo", "rho": rho},
+            mask={"policy": "none"},
+            fleet={
+                "capacities": [1.0],
+                "local_steps": "uniform",
+                "local_steps_range": [1, 5],
+                **fleet,
+            },
+            runtime={"dtype": "float64"},
+        )
+        exp = build(cfg)
+        ((state, record),) = exp.simulation.iterate(exp.initial_state, 1)
+        out[rho] = (exp, state, record)
+    return out
+
+
+def test_printed_rho_equals_holders_rho_with_the_whole_population():
+    """Every client available and sampled, full masks: eq. (8)'s rho over all n clients is the
+    holders' rho, so both forms give the same step."""
+    runs = _rho_runs(devices=None, capacities=[1.0])
+    (_, sh, rh), (_, sp, _) = runs["holders"], runs["printed"]
+    assert len(rh.clients) == 10
+    for k, t in sh.x.items():
+        torch.testing.assert_close(sp.x[k], t, rtol=1e-12, atol=1e-12)
+
+
+def test_printed_rho_scales_the_step_by_the_population_mean():
+    """4 of 10 clients sampled: the printed rho is coefficient * sum_j p_j tau_j over all 10,
+    the holders' rho the same mean over the 4; the steps differ by exactly their ratio."""
+    runs = _rho_runs(devices=None, capacities=[1.0], clients_per_round=4)
+    (exp, sh, rh), (_, sp, rp) = runs["holders"], runs["printed"]
+    assert rh.clients == rp.clients and len(rh.clients) == 4
+    taus = [b.local_steps for b in exp.simulation.round_budgets(0, list(range(10)))]
+    weights = [1.0] * 10  # the demo's uniform client weights
+    rho_all = sum(w * t for w, t in zip(weights, taus, strict=True)) / sum(weights)
+    sampled = rh.clients
+    rho_sample = sum(weights[c] * taus[c] for c in sampled) / sum(weights[c] for c in sampled)
+    assert rho_all != pytest.approx(rho_sample)
+    x0 = exp.initial_state.x
+    for k in x0:
+        printed, holders = sp.x[k] - x0[k], sh.x[k] - x0[k]
+        torch.testing.assert_close(printed, holders * (rho_all / rho_sample), rtol=1e-9, atol=1e-12)
+    assert runs["printed"][0].simulation.algorithm.population_steps == pytest.approx(rho_all)

@@ -5,6 +5,7 @@ importing this package registers the built-in ones.
 """
 
 from radbo.algorithms.base import ALGORITHMS, AlgorithmConfig, Wiring
+from radbo.algorithms.fedavg import FedAvg, FedAvgConfig, FedAvgState
 from radbo.algorithms.fedmbo import FedMBO, FedMBOConfig, FedMBOState
 from radbo.algorithms.fedmsa import FedMSA, FedMSAConfig, FedMSAState
 from radbo.algorithms.rabo import RABO, RABOConfig, RABOState
@@ -15,6 +16,9 @@ __all__ = [
     "ALGORITHMS",
     "RABO",
     "AlgorithmConfig",
+    "FedAvg",
+    "FedAvgConfig",
+    "FedAvgState",
     "FedMBO",
     "FedMBOConfig",
     "FedMBOState",

@@ -53,6 +53,9 @@ class Wiring:
         budget_steps: whether each client's local-step count comes from its budget (the
             fleet's ``local_steps`` is not ``"fixed"``).
         seed: the seed of the algorithm's own server-side draws.
+        population_steps: ``sum_j p_j tau_j`` over every client of the fleet (weights ``p``
+            normalised), the mean local steps a round's full population would run; ShroFBO's
+            printed rho needs it.
     """
 
     outer_names: tuple[str, ...]
@@ -62,6 +65,7 @@ class Wiring:
     aggregate_buffers: bool = True
     budget_steps: bool = False
     seed: int = 0
+    population_steps: float | None = None
 
 
 class AlgorithmConfig(Section):

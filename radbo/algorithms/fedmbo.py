@@ -64,7 +64,6 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
-from radbo.problem import draw_indices
 from radbo.randomness import Stream, generator
 from radbo.typing import IndexSet, Params
 
@@ -241,7 +240,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
     def prepare_inner(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One inner minibatch of S examples."""
         gen = task.generator()
-        return Prepared(data={"inner": draw_indices(task.data.inner, self.batch_size, gen)})
+        return Prepared(data={"inner": runtime.sampler.inner(task.data, self.batch_size, gen)})
 
     def run_gradient(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """One minibatch gradient of g_i in y (Alg. 1 line 8)."""
@@ -262,8 +261,8 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
     def prepare_phe_init(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """The outer minibatches φ (for d_i) and θ (for p_i,0)."""
         gen = task.generator()
-        phi = draw_indices(task.data.outer, self.outer_batch_size, gen)
-        theta = draw_indices(task.data.outer, self.outer_batch_size, gen)
+        phi = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
+        theta = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
         return Prepared(data={"phi": phi, "theta": theta})
 
     def run_phe_init(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:

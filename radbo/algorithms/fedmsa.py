@@ -61,7 +61,6 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
-from radbo.problem import draw_indices
 from radbo.typing import BilevelLoss, IndexSet, Params
 
 __all__ = ["FedMSA", "FedMSAConfig", "FedMSAState"]
@@ -209,15 +208,13 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
         return out
 
     def _draw_pair(
-        self, task: ClientTask, gen: torch.Generator
+        self, runtime: ClientRuntime, task: ClientTask, gen: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inner = draw_indices(task.data.inner, self.batch_size, gen)
-        outer = draw_indices(task.data.outer, self.outer_batch_size, gen)
-        return inner, outer
+        return runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
 
     def prepare_momentum(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One sample ξ_r^m (an inner and an outer minibatch), shared by both points."""
-        inner, outer = self._draw_pair(task, task.generator())
+        inner, outer = self._draw_pair(runtime, task, task.generator())
         return Prepared(data={"inner": inner, "outer": outer})
 
     def run_momentum(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
@@ -306,7 +303,7 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
         server's directions)."""
         gen = task.generator()
         steps = int(task.params[STEPS])
-        pairs = [self._draw_pair(task, gen) for _ in range(steps - 1)]
+        pairs = [self._draw_pair(runtime, task, gen) for _ in range(steps - 1)]
         if not pairs:
             return Prepared(num_steps=0)
         data = {

@@ -59,7 +59,6 @@ from radbo.client import (
 )
 from radbo.hypergrad import Estimator, ImplicitCG, init_state
 from radbo.masks.index import alias, extract
-from radbo.problem import draw_indices
 from radbo.typing import IndexSet, Params
 
 __all__ = ["RABO", "RABOConfig", "RABOState"]
@@ -156,7 +155,7 @@ class RABO(RABOConfig, AlgorithmBase):
         """The minibatch of each of the client's T local steps."""
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.inner_steps
-        batches = [draw_indices(task.data.inner, self.batch_size, gen) for _ in range(steps)]
+        batches = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
         return Prepared(steps={"inner": torch.stack(batches)}, num_steps=steps)
 
     def run_inner(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
@@ -232,10 +231,8 @@ class RABO(RABOConfig, AlgorithmBase):
     def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """The inner and outer minibatches, then the estimator's own draws."""
         gen = task.generator()
-        data = {
-            "inner": draw_indices(task.data.inner, self.batch_size, gen),
-            "outer": draw_indices(task.data.outer, self.outer_batch_size, gen),
-        }
+        inner, outer = runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
+        data = {"inner": inner, "outer": outer}
         x = {n: task.params[n] for n in self.outer_names}
         data.update({f"estimator:{k}": t for k, t in self.estimator.draw(gen, x).items()})
         return Prepared(data=data)

@@ -19,13 +19,26 @@ for coordinate s with holders N_s,
 
 With full masks this is eq. (8) with p~ normalized over the sample; with a_i = 1 and equal
 tau_i = T it is RABO's coverage average of the summed local gradients (gamma = beta).
+
+**rho as printed** (``rho = "printed"``). Eq. (8) prints ``rho = sum_{j=1}^n p_j ||a_j||_1``
+over all n clients of the population, sampled or not, with ``p`` normalised over all of them:
+one scalar per round, ``coefficient * sum_j p_j tau_j`` (``tau_j``: each client's local steps;
+its mean under a per-round schedule). radbo's default (``"holders"``) takes the same mean over
+the clients that actually produced each coordinate's ``h_s``. The two agree with full masks and
+full participation. Under partial participation or masks they differ whenever the clients that
+hold a coordinate run more or fewer steps than the population on average -- e.g. slow devices
+that also train small submodels -- and then only the holders' form restores the step length of
+the updates being averaged (with a_i = 1 and equal tau it is exactly RABO's step). The printed
+form is kept to reproduce the paper.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from radbo.aggregation import CoverageMean, apply_normalized_step
+from pydantic import Field, model_validator
+
+from radbo.aggregation import CoverageMean, apply_normalized_step, apply_step
 from radbo.algorithms.simfbo import SimFBO, SimFBOState, V, normalize
 from radbo.typing import Params
 
@@ -33,19 +46,40 @@ __all__ = ["ShroFBO"]
 
 
 class ShroFBO(SimFBO):
-    """ShroFBO: SimFBO's local steps, normalized messages, rho-scaled coverage-weighted step."""
+    """ShroFBO: SimFBO's local steps, normalized messages, rho-scaled coverage-weighted step.
+
+    ``population_steps`` (``sum_j p_j tau_j`` over the whole population, wired by the run) is
+    what ``rho = "printed"`` needs."""
 
     name: Literal["simfbo", "shrofbo"] = "shrofbo"
+    population_steps: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _population_for_printed_rho(self) -> ShroFBO:
+        if self.rho == "printed" and self.population_steps is None:
+            raise ValueError(
+                'ShroFBO with rho = "printed" needs population_steps (sum_j p_j tau_j over all '
+                "clients)"
+            )
+        return self
 
     def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:
         """h_i = q_i / ||a_i||_1 for x, y and v (eq. (6))."""
         return normalize({**q_x, **q_y, **{f"{V}:{k}": t for k, t in q_v.items()}}, a_norm)
 
     def server_step(self, state: SimFBOState, agg: CoverageMean) -> tuple[Params, Params, Params]:
-        """``p_s <- p_s - gamma * rho_s * h_s`` per coordinate (eq. (8), coverage-weighted)."""
+        """``p_s <- p_s - gamma * rho_s * h_s`` per coordinate (eq. (8), coverage-weighted), or
+        with the printed scalar ``rho = coefficient * population_steps``."""
         v_wire = {f"{V}:{k}": t for k, t in state.v.items()}
-        return (
-            apply_normalized_step(state.x, agg, self.server_lr_x),
-            apply_normalized_step(state.y, agg, self.server_lr_y),
-            apply_normalized_step(v_wire, agg, self.server_lr_v),
+        blocks = (
+            (state.x, self.server_lr_x),
+            (state.y, self.server_lr_y),
+            (v_wire, self.server_lr_v),
         )
+        if self.rho == "printed":
+            assert self.population_steps is not None  # the model validator saw to it
+            rho = self.coefficient * self.population_steps
+            x, y, v = (apply_step(p, agg, lr * rho) for p, lr in blocks)
+        else:
+            x, y, v = (apply_normalized_step(p, agg, lr) for p, lr in blocks)
+        return x, y, v

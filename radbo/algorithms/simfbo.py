@@ -78,7 +78,6 @@ from radbo.client import (
 )
 from radbo.hypergrad import Autograd, Estimator
 from radbo.masks.index import alias, extract
-from radbo.problem import draw_indices
 from radbo.typing import IndexSet, Params
 
 __all__ = ["V", "SimFBO", "SimFBOConfig", "SimFBOState"]
@@ -124,6 +123,11 @@ class SimFBOConfig(AlgorithmConfig):
     )
     coefficient: float = Field(1.0, gt=0, allow_inf_nan=False, description="a_i^(t,k)")
     local_steps: int = Field(5, ge=1, description="tau when fleet.local_steps = 'fixed'")
+    rho: Literal["holders", "printed"] = Field(
+        "holders",
+        description="ShroFBO's rho: per coordinate over its holders (radbo), or eq. (8) as "
+        "printed (sum_j p_j ||a_j||_1 over all n clients)",
+    )
     batch_size: int = Field(32, ge=1, description="inner minibatch per local step")
     outer_batch_size: int = Field(32, ge=1, description="outer minibatch per local step")
 
@@ -151,7 +155,11 @@ class SimFBOConfig(AlgorithmConfig):
     def build(self, wiring: Wiring) -> SimFBO:
         from radbo.algorithms.shrofbo import ShroFBO
 
-        return self.bind(ShroFBO if self.name == "shrofbo" else SimFBO, wiring)
+        return self.bind(
+            ShroFBO if self.name == "shrofbo" else SimFBO,
+            wiring,
+            population_steps=wiring.population_steps,
+        )
 
 
 class SimFBO(SimFBOConfig, AlgorithmBase):
@@ -201,8 +209,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         gen = task.generator()
         inner, outer = [], []
         for _ in range(task.budget.local_steps):
-            inner.append(draw_indices(task.data.inner, self.batch_size, gen))
-            outer.append(draw_indices(task.data.outer, self.outer_batch_size, gen))
+            pair = runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
+            inner.append(pair[0])
+            outer.append(pair[1])
         steps = {"inner": torch.stack(inner), "outer": torch.stack(outer)}
         return Prepared(steps=steps, num_steps=task.budget.local_steps)
 

@@ -37,8 +37,10 @@ __all__ = [
     "PARTITIONS",
     "DirichletPartition",
     "IIDPartition",
+    "ClassesPartition",
     "PartitionConfig",
     "ShardsPartition",
+    "partition_classes",
     "partition_iid",
     "partition_shards",
     "partition_dirichlet",
@@ -114,6 +116,36 @@ def partition_iid(labels: Tensor, num_clients: int, generator: torch.Generator) 
     _check_generator(generator, where)
     order = torch.randperm(labels.numel(), generator=generator)
     return _sorted_parts(list(torch.split(order, _equal_sizes(labels.numel(), num_clients))))
+
+
+def partition_classes(labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+    """Whole classes dealt to clients: the classes, in a random order, are cut into
+    ``num_clients`` near-equal runs, and a client holds every example of its classes (the
+    few-shot split of the RABO paper, Sec. V-A: "the characters ... are divided into 10 shards,
+    with each shard assigned to a client").
+
+    >>> parts = partition_classes(torch.arange(6).repeat_interleave(2), 3, torch.Generator())
+    >>> sorted(len(p) for p in parts), sorted(len(set(torch.arange(6).repeat_interleave(2)[p]
+    ...     .tolist())) for p in parts)
+    ([4, 4, 4], [2, 2, 2])
+    """
+    where = "partition_classes"
+    labels = _check_labels(labels, where)
+    _check_generator(generator, where)
+    classes = torch.unique(labels)
+    if not _is_int(num_clients) or not 1 <= num_clients <= classes.numel():
+        raise ValueError(
+            f"{where}: num_clients must be an integer in [1, {classes.numel()}] (one class at "
+            f"least per client), got {num_clients!r}."
+        )
+    order = classes[torch.randperm(classes.numel(), generator=generator)]
+    sizes = _equal_sizes(classes.numel(), num_clients)
+    parts, start = [], 0
+    for size in sizes:
+        mine = order[start : start + size]
+        start += size
+        parts.append(torch.nonzero(torch.isin(labels, mine)).flatten())
+    return _sorted_parts(parts)
 
 
 def partition_shards(
@@ -383,6 +415,17 @@ class IIDPartition(PartitionConfig):
 
     def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
         return partition_iid(labels, num_clients, generator)
+
+
+@PARTITIONS.register
+class ClassesPartition(PartitionConfig):
+    """Whole classes per client, near-equal numbers of classes (few-shot: each client's
+    episodes come from classes only it holds)."""
+
+    kind: Literal["classes"]
+
+    def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
+        return partition_classes(labels, num_clients, generator)
 
 
 @PARTITIONS.register

@@ -27,7 +27,7 @@ from radbo.models import BilevelModel
 from radbo.problem import BilevelProblem, ClientData
 from radbo.randomness import Stream, derive_seed, generator
 from radbo.simulation import BatchedBackend, SequentialBackend, Simulation
-from radbo.simulation.schedules import UniformLocalSteps
+from radbo.simulation.schedules import UniformLocalSteps, expected_local_steps
 
 __all__ = [
     "Experiment",
@@ -111,10 +111,14 @@ def build_task(config: RunConfig, train: Dataset) -> BilevelProblem:
 
 
 def build_algorithm(
-    config: RunConfig, outer: list[str], inner: list[str], buffers: list[str]
+    config: RunConfig,
+    outer: list[str],
+    inner: list[str],
+    buffers: list[str],
+    population_steps: float | None = None,
 ) -> Algorithm[Any]:
     """The configured algorithm, wired with the model's names, the estimator, the BatchNorm
-    mode, the local-steps mode and its own random stream."""
+    mode, the local-steps mode, the fleet's mean local steps and its own random stream."""
     wiring = Wiring(
         outer_names=tuple(outer),
         inner_names=tuple(inner),
@@ -123,6 +127,7 @@ def build_algorithm(
         aggregate_buffers=not config.model.static_batchnorm,
         budget_steps=config.fleet.local_steps != "fixed",
         seed=derive_seed(config.seed, Stream.ALGORITHM),
+        population_steps=population_steps,
     )
     algorithm: Algorithm[Any] = config.algorithm.build(wiring)
     return algorithm
@@ -189,15 +194,26 @@ def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) 
 def build(config: RunConfig) -> Experiment:
     """Build data, model, fleet, masks, algorithm and the simulation for ``config``."""
     train, test = load_data(config)
+    task = config.task
     try:
+        train, test = task.split_data(train, test, config.data.disjoint_classes)
         parts = partition(config, train.labels)
     except ValueError as err:
-        raise ConfigError(f"config error: partition ({config.partition.kind}): {err}") from None
+        raise ConfigError(
+            f"config error: task {task.name!r} on {config.data.name}: {err}"
+        ) from None
     client_gen = generator(config.seed, Stream.CLIENT_SPLIT)
     clients = []
     for idx in parts:
+        if task.episodic:  # support and query sets come from the same examples
+            clients.append(ClientData(inner=idx, outer=idx))
+            continue
         inner, outer = split_indices(idx, 1.0 - config.data.outer_fraction, client_gen)
         clients.append(ClientData(inner=inner, outer=outer))
+    try:
+        sampler = task.sampler(train, clients)
+    except ValueError as err:
+        raise ConfigError(f"config error: task {task.name!r}: {err}") from None
 
     model = build_model(config, tuple(train.input_shape), train.num_classes)
     outer_names = model.outer_param_names()
@@ -228,19 +244,35 @@ def build(config: RunConfig) -> Experiment:
             mask_y=config.mask.mask_y,
         )
 
-    algorithm = build_algorithm(config, outer_names, inner_names, buffer_names)
     budgets = client_budgets(config, fleet, device_budgets)
     weights = None
     if config.algorithm.weighting == "data_size":
         weights = [float(c.inner.numel()) for c in clients]
+    fc = config.fleet
+    schedule = (
+        UniformLocalSteps(*fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round")
+        if fc.local_steps in ("uniform", "uniform_per_round")
+        else None
+    )
+    steps = [
+        float(b.local_steps) if schedule is None else expected_local_steps(schedule, config.seed, c)
+        for c, b in enumerate(budgets)
+    ]
+    p = [1.0] * len(clients) if weights is None else weights
+    population_steps = sum(w * t for w, t in zip(p, steps, strict=True)) / sum(p)
+    algorithm = build_algorithm(config, outer_names, inner_names, buffer_names, population_steps)
     runtime = ClientRuntime(
         problem=build_task(config, train),
         features=train.features,
         labels=train.labels,
         model=model,
         build_submodel=None if plan is None else plan.submodel,
+        sampler=sampler,
     )
-    fc = config.fleet
+    calibration = calibration_inputs(config, train)
+    evaluate = task.evaluator(model, test, outer_names, inner_names, calibration, config.seed)
+    if evaluate is None:
+        evaluate = make_evaluator(model, test, outer_names, inner_names, calibration=calibration)
     simulation: Simulation[Any] = Simulation(
         algorithm=algorithm,
         runtime=runtime,
@@ -252,22 +284,14 @@ def build(config: RunConfig) -> Experiment:
         seed=config.seed,
         clients_per_round=fc.clients_per_round,
         weights=weights,
-        evaluate=make_evaluator(
-            model, test, outer_names, inner_names, calibration=calibration_inputs(config, train)
-        ),
+        evaluate=evaluate,
         eval_every=config.eval_every,
         profiles=None if fleet is None else list(fleet),
         coverage={"x": outer_names, "y": inner_names},
         dropout=[fc.dropout] * len(clients) if fc.dropout > 0 else None,
         overcommit=fc.overcommit,
         phase_deadline_s=fc.phase_deadline_s,
-        local_steps=(
-            UniformLocalSteps(
-                *fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round"
-            )
-            if fc.local_steps in ("uniform", "uniform_per_round")
-            else None
-        ),
+        local_steps=schedule,
     )
     initial = algorithm.init(
         {n: state[n] for n in outer_names},

@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from radbo.data import Dataset, calibration_set
 from radbo.models import BatchNormConfig, BilevelModel
-from radbo.problem import forward
+from radbo.problem import calibrate_batchnorm, forward, split_state
 from radbo.typing import Params
 
 if TYPE_CHECKING:
@@ -45,9 +44,7 @@ def make_evaluator(
         was_training = module.training
         try:
             with torch.no_grad():
-                x = {k: v for k, v in state.items() if k in outer}
-                y = {k: v for k, v in state.items() if k in inner}
-                b = {k: v.clone() for k, v in state.items() if k not in outer and k not in inner}
+                x, y, b = split_state(state, outer, inner)
                 if calibration is not None:
                     b = calibrate_batchnorm(module, x, y, b, calibration)
                 module.eval()
@@ -68,28 +65,6 @@ def make_evaluator(
         return {"accuracy": float(acc), "loss": float(loss), "balanced_accuracy": float(balanced)}
 
     return evaluate
-
-
-def calibrate_batchnorm(
-    module: nn.Module, x: Params, y: Params, buffers: Params, inputs: torch.Tensor
-) -> Params:
-    """Static BN: BatchNorm statistics of (x, y) recomputed over ``inputs`` (one pass, exact
-    cumulative mean and variance via ``momentum = None``); returns the new buffers."""
-    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    momenta = [m.momentum for m in bns]
-    fresh = {
-        k: (torch.zeros_like(v) if not k.endswith("running_var") else torch.ones_like(v))
-        for k, v in buffers.items()
-    }
-    try:
-        for m in bns:
-            m.momentum = None
-        module.train()
-        forward(module, x, y, fresh, inputs)
-    finally:
-        for m, momentum in zip(bns, momenta, strict=True):
-            m.momentum = momentum
-    return fresh
 
 
 def calibration_inputs(config: RunConfig, train: Dataset) -> torch.Tensor | None:

@@ -167,9 +167,15 @@ def _run_once(
                         sim_meta=sim_meta,
                     )
             bar.update(1)
-            postfix = {"outer": f"{record.metrics.get('outer_loss', float('nan')):.3f}"}
+            postfix = {}
+            for key, label in (("outer_loss", "outer"), ("train_loss", "loss")):
+                if key in record.metrics:
+                    postfix[label] = f"{record.metrics[key]:.3f}"
+                    break
             if last_eval:
                 postfix["acc"] = f"{last_eval['accuracy']:.3f}"
+                if "accuracy_ci95" in last_eval:
+                    postfix["acc"] += f"±{last_eval['accuracy_ci95']:.3f}"
             bar.set_postfix(postfix)
     finally:
         bar.close()

@@ -4,6 +4,7 @@ registers its ``[model]`` config section in :data:`MODELS`."""
 from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, ModelConfig
 from radbo.models.cnn import CNNConfig, SmallCNN
 from radbo.models.cnn7 import CNN7, CNN7Config
+from radbo.models.conv4 import Conv4, Conv4Config
 from radbo.models.logistic import FeatureL2Logistic, LogisticConfig
 from radbo.models.mlp import MLP, MLPConfig
 from radbo.models.resnet import ResNet18, ResNet18Config
@@ -19,6 +20,8 @@ __all__ = [
     "BilevelModel",
     "CNN7Config",
     "CNNConfig",
+    "Conv4",
+    "Conv4Config",
     "FeatureL2Logistic",
     "LogisticConfig",
     "MLPConfig",

@@ -44,6 +44,7 @@ from radbo.masks.coverage_report import CoverageTracker
 from radbo.masks.index import coverage_counts
 from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seed, task_seed
+from radbo.simulation.schedules import draw_local_steps
 from radbo.typing import IndexSet, Params
 
 State = TypeVar("State")
@@ -492,9 +493,8 @@ class Simulation(Generic[State]):
         schedule = self.local_steps
         if schedule is None:
             return budgets
-        when = round if getattr(schedule, "per_round", True) else Stream.ONCE
         return [
-            replace(b, local_steps=schedule(round, c, self._generator(when, Stream.LOCAL_STEPS, c)))
+            replace(b, local_steps=draw_local_steps(schedule, self.seed, round, c))
             for c, b in zip(clients, budgets, strict=True)
         ]
 

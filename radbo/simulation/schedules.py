@@ -7,9 +7,15 @@ calls it once per sampled client and round with a generator derived from the run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from radbo.randomness import Stream, generator
+
+#: ``(round, client, generator) -> local steps``, with an optional ``per_round`` attribute.
+Schedule = Callable[[int, int, torch.Generator], int]
 
 
 @dataclass(frozen=True)
@@ -33,3 +39,19 @@ class UniformLocalSteps:
 
     def __call__(self, round: int, client: int, generator: torch.Generator) -> int:
         return int(torch.randint(self.low, self.high + 1, (1,), generator=generator))
+
+
+def draw_local_steps(schedule: Schedule, seed: int, round: int, client: int) -> int:
+    """``schedule``'s local steps for ``client`` in ``round`` of the run with ``seed``: the one
+    place that seeds a schedule (a schedule that is not ``per_round`` draws once per client, the
+    same in every round)."""
+    when = round if getattr(schedule, "per_round", True) else Stream.ONCE
+    return schedule(round, client, generator(seed, when, Stream.LOCAL_STEPS, client))
+
+
+def expected_local_steps(schedule: Schedule, seed: int, client: int) -> float:
+    """``client``'s local steps in a typical round: its drawn-once steps, or the mean of a
+    per-round uniform schedule."""
+    if getattr(schedule, "per_round", False) and isinstance(schedule, UniformLocalSteps):
+        return (schedule.low + schedule.high) / 2
+    return float(draw_local_steps(schedule, seed, 0, client))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field
+from torch import Tensor, nn
 
+from radbo.problem import ClientData, MinibatchSampler, Sampler
 from radbo.registry import Registry, Section
+from radbo.typing import Params
 
 __all__ = ["TASKS", "InnerL2", "TaskConfig"]
 
@@ -26,13 +30,41 @@ class TaskConfig(Section):
         model: the ``[model]`` the task needs, when x lives in a dedicated model (``None``: any
             model without a task of its own).
         maskable: whether submodels make sense (``False`` when nothing can be pruned).
+        episodic: a client's inner and outer minibatches come from the same examples (no
+            ``outer_fraction`` split; e.g. few-shot episodes' support and query sets).
+
+    Hooks a kind may override (defaults: the data as it is, uniform minibatches, the standard
+    test-set evaluation): :meth:`split_data`, :meth:`sampler`, :meth:`evaluator`.
     """
 
     name: str
 
     model: ClassVar[str | None] = None
     maskable: ClassVar[bool] = True
+    episodic: ClassVar[bool] = False
 
     def build(self, train: Any) -> Any:
         """The :class:`~radbo.problem.BilevelProblem` for the training set ``train``."""
         raise NotImplementedError
+
+    def split_data(self, train: Any, test: Any, disjoint: bool) -> tuple[Any, Any]:
+        """The (training, test) sets the task runs on, from the data's splits (``disjoint``:
+        the splits hold different classes, numbered independently)."""
+        return train, test
+
+    def sampler(self, train: Any, clients: Sequence[ClientData]) -> Sampler:
+        """How clients draw their minibatches."""
+        return MinibatchSampler()
+
+    def evaluator(
+        self,
+        model: nn.Module,
+        test: Any,
+        outer_names: Sequence[str],
+        inner_names: Sequence[str],
+        calibration: Tensor | None,
+        seed: int,
+    ) -> Callable[[Params], dict[str, float]] | None:
+        """The task's own evaluation of a model state (``None``: test-set accuracy, balanced
+        accuracy and loss of the model itself)."""
+        return None

@@ -1,0 +1,195 @@
+"""Single-level submodel federated learning: FedAvg, HeteroFL ("Static") and FedRolex.
+
+Papers: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
+Data" (FedAvg), AISTATS 2017, arXiv:1602.05629; Diao et al., "HeteroFL: Computation and
+Communication Efficient Federated Learning for Heterogeneous Clients", ICLR 2021,
+arXiv:2010.01264 (leading-channel submodels and static BatchNorm: the "Static" row of the RABO
+paper's Table II); Alam et al., "FedRolex: Model-Heterogeneous Federated Learning with Rolling
+Sub-Model Extraction", NeurIPS 2022, arXiv:2212.01548 (a window of channels rolling with the
+round).
+
+The baselines the RABO paper compares its submodel training with (``papers/rabo_rafbo.txt``,
+Sec. V-A): no bilevel structure at all. Each sampled client receives its submodel of the whole
+model (x and y together), runs ``local_steps`` SGD steps on the task's training loss with
+respect to every parameter, and returns the summed gradients in submodel coordinates; the server
+averages each coordinate over the clients that hold it and steps with the same ``lr``:
+
+    w_s <- w_s - lr * mean_{i in N_s} G_{i,s},   G_i = sum_t grad L_i(w_i,t) = (w_i,0 - w_i,T) / lr
+
+which is HeteroFL's / FedRolex's coordinate-wise average of the clients' models (every holder of
+a coordinate starts the round from the same value). The mask policy makes the method:
+``[mask] policy = "leading"`` with ``[model] batchnorm = "static"`` is HeteroFL, ``"rolling"``
+is FedRolex, ``"none"`` is plain FedAvg.
+
+Each local step trains on one inner and one outer minibatch of the client together (all of its
+data: single-level training has no validation split); on a few-shot task that is one episode's
+support and query sets, with the episode's N-way loss, so the backbone and the head are trained
+jointly on the client's classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from radbo.aggregation import apply_step, average_buffers, coverage_weighted_mean
+from radbo.algorithms.base import ALGORITHMS, AlgorithmBase, AlgorithmConfig, Wiring, clone
+from radbo.autodiff import params_where, scalar
+from radbo.client import (
+    ClientResult,
+    ClientRuntime,
+    ClientTask,
+    ClientWork,
+    Cohort,
+    Phase,
+    Prepared,
+    mean_metric,
+)
+from radbo.masks.index import extract
+from radbo.typing import IndexSet, Params
+
+__all__ = ["FedAvg", "FedAvgConfig", "FedAvgState"]
+
+
+@dataclass(frozen=True)
+class FedAvgState:
+    """Global model: x, y and buffers in full-model coordinates."""
+
+    x: Params
+    y: Params
+    buffers: Params
+    round: int = 0
+
+
+@ALGORITHMS.register
+class FedAvgConfig(AlgorithmConfig):
+    """FedAvg / HeteroFL / FedRolex hyperparameters (single-level; see the module docstring)."""
+
+    name: Literal["fedavg"]
+    lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="local and server step")
+    local_steps: int = Field(5, ge=1, description="local SGD steps per round")
+    batch_size: int = Field(32, ge=1, description="inner minibatch per step")
+    outer_batch_size: int = Field(32, ge=1, description="outer minibatch per step")
+
+    flower_actions: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def local_steps_default(self) -> int:
+        return self.local_steps
+
+    def baseline_settings(self) -> dict[str, Any]:
+        return {
+            "inner_lr": self.lr,
+            "outer_lr": self.lr,
+            "inner_steps": self.local_steps,
+            "batch_size": self.batch_size,
+            "outer_batch_size": self.outer_batch_size,
+            "weighting": self.weighting,
+            "max_hypergrad_norm": None,
+        }
+
+    def build(self, wiring: Wiring) -> FedAvg:
+        return self.bind(FedAvg, wiring, use_budget_steps=wiring.budget_steps)
+
+
+class FedAvg(FedAvgConfig, AlgorithmBase):
+    """FedAvg on masked submodels (HeteroFL with leading masks, FedRolex with rolling ones).
+
+    Args (besides :class:`FedAvgConfig`'s hyperparameters):
+        outer_names / inner_names / buffer_names: the model's tensors (trained alike here).
+        use_budget_steps: each client runs its budget's local steps instead of ``local_steps``.
+        aggregate_buffers: average BatchNorm statistics, or static BN (HeteroFL's sBN).
+    """
+
+    name: Literal["fedavg"] = "fedavg"
+    use_budget_steps: bool = False
+
+    def init(self, x: Params, y: Params, buffers: Params) -> FedAvgState:
+        return FedAvgState(x=clone(x), y=clone(y), buffers=clone(buffers))
+
+    def phases(self) -> Sequence[Phase[FedAvgState]]:
+        work = ClientWork(self.run_client, self.prepare_client)
+        return (Phase("train", self.broadcast, work, self.server),)
+
+    def broadcast(self, state: FedAvgState, index_set: IndexSet, slot: int = 0) -> Params:
+        """The client's submodel of x, y and buffers."""
+        return extract(self.model_state(state), index_set)
+
+    def prepare_client(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
+        """An inner and an outer minibatch (one episode on a few-shot task) per local step."""
+        gen = task.generator()
+        steps = task.budget.local_steps if self.use_budget_steps else self.local_steps
+        inner, outer = [], []
+        for _ in range(steps):
+            pair = runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
+            inner.append(pair[0])
+            outer.append(pair[1])
+        batches = torch.cat([torch.stack(inner), torch.stack(outer)], dim=1)
+        return Prepared(steps={"batch": batches}, num_steps=steps)
+
+    def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
+        """Local SGD on every parameter; returns the summed gradients and buffers."""
+        module = cohort.module(runtime)
+        names = (*self.outer_names, *self.inner_names)
+        params = cohort.params(names, clone=True)
+        buffers = cohort.params(self.buffer_names, clone=True)
+        total = {n: torch.zeros_like(t) for n, t in params.items()}
+        loss_value: torch.Tensor | float = float("nan")
+        for step in range(cohort.max_steps):
+            batch = runtime.batch(cohort.step_data("batch", step))
+            active = cohort.active(step)
+            before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
+            var = {n: t.requires_grad_(True) for n, t in params.items()}
+            x = {n: var[n] for n in self.outer_names}
+            y = {n: var[n] for n in self.inner_names}
+            loss = cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
+            grads = dict(
+                zip(
+                    var,
+                    torch.autograd.grad(scalar("loss", loss, cohort.lead), list(var.values())),
+                    strict=True,
+                )
+            )
+            stepped = {n: (t - self.lr * grads[n]).detach() for n, t in var.items()}
+            if active is None:
+                params = stepped
+                total = {n: t + grads[n] for n, t in total.items()}
+                loss_value = loss.detach()
+            else:  # clients past their last step keep what they had
+                params = params_where(active, stepped, {n: t.detach() for n, t in var.items()})
+                zeros = {n: torch.zeros_like(g) for n, g in grads.items()}
+                total = {n: t + params_where(active, grads, zeros)[n] for n, t in total.items()}
+                loss_value = torch.where(active, loss.detach(), loss_value)
+                buffers = params_where(active, buffers, before)
+        update = {**total, **(buffers if self.aggregate_buffers else {})}
+        sizes = [p.steps["batch"].shape[1] for p in cohort.prepared]
+        return cohort.replies(
+            update,
+            {"train_loss": loss_value},
+            n_grad=cohort.num_steps,
+            samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
+        )
+
+    def server(
+        self,
+        state: FedAvgState,
+        results: Sequence[ClientResult],
+        index_sets: Sequence[IndexSet],
+        weights: Sequence[float],
+    ) -> tuple[FedAvgState, dict[str, float]]:
+        """Coverage-weighted step on every parameter with ``lr`` (the coordinate-wise average
+        of the clients' models); buffers averaged, or left to static BN."""
+        shapes = {n: t.shape for n, t in {**state.x, **state.y}.items()}
+        updates = [r.update for r in results]
+        agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
+        x = apply_step(state.x, agg, self.lr)
+        y = apply_step(state.y, agg, self.lr)
+        buffers = state.buffers
+        if self.aggregate_buffers:
+            buffers = average_buffers(buffers, updates, index_sets, weights)
+        metrics = {"train_loss": mean_metric(results, "train_loss")}
+        return replace(state, x=x, y=y, buffers=buffers, round=state.round + 1), metrics

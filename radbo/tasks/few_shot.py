@@ -1,0 +1,362 @@
+"""Few-shot learning as hyper-representation: N-way K-shot episodes, the backbone is x and the
+linear head is y (RABO paper, Sec. V-A: ``papers/rabo_rafbo.txt``, Table II, Figs. 2-4).
+
+**Training.** A client's minibatches are episodes drawn from its own classes
+(:class:`EpisodeSampler`, from the task's generator): N of the client's classes, K support and
+Q query examples of each. The inner loss g is the support set's cross-entropy of the head y on
+the backbone's features, over the episode's N classes, plus ``inner_l2 / 2 ||y||^2`` (so g is
+strongly convex in y); the outer loss f is the query set's cross-entropy. The head has one row
+per meta-training class and is shared across episodes and clients, as in the paper's
+formulation ``y*(x) = argmin_y (1/n) sum_i (1/N_m) sum_j L_{S_j}(x, y)``; each episode's
+softmax runs over the logits of its own N classes (RFS, Tian et al., "Rethinking Few-Shot
+Image Classification: a Good Embedding Is All You Need", ECCV 2020, trains its embedding the
+same way with all classes at once).
+
+**Evaluation**, as the few-shot literature reports it: on classes never seen in meta-training,
+``test_episodes`` N-way K-shot episodes (fixed by the run seed, the same for every algorithm),
+a fresh linear head fitted on each episode's support set (L2-normalised features, multinomial
+logistic regression with ``head_l2``, ``head_steps`` steps of gradient descent), accuracy on
+its query set; reported as the mean over episodes and the half-width of its 95 % confidence
+interval (``1.96 std / sqrt(episodes)``).
+
+**Data.** A data set whose training and test splits share their classes (digits, MNIST,
+CIFAR-10) is split by class: ``test_classes`` (default: the upper half of the classes; digits
+5-9) are meta-test, the others meta-train, each with all of its examples. A data set whose
+splits hold different classes (Omniglot: background / evaluation alphabets;
+``disjoint_classes`` of its ``[data]`` kind) is used as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from radbo.data import Dataset
+from radbo.problem import (
+    Batch,
+    ClientData,
+    calibrate_batchnorm,
+    forward,
+    l2_penalty,
+    split_state,
+)
+from radbo.randomness import Stream, generator
+from radbo.tasks.base import TASKS, InnerL2, TaskConfig
+from radbo.typing import Params
+
+__all__ = ["EpisodeSampler", "FewShot", "FewShotEvaluator", "draw_episode", "episode_cross_entropy"]
+
+#: Examples per forward pass of the evaluator's feature extraction.
+_EVAL_BATCH = 1024
+
+
+def episode_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy over the classes present in ``targets`` only: the logits of every other
+    class are left out of the softmax (an N-way episode on a head with more rows). Written
+    with elementwise operations only, so it runs under ``torch.vmap``.
+
+    >>> logits = torch.tensor([[2.0, 0.0, 9.0], [0.0, 1.0, 9.0]])
+    >>> float(episode_cross_entropy(logits, torch.tensor([0, 1])))  # class 2 is not in the episode
+    0.2269...
+    """
+    classes = torch.arange(logits.shape[-1], device=logits.device)
+    present = (targets.unsqueeze(-1) == classes).any(dim=0)
+    return F.cross_entropy(logits.masked_fill(~present, float("-inf")), targets)
+
+
+def _class_members(labels: Tensor, pool: Tensor) -> dict[int, Tensor]:
+    """Indices of ``pool`` grouped by class, each group in pool order."""
+    own = labels[pool]
+    return {int(c): pool[own == c] for c in torch.unique(own).tolist()}
+
+
+def draw_episode(
+    members: dict[int, Tensor],
+    ways: int,
+    shots: int,
+    queries: int,
+    gen: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    """One N-way K-shot episode from ``members`` (class -> example indices): ``ways`` classes
+    drawn uniformly (in increasing class order), then for each ``shots`` support and
+    ``queries`` query examples drawn without replacement. Returns (support, query) indices,
+    grouped by class."""
+    eligible = [c for c, idx in members.items() if idx.numel() >= shots + queries]
+    if len(eligible) < ways:
+        raise ValueError(
+            f"an episode needs {ways} classes with at least {shots + queries} examples each "
+            f"(shots + queries), got {len(eligible)}"
+        )
+    chosen = sorted(
+        eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:ways].tolist()
+    )
+    support, query = [], []
+    for c in chosen:
+        idx = members[c]
+        order = idx[torch.randperm(idx.numel(), generator=gen)]
+        support.append(order[:shots])
+        query.append(order[shots : shots + queries])
+    return torch.cat(support), torch.cat(query)
+
+
+@dataclass
+class EpisodeSampler:
+    """Minibatches as episodes of the client's own classes (see :class:`radbo.problem.Sampler`).
+
+    ``inner`` is an episode's support set, ``outer`` its query set, ``pair`` both of one
+    episode; the requested batch sizes are ignored (an episode has ``ways * shots`` support and
+    ``ways * queries`` query examples)."""
+
+    labels: Tensor
+    ways: int
+    shots: int
+    queries: int
+    _members: dict[tuple[int, ...], dict[int, Tensor]] = field(default_factory=dict, repr=False)
+
+    def members(self, data: ClientData) -> dict[int, Tensor]:
+        """The client's examples grouped by class (cached per client)."""
+        key = tuple(data.inner.tolist())
+        found = self._members.get(key)
+        if found is None:
+            found = self._members[key] = _class_members(self.labels, data.inner)
+        return found
+
+    def pair(
+        self, data: ClientData, inner_size: int, outer_size: int, gen: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        return draw_episode(self.members(data), self.ways, self.shots, self.queries, gen)
+
+    def inner(self, data: ClientData, size: int, gen: torch.Generator) -> Tensor:
+        return self.pair(data, size, size, gen)[0]
+
+    def outer(self, data: ClientData, size: int, gen: torch.Generator) -> Tensor:
+        return self.pair(data, size, size, gen)[1]
+
+
+@TASKS.register
+class FewShot(TaskConfig):
+    """N-way K-shot few-shot learning (``[task] name = "few_shot"``; see the module docstring).
+
+    Attributes:
+        ways: N, classes per episode (default 5).
+        shots: K, support examples per class (default 5).
+        queries: Q, query examples per class (default 15).
+        inner_l2: L2 weight on the head y in g (default 0.01).
+        test_classes: the meta-test classes of a data set whose splits share their classes
+            (default: the upper half); must stay unset for one whose splits are disjoint.
+        test_episodes: episodes of the evaluation (default 600; at least 500 for the
+            literature's confidence intervals, fewer only for quick checks).
+        head_l2 / head_steps / head_lr: the per-episode head fit of the evaluation.
+    """
+
+    name: Literal["few_shot"]
+    ways: int = Field(5, ge=2, description="N: classes per episode")
+    shots: int = Field(5, ge=1, description="K: support examples per class")
+    queries: int = Field(15, ge=1, description="Q: query examples per class")
+    inner_l2: float = InnerL2(1e-2)
+    test_classes: list[int] | None = Field(None, min_length=2)
+    test_episodes: int = Field(600, ge=1, le=100_000, description="evaluation episodes")
+    head_l2: float = Field(1e-2, ge=0, allow_inf_nan=False, description="L2 of the fitted heads")
+    head_steps: int = Field(200, ge=1, le=100_000, description="gradient steps per head fit")
+    head_lr: float = Field(1.0, gt=0, allow_inf_nan=False, description="step of the head fit")
+
+    episodic: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _episode_fits(self) -> FewShot:
+        if self.test_classes is not None and len(set(self.test_classes)) < self.ways:
+            raise ValueError(
+                f"test_classes has {len(set(self.test_classes))} classes, fewer than ways = "
+                f"{self.ways}"
+            )
+        return self
+
+    # -- losses (the BilevelProblem) ---------------------------------------------------------
+    def inner_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor:
+        logits = forward(module, x, y, buffers, batch.inputs)
+        loss = episode_cross_entropy(logits, batch.targets)
+        return loss + l2_penalty(y, self.inner_l2) if self.inner_l2 else loss
+
+    def outer_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor:
+        return episode_cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
+
+    def build(self, train: Any) -> FewShot:
+        return self
+
+    # -- data ------------------------------------------------------------------------------
+    def split_data(self, train: Any, test: Any, disjoint: bool) -> tuple[Any, Any]:
+        """(meta-train set, meta-test set) with labels renumbered from 0 (see the module
+        docstring)."""
+        if disjoint:  # the splits hold different classes (Omniglot): as they are
+            if self.test_classes is not None:
+                raise ValueError(
+                    "test_classes is for data sets whose splits share their classes; "
+                    f"{train.name} and {test.name} already have disjoint classes"
+                )
+            meta_train, meta_test = train, test
+        else:
+            classes = train.num_classes
+            held = (
+                list(range(classes // 2, classes))
+                if self.test_classes is None
+                else sorted(set(self.test_classes))
+            )
+            bad = [c for c in held if not 0 <= c < classes]
+            if bad:
+                raise ValueError(
+                    f"test_classes {bad} are not classes of {train.name} (0..{classes - 1})"
+                )
+            features = torch.cat([train.features, test.features])
+            labels = torch.cat([train.labels, test.labels])
+            is_test = torch.isin(labels, torch.tensor(held))
+            meta_train = Dataset(
+                features[~is_test], labels[~is_test], classes, f"{train.name}/meta-train"
+            )
+            meta_test = Dataset(
+                features[is_test], labels[is_test], classes, f"{train.name}/meta-test"
+            )
+        return _renumbered(meta_train), _renumbered(meta_test)
+
+    def sampler(self, train: Any, clients: Sequence[ClientData]) -> EpisodeSampler:
+        """Episodes of each client's own classes; every client must hold ``ways`` classes with
+        ``shots + queries`` examples each."""
+        sampler = EpisodeSampler(train.labels, self.ways, self.shots, self.queries)
+        need = self.shots + self.queries
+        for i, data in enumerate(clients):
+            counts = [idx.numel() for idx in sampler.members(data).values()]
+            usable = sum(n >= need for n in counts)
+            if usable < self.ways:
+                raise ValueError(
+                    f"client {i} holds {usable} classes with at least shots + queries = {need} "
+                    f"examples, a {self.ways}-way episode needs {self.ways}; use fewer clients, "
+                    "fewer ways, shots or queries, or a partition that keeps more classes per "
+                    "client"
+                )
+        return sampler
+
+    def evaluator(
+        self,
+        model: nn.Module,
+        test: Any,
+        outer_names: Sequence[str],
+        inner_names: Sequence[str],
+        calibration: Tensor | None,
+        seed: int,
+    ) -> FewShotEvaluator:
+        return FewShotEvaluator(self, model, test, outer_names, inner_names, calibration, seed)
+
+
+def _renumbered(data: Any) -> Any:
+    """``data`` with its classes renumbered 0..C-1 in increasing order."""
+    classes, labels = torch.unique(data.labels, return_inverse=True)
+    return Dataset(data.features, labels, int(classes.numel()), data.name)
+
+
+class FewShotEvaluator:
+    """Meta-test accuracy of a model state: fixed episodes of the meta-test classes, a fitted
+    linear head per episode (see the module docstring). Returns ``accuracy`` (mean over
+    episodes), ``accuracy_ci95`` (half-width of its 95 % interval), ``loss`` (mean query
+    cross-entropy of the fitted heads) and ``episodes``."""
+
+    def __init__(
+        self,
+        task: FewShot,
+        model: nn.Module,
+        test: Any,
+        outer_names: Sequence[str],
+        inner_names: Sequence[str],
+        calibration: Tensor | None,
+        seed: int,
+    ) -> None:
+        self.task, self.model, self.test = task, model, test
+        self.outer, self.inner = set(outer_names), set(inner_names)
+        self.calibration = calibration
+        members = _class_members(test.labels, torch.arange(len(test)))
+        gen = generator(seed, Stream.EVALUATION)
+        episodes = [
+            draw_episode(members, task.ways, task.shots, task.queries, gen)
+            for _ in range(task.test_episodes)
+        ]
+        self.support = torch.stack([s for s, _ in episodes])  # [E, N*K]
+        self.query = torch.stack([q for _, q in episodes])  # [E, N*Q]
+        inner_modules: tuple[str, ...] = getattr(model, "inner_modules", ("head",))
+        self.head_name: str = inner_modules[0]
+
+    def features(self, x: Params, y: Params, buffers: Params, index: Tensor) -> Tensor:
+        """The head's input for the test examples ``index`` (any shape), L2-normalised."""
+        flat = index.reshape(-1)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        captured: list[Tensor] = []
+        hook = self.model.get_submodule(self.head_name).register_forward_hook(
+            lambda module, inputs, output: captured.append(inputs[0].detach())
+        )
+        try:
+            for part in unique.split(_EVAL_BATCH):
+                forward(self.model, x, y, buffers, self.test.features[part])
+        finally:
+            hook.remove()
+        feats = F.normalize(torch.cat(captured).flatten(1), dim=-1)
+        return feats[inverse].reshape(*index.shape, -1)
+
+    def __call__(self, state: Params) -> dict[str, float]:
+        task, model = self.task, self.model
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                x, y, b = split_state(state, self.outer, self.inner)
+                if self.calibration is not None:
+                    b = calibrate_batchnorm(model, x, y, b, self.calibration)
+                model.eval()
+                support = self.features(x, y, b, self.support)  # [E, N*K, d]
+                query = self.features(x, y, b, self.query)  # [E, N*Q, d]
+        finally:
+            model.train(was_training)
+        ways = task.ways
+        s_targets = torch.arange(ways).repeat_interleave(task.shots).expand(len(support), -1)
+        q_targets = torch.arange(ways).repeat_interleave(task.queries).expand(len(query), -1)
+        weight, bias = fit_heads(
+            support, s_targets, ways, task.head_l2, task.head_steps, task.head_lr
+        )
+        logits = query @ weight.transpose(1, 2) + bias.unsqueeze(1)
+        hits = (logits.argmax(-1) == q_targets).double().mean(-1)  # [E]
+        loss = F.cross_entropy(logits.flatten(0, 1), q_targets.flatten()).item()
+        episodes = hits.numel()
+        ci = 1.96 * float(hits.std()) / math.sqrt(episodes) if episodes > 1 else float("nan")
+        return {
+            "accuracy": float(hits.mean()),
+            "accuracy_ci95": ci,
+            "loss": loss,
+            "episodes": float(episodes),
+        }
+
+
+def fit_heads(
+    features: Tensor, targets: Tensor, ways: int, l2: float, steps: int, lr: float
+) -> tuple[Tensor, Tensor]:
+    """Multinomial logistic regression of every episode at once: ``weight [E, N, d]`` and
+    ``bias [E, N]`` minimising the support cross-entropy plus ``l2 / 2 ||weight||^2`` by
+    ``steps`` steps of full-batch gradient descent from zero (the gradient written out: it is
+    the same convex problem for every episode, and batched matrix products fit all of them in
+    one pass). With L2-normalised features the loss is (1/2 + l2)-smooth, so ``lr = 1``
+    converges for ``l2 <= 0.5``."""
+    episodes, n, d = features.shape
+    onehot = F.one_hot(targets, ways).to(features.dtype)  # [E, n, N]
+    weight = torch.zeros(episodes, ways, d, dtype=features.dtype)
+    bias = torch.zeros(episodes, ways, dtype=features.dtype)
+    for _ in range(steps):
+        probs = torch.softmax(features @ weight.transpose(1, 2) + bias.unsqueeze(1), dim=-1)
+        delta = (probs - onehot) / n  # [E, n, N]
+        weight = weight - lr * (delta.transpose(1, 2) @ features + l2 * weight)
+        bias = bias - lr * delta.sum(1)
+    return weight, bias
