@@ -6,7 +6,7 @@ and test loss of both, plus the mean local steps. Theorem 1 vs 2 of the paper: S
 the stationary point of the objective re-weighted by p_i tau_i, ShroFBO to the true one
 (checked exactly on a constructed problem in tests/test_simfbo.py).
 
-    .venv/bin/python benchmarks/shrofbo_vs_simfbo.py --seeds 0 1 2 3     # ~25 s per seed
+    .venv/bin/python benchmarks/paper/shrofbo_heterogeneous.py --seeds 0 1 2 3     # ~25 s per seed
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from radbo.config import load_config, parse_config
 from radbo.experiment import run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
