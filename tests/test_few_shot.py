@@ -15,7 +15,7 @@ from radbo.cli import main
 from radbo.config import ConfigError, parse_config
 from radbo.data import Dataset, DigitsData
 from radbo.experiment import build, run
-from radbo.problem import ClientData
+from radbo.problem import Batch, ClientData
 from radbo.tasks import EpisodeSampler, FewShot
 from radbo.tasks.few_shot import draw_episode, episode_cross_entropy, fit_heads
 
@@ -54,6 +54,50 @@ def test_an_episode_has_ways_classes_of_the_client_with_disjoint_support_and_que
     assert torch.equal(again[0], support) and torch.equal(again[1], query)
     assert torch.equal(sampler.inner(data, 0, torch.Generator().manual_seed(1)), support)
     assert torch.equal(sampler.outer(data, 0, torch.Generator().manual_seed(1)), query)
+
+
+def test_a_shuffled_episode_keeps_its_classes_in_the_order_drawn():
+    labels = toy_labels()
+    pool = torch.arange(80)
+    members = {c: pool[labels == c] for c in range(8)}
+    orders = set()
+    for seed in range(20):
+        plain = draw_episode(members, 3, 2, 4, torch.Generator().manual_seed(seed))
+        mixed = draw_episode(members, 3, 2, 4, torch.Generator().manual_seed(seed), shuffle=True)
+        # the same classes (the examples of each are drawn in the new order)
+        assert set(labels[mixed[0]].tolist()) == set(labels[plain[0]].tolist())
+        assert not set(mixed[0].tolist()) & set(mixed[1].tolist())
+        classes = labels[mixed[0]].reshape(3, 2)[:, 0]
+        assert torch.equal(labels[mixed[0]], classes.repeat_interleave(2))  # grouped by class
+        assert torch.equal(labels[mixed[1]], classes.repeat_interleave(4))  # same order
+        orders.add(tuple(classes.argsort().tolist()))
+    assert len(orders) > 1  # not always increasing
+
+
+def test_the_episode_head_labels_examples_by_their_slot_in_the_episode():
+    task = FewShot(name="few_shot", ways=3, head="episode", inner_l2=0.0)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    module = torch.nn.Identity()
+    batch = Batch(inputs=logits, targets=torch.tensor([7, 7, 2, 2, 5, 5]))  # classes drawn 7, 2, 5
+    expected = F.cross_entropy(logits, torch.tensor([0, 0, 1, 1, 2, 2]))
+    got = task.outer_loss(module, {}, {}, {}, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-14, atol=0)
+    assert task.num_outputs(Dataset(torch.zeros(4, 1), torch.arange(4), 8, "toy")) == 3
+    assert (
+        FewShot(name="few_shot").num_outputs(Dataset(torch.zeros(4, 1), torch.arange(4), 8, "toy"))
+        == 8
+    )
+
+
+def test_a_run_with_the_episode_head_has_ways_outputs_and_is_deterministic():
+    config = {**FEW_SHOT, "task": {**FEW_SHOT["task"], "ways": 3, "head": "episode"}}
+    exp = build(parse_config(config))
+    state = exp.simulation.algorithm.model_state(exp.initial_state)
+    assert state["head.weight"].shape[0] == 3 and state["head.bias"].shape == (3,)
+    first = run(parse_config(config), progress=False, save=False)
+    second = run(parse_config(config), progress=False, save=False)
+    assert first.final == second.final and 0.0 < first.final["test_accuracy"] <= 1.0
 
 
 def test_an_episode_needs_enough_classes_and_examples():

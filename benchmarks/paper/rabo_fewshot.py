@@ -44,10 +44,16 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Config sections of each method (merged over the shared base)."""
     bilevel = {"inner_lr": 0.5, "outer_lr": 0.1, "inner_steps": 5, "max_hypergrad_norm": 1.0}
     fedavg = {"name": "fedavg", "lr": 0.1, "local_steps": 5}
+    head = {"head": args.head}  # the single-level baselines keep one head row per class
     return {
-        "RABO": {"mask": {"policy": "importance"}, "algorithm": {"name": "rabo", **bilevel}},
+        "RABO": {
+            "mask": {"policy": "importance"},
+            "algorithm": {"name": "rabo", **bilevel},
+            "task": head,
+        },
         "RAFBO": {
             "mask": {"policy": "importance"},
+            "task": head,
             "algorithm": {"name": "rafbo", **bilevel},
             # |P| sampled coordinates of x get the finite-difference indirect term, the rest
             # the direct term only (the paper's RAFBO; one gradient of g per coordinate)
@@ -55,6 +61,7 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         },
         "FedMBO (full model)": {
             "mask": {"policy": "none"},
+            "task": head,
             "fleet": {"num_clients": len(CAPACITIES), "capacities": [1.0] * len(CAPACITIES)},
             "algorithm": {
                 "name": "fedmbo",
@@ -115,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ways", type=int, default=5)
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--queries", type=int, default=15)
+    parser.add_argument(
+        "--head",
+        choices=["classes", "episode"],
+        default="classes",
+        help="the bilevel methods' head: N rows relabelled per episode, or one row per class",
+    )
     parser.add_argument("--rafbo-coordinates", type=int, default=32, help="RAFBO's |P|")
     parser.add_argument("--omniglot", default=None, help="Omniglot folder (instead of digits)")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")

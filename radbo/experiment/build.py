@@ -215,7 +215,7 @@ def build(config: RunConfig) -> Experiment:
     except ValueError as err:
         raise ConfigError(f"config error: task {task.name!r}: {err}") from None
 
-    model = build_model(config, tuple(train.input_shape), train.num_classes)
+    model = build_model(config, tuple(train.input_shape), task.num_outputs(train))
     outer_names = model.outer_param_names()
     inner_names = model.inner_param_names()
     state = model.state_dict()

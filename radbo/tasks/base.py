@@ -33,8 +33,9 @@ class TaskConfig(Section):
         episodic: a client's inner and outer minibatches come from the same examples (no
             ``outer_fraction`` split; e.g. few-shot episodes' support and query sets).
 
-    Hooks a kind may override (defaults: the data as it is, uniform minibatches, the standard
-    test-set evaluation): :meth:`split_data`, :meth:`sampler`, :meth:`evaluator`.
+    Hooks a kind may override (defaults: the data as it is, uniform minibatches, one output per
+    class, the standard test-set evaluation): :meth:`split_data`, :meth:`sampler`,
+    :meth:`num_outputs`, :meth:`evaluator`.
     """
 
     name: str
@@ -55,6 +56,10 @@ class TaskConfig(Section):
     def sampler(self, train: Any, clients: Sequence[ClientData]) -> Sampler:
         """How clients draw their minibatches."""
         return MinibatchSampler()
+
+    def num_outputs(self, train: Any) -> int:
+        """The model's outputs for the training set ``train`` (default: one per class)."""
+        return int(train.num_classes)
 
     def evaluator(
         self,

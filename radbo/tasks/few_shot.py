@@ -12,6 +12,16 @@ softmax runs over the logits of its own N classes (RFS, Tian et al., "Rethinking
 Image Classification: a Good Embedding Is All You Need", ECCV 2020, trains its embedding the
 same way with all classes at once).
 
+With ``head = "episode"`` the head has N rows instead, and each episode's classes are assigned
+to them in a random order (drawn with the episode): the label of an example is its class's slot
+in the episode, not its class. No head can then be right for every episode, so the inner
+problem really is the head fit on the episode's support set (from the shared starting point y),
+and the outer loss rewards a backbone on whose features a few inner steps separate any N
+classes -- the hyper-representation formulation of Franceschi et al., "Bilevel Programming for
+Hyperparameter Optimization and Meta-Learning", ICML 2018 (arXiv:1806.04910), and ANIL
+(Raghu et al., ICLR 2020). With as few meta-training classes as ways (digits: 5 classes,
+5-way), ``"classes"`` makes the bilevel problem plain 5-class classification.
+
 **Evaluation**, as the few-shot literature reports it: on classes never seen in meta-training,
 ``test_episodes`` N-way K-shot episodes (fixed by the run seed, the same for every algorithm),
 a fresh linear head fitted on each episode's support set (L2-normalised features, multinomial
@@ -83,20 +93,20 @@ def draw_episode(
     shots: int,
     queries: int,
     gen: torch.Generator,
+    shuffle: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One N-way K-shot episode from ``members`` (class -> example indices): ``ways`` classes
-    drawn uniformly (in increasing class order), then for each ``shots`` support and
-    ``queries`` query examples drawn without replacement. Returns (support, query) indices,
-    grouped by class."""
+    drawn uniformly (in increasing class order; in the order drawn with ``shuffle``), then for
+    each ``shots`` support and ``queries`` query examples drawn without replacement. Returns
+    (support, query) indices, grouped by class in that order."""
     eligible = [c for c, idx in members.items() if idx.numel() >= shots + queries]
     if len(eligible) < ways:
         raise ValueError(
             f"an episode needs {ways} classes with at least {shots + queries} examples each "
             f"(shots + queries), got {len(eligible)}"
         )
-    chosen = sorted(
-        eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:ways].tolist()
-    )
+    drawn = [eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:ways].tolist()]
+    chosen = drawn if shuffle else sorted(drawn)
     support, query = [], []
     for c in chosen:
         idx = members[c]
@@ -112,12 +122,14 @@ class EpisodeSampler:
 
     ``inner`` is an episode's support set, ``outer`` its query set, ``pair`` both of one
     episode; the requested batch sizes are ignored (an episode has ``ways * shots`` support and
-    ``ways * queries`` query examples)."""
+    ``ways * queries`` query examples). ``shuffle``: the episode's classes in a random order
+    (the slots of an episode head)."""
 
     labels: Tensor
     ways: int
     shots: int
     queries: int
+    shuffle: bool = False
     _members: dict[tuple[int, ...], dict[int, Tensor]] = field(default_factory=dict, repr=False)
 
     def members(self, data: ClientData) -> dict[int, Tensor]:
@@ -131,7 +143,9 @@ class EpisodeSampler:
     def pair(
         self, data: ClientData, inner_size: int, outer_size: int, gen: torch.Generator
     ) -> tuple[Tensor, Tensor]:
-        return draw_episode(self.members(data), self.ways, self.shots, self.queries, gen)
+        return draw_episode(
+            self.members(data), self.ways, self.shots, self.queries, gen, self.shuffle
+        )
 
     def inner(self, data: ClientData, size: int, gen: torch.Generator) -> Tensor:
         return self.pair(data, size, size, gen)[0]
@@ -154,6 +168,9 @@ class FewShot(TaskConfig):
         test_episodes: episodes of the evaluation (default 600; at least 500 for the
             literature's confidence intervals, fewer only for quick checks).
         head_l2 / head_steps / head_lr: the per-episode head fit of the evaluation.
+        head: ``"classes"`` (default): one head row per meta-training class, an episode's
+            softmax over its own classes; ``"episode"``: N rows, an episode's classes assigned
+            to them in a random order (see the module docstring).
     """
 
     name: Literal["few_shot"]
@@ -166,6 +183,9 @@ class FewShot(TaskConfig):
     head_l2: float = Field(1e-2, ge=0, allow_inf_nan=False, description="L2 of the fitted heads")
     head_steps: int = Field(200, ge=1, le=100_000, description="gradient steps per head fit")
     head_lr: float = Field(1.0, gt=0, allow_inf_nan=False, description="step of the head fit")
+    head: Literal["classes", "episode"] = Field(
+        "classes", description="head rows: one per class, or N relabelled per episode"
+    )
 
     episodic: ClassVar[bool] = True
 
@@ -179,17 +199,28 @@ class FewShot(TaskConfig):
         return self
 
     # -- losses (the BilevelProblem) ---------------------------------------------------------
+    def _cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if self.head == "classes":
+            return episode_cross_entropy(logits, targets)
+        # episode head: an example's label is its class's slot; batches are grouped by class
+        # in slot order (EpisodeSampler with shuffle), so the slots are 0..N-1, each repeated
+        per_class = targets.shape[-1] // self.ways
+        slots = torch.arange(self.ways, device=logits.device).repeat_interleave(per_class)
+        return F.cross_entropy(logits, slots)
+
     def inner_loss(
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
-        logits = forward(module, x, y, buffers, batch.inputs)
-        loss = episode_cross_entropy(logits, batch.targets)
+        loss = self._cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
         return loss + l2_penalty(y, self.inner_l2) if self.inner_l2 else loss
 
     def outer_loss(
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
-        return episode_cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
+        return self._cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
+
+    def num_outputs(self, train: Any) -> int:
+        return self.ways if self.head == "episode" else int(train.num_classes)
 
     def build(self, train: Any) -> FewShot:
         return self
@@ -231,7 +262,9 @@ class FewShot(TaskConfig):
     def sampler(self, train: Any, clients: Sequence[ClientData]) -> EpisodeSampler:
         """Episodes of each client's own classes; every client must hold ``ways`` classes with
         ``shots + queries`` examples each."""
-        sampler = EpisodeSampler(train.labels, self.ways, self.shots, self.queries)
+        sampler = EpisodeSampler(
+            train.labels, self.ways, self.shots, self.queries, shuffle=self.head == "episode"
+        )
         need = self.shots + self.queries
         for i, data in enumerate(clients):
             counts = [idx.numel() for idx in sampler.members(data).values()]
