@@ -449,9 +449,10 @@ def run_measured(
 
     The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
     local steps): FLOPs of these models are linear in the batch, so equal counts on equal
-    shapes mean equal work. A workload not seen before is measured by running the work for this
-    one client again under the FLOP counter, so every backend charges what the client alone
-    would execute.
+    shapes mean equal work; workloads differing only in the Hessian-vector count are composed
+    from a verified line (:class:`~radbo.cost.FlopMeter`). A workload not seen before is
+    measured by running the work for this one client again under the FLOP counter, so every
+    backend charges what the client alone would execute.
     """
     from radbo.cost import shape_signature
 
@@ -460,15 +461,10 @@ def run_measured(
     if meter is None:
         return result
     c = result.cost
-    key = (
-        task.phase,
-        shape_signature(task.params),
-        c.n_grad,
-        c.n_hvp,
-        c.samples,
-        task.budget.local_steps,
-    )
-    flops = meter.flops(key, lambda: work(runtime, task))
+    key = (task.phase, shape_signature(task.params), c.n_grad, c.samples, task.budget.local_steps)
+    # FLOPs are affine in the Hessian-vector count (a CG iteration is one more product of the
+    # same shapes): the meter composes new counts from a verified line (FlopMeter)
+    flops = meter.flops(key, lambda: work(runtime, task), linear=c.n_hvp)
     return replace(result, cost=replace(c, flops=flops))
 
 

@@ -3,10 +3,12 @@
 Every client and phase of a round produces one :class:`LedgerEntry`:
 
 - **FLOPs** are measured, not modelled: :class:`FlopMeter` re-runs a client function once
-  under ``torch.utils.flop_counter.FlopCounterMode`` for every distinct workload (phase, submodel
-  shapes, gradient / Hessian-vector counts, samples, local steps) and caches the count, so a run
-  pays the counting overhead once per workload. The counter includes backward and
-  double-backward (Hessian-vector products) and skips elementwise ops, BatchNorm and pooling.
+  under ``torch.utils.flop_counter.FlopCounterMode``'s rules for every distinct workload (phase,
+  submodel shapes, gradient / Hessian-vector counts, samples, local steps) and caches the count,
+  so a run pays the counting overhead once per workload; workloads that differ only in their
+  Hessian-vector count (CG iterations) are composed from a verified line instead of measured.
+  The counter includes backward and double-backward (Hessian-vector products) and skips
+  elementwise ops, BatchNorm and pooling.
 - **Bytes** are the tensors that cross the (simulated) wire: the submodel tensors received and
   the update sent (numel x element size), plus the index metadata of a submodel (its kept
   indices as int32) the first time a client receives it in a round.
@@ -97,19 +99,87 @@ class FlopMeter:
 
     ``key`` identifies a workload; the function must be pure (same task, same work), which the
     engine's client functions are, so re-running it under the counter is safe.
+
+    **Composition by a count.** A workload may name one count its FLOPs are affine in
+    (``linear``: the Hessian-vector products of a conjugate-gradient solve, whose iteration count
+    changes from round to round): FLOPs = ``base + unit x count`` for workloads equal in
+    everything else. Once three measurements of such a family at different counts lie exactly on
+    one line (integer arithmetic), the meter composes every further count from it instead of
+    measuring; a family whose measurements are not collinear is measured for each count, as
+    without composition. So a CG that stops after a new number of iterations costs no new
+    measurement, and the totals are exactly what measuring each workload gives.
     """
 
     cache: dict[tuple, int] = field(default_factory=dict)
     measurements: int = 0
+    compose: bool = True
+    _points: dict[tuple, dict[int, int]] = field(default_factory=dict, repr=False)
+    _lines: dict[tuple, tuple[int, int, int] | None] = field(default_factory=dict, repr=False)
 
-    def flops(self, key: tuple, run: Callable[[], Any]) -> int:
-        """Cached FLOPs for ``key``; on a miss, run ``run()`` under the FLOP counter."""
-        if key not in self.cache:
-            from radbo.flops import count_flops
+    def flops(self, key: tuple, run: Callable[[], Any], linear: int | None = None) -> int:
+        """Cached FLOPs for ``key`` (and ``linear``, the count the workload's FLOPs are affine
+        in); on a miss, composed from its family's line or measured by running ``run()`` under
+        the FLOP counter."""
+        full = key if linear is None else (*key, linear)
+        found = self.cache.get(full)
+        if found is not None:
+            return found
+        if linear is not None and self.compose:
+            line = self._lines.get(key)
+            if line is not None:  # verified: base + unit * count, exactly
+                k0, f0, unit = line
+                value = self.cache[full] = f0 + unit * (linear - k0)
+                return value
+        from radbo.flops import count_flops
 
-            self.cache[key] = int(count_flops(run))
-            self.measurements += 1
-        return self.cache[key]
+        value = self.cache[full] = int(count_flops(run))
+        self.measurements += 1
+        if linear is not None and self.compose and key not in self._lines:
+            points = self._points.setdefault(key, {})
+            points[linear] = value
+            if len(points) >= 3:
+                self._lines[key] = _exact_line(points)
+                del self._points[key]
+        return value
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready state (for checkpoints): a resumed run measures what the uninterrupted
+        one would."""
+        return {
+            "measurements": self.measurements,
+            "cache": [[list(k), v] for k, v in self.cache.items()],
+            "points": [[list(k), [[c, f] for c, f in p.items()]] for k, p in self._points.items()],
+            "lines": [[list(k), None if v is None else list(v)] for k, v in self._lines.items()],
+        }
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (checkpoints without points and lines, written
+        before composition existed, restore the cache only)."""
+        self.cache = {_as_tuple(k): int(v) for k, v in saved["cache"]}
+        self.measurements = int(saved["measurements"])
+        self._points = {
+            _as_tuple(k): {int(c): int(f) for c, f in p} for k, p in saved.get("points", [])
+        }
+        self._lines = {
+            _as_tuple(k): None if v is None else (int(v[0]), int(v[1]), int(v[2]))
+            for k, v in saved.get("lines", [])
+        }
+
+
+def _as_tuple(value: Any) -> Any:
+    """JSON lists back to the (nested) tuples of a workload key."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def _exact_line(points: Mapping[int, int]) -> tuple[int, int, int] | None:
+    """``(k0, f0, unit)`` with ``f = f0 + unit * (k - k0)`` through every point, in integers,
+    or ``None`` when the points are not on one such line."""
+    (k0, f0), *rest = sorted(points.items())
+    k1, f1 = rest[0]
+    unit, remainder = divmod(f1 - f0, k1 - k0)
+    if remainder or any(f != f0 + unit * (k - k0) for k, f in rest):
+        return None
+    return k0, f0, unit
 
 
 @dataclass(frozen=True)

@@ -100,11 +100,6 @@ def update_problem(
     return None
 
 
-def _as_tuple(value: Any) -> Any:
-    """JSON lists back to the nested tuples of a FLOP-meter key."""
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
-
-
 def full_index_set(shapes: Mapping[str, torch.Size]) -> IndexSet:
     """Index set keeping every coordinate of every tensor."""
     return {n: (None,) * len(s) for n, s in shapes.items()}
@@ -253,12 +248,7 @@ class Simulation(Generic[State]):
             masks, meta = tracker.state_dict()
             tensors.update({f"coverage/{block}/{n}": t for n, t in masks.items()})
             coverage[block] = meta
-        meter = None
-        if self.flop_meter is not None:
-            meter = {
-                "measurements": self.flop_meter.measurements,
-                "cache": [[list(k), v] for k, v in self.flop_meter.cache.items()],
-            }
+        meter = None if self.flop_meter is None else self.flop_meter.state_dict()
         return tensors, {"coverage": coverage, "flop_meter": meter}
 
     def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
@@ -272,8 +262,7 @@ class Simulation(Generic[State]):
             self._trackers[block] = tracker
         saved = meta.get("flop_meter")
         if self.flop_meter is not None and saved is not None:
-            self.flop_meter.cache = {_as_tuple(k): int(v) for k, v in saved["cache"]}
-            self.flop_meter.measurements = int(saved["measurements"])
+            self.flop_meter.load_state_dict(saved)
 
     def _generator(self, *words: int) -> torch.Generator:
         return torch.Generator().manual_seed(derive_seed(self.seed, *words))

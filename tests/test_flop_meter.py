@@ -1,0 +1,148 @@
+"""The FLOP meter off the hot path (issue 12): the lean counter counts what FlopCounterMode
+counts, and composing CG workloads from a verified line leaves every ledger entry exactly as
+measuring each workload would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from radbo.config import load_config, parse_config
+from radbo.cost import FlopMeter, _exact_line
+from radbo.experiment import build
+from radbo.flops import count_flops
+from radbo.models import CNN7, Conv4
+
+
+def reference(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def hvp_workload(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
+    params = list(model.parameters())
+
+    def run() -> None:
+        loss = F.cross_entropy(model(inputs), targets)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        torch.autograd.grad(sum((g * g).sum() for g in grads), params)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "build_model, shape",
+    [
+        (lambda: nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 4)), (12,)),
+        (lambda: Conv4(in_channels=1, image_size=16, width=8, classes=4), (1, 16, 16)),
+        (lambda: CNN7(classes=4, in_channels=1, image_size=16), (1, 16, 16)),
+    ],
+)
+def test_the_lean_counter_counts_what_flop_counter_mode_counts(build_model, shape):
+    """Forward, backward and double backward (HVP) through linear, conv and BatchNorm layers:
+    the same integer as FlopCounterMode.get_total_flops()."""
+    torch.manual_seed(0)
+    model = build_model().double()
+    inputs = torch.randn(6, *shape, dtype=torch.float64)
+    targets = torch.arange(6) % 4
+    run = hvp_workload(model, inputs, targets)
+    expected = reference(run)
+    assert expected > 0
+    assert count_flops(run) == expected
+
+
+def test_exact_line_needs_integer_collinear_points():
+    assert _exact_line({2: 120, 5: 300, 9: 540}) == (2, 120, 60)
+    assert _exact_line({2: 120, 5: 300, 9: 541}) is None  # off by one FLOP
+    assert _exact_line({1: 10, 3: 15, 5: 20}) is None  # slope 2.5 is not an integer
+
+
+def test_the_meter_composes_a_family_only_after_three_collinear_measurements():
+    meter = FlopMeter()
+    calls: list[int] = []
+
+    def product(k: int):
+        a, b = torch.ones(2, 3), torch.ones(3, 4)
+
+        def run() -> None:
+            calls.append(k)
+            _ = torch.ones(5, 7) @ torch.ones(7, 2)  # the base: 140 FLOPs
+            for _ in range(k):
+                _ = a @ b  # 48 FLOPs per unit
+
+        return run
+
+    for k in (3, 1, 4):
+        assert meter.flops(("outer",), product(k), linear=k) == 140 + 48 * k
+    assert meter.measurements == 3 and calls == [3, 1, 4]
+    # the family is verified: new counts are composed, not run
+    assert meter.flops(("outer",), product(9), linear=9) == 140 + 48 * 9
+    assert meter.flops(("outer",), product(0), linear=0) == 140
+    assert meter.measurements == 3 and calls == [3, 1, 4]
+    # another family (different key) is measured on its own
+    assert meter.flops(("inner",), product(2), linear=2) == 140 + 96
+    assert meter.measurements == 4
+
+
+def test_a_family_that_is_not_affine_keeps_being_measured():
+    meter = FlopMeter()
+
+    def quadratic(k: int):
+        return lambda: torch.ones(k + 1, 3) @ torch.ones(3, k + 1)  # 6 (k+1)^2 FLOPs
+
+    for k in range(6):
+        assert meter.flops(("q",), quadratic(k), linear=k) == 6 * (k + 1) ** 2
+    assert meter.measurements == 6
+
+
+def ledger_flops(config, compose: bool, rounds: int) -> tuple[list[tuple], FlopMeter]:
+    exp = build(config)
+    sim = exp.simulation
+    sim.flop_meter = meter = FlopMeter(compose=compose)
+    state = exp.initial_state
+    rows = []
+    for r in range(rounds):
+        state, record = sim.step(state, r)
+        rows += [(e.round, e.phase, e.client, e.flops, e.n_hvp) for e in record.ledger]
+    return rows, meter
+
+
+def test_the_demo_ledger_is_unchanged_by_composition():
+    config = load_config("examples/demo.toml")
+    composed, meter = ledger_flops(config, compose=True, rounds=6)
+    measured, reference_meter = ledger_flops(config, compose=False, rounds=6)
+    assert composed == measured
+    assert meter.measurements <= reference_meter.measurements
+
+
+def test_the_cnn_ledger_is_unchanged_when_cg_workloads_are_composed():
+    """CNN7 on 16x16 digits: the CG iteration count changes between rounds; measured, each new
+    count is a new workload (rounds 2 and 7 re-measured three each on this config); composed,
+    the ledger's FLOPs are the same integers and later counts cost no measurement."""
+    config = parse_config(
+        {"seed": 0, "data": {"name": "digits", "image_size": 16}, "model": {"name": "cnn7"}}
+    )
+    composed, meter = ledger_flops(config, compose=True, rounds=12)
+    measured, reference_meter = ledger_flops(config, compose=False, rounds=12)
+    assert composed == measured
+    hvp_counts = {row[4] for row in measured if row[1].endswith("outer")}
+    assert len(hvp_counts) > 3  # the CG stopped after several different iteration counts
+    assert len(meter.cache) > meter.measurements  # some workloads were composed
+    assert meter.measurements < reference_meter.measurements
+
+
+def test_the_meter_state_round_trips_through_json():
+    import json
+
+    meter = FlopMeter()
+    for k in (1, 2, 5):
+        meter.flops(("outer", (("w", (2, 3)),)), lambda: torch.ones(2, 3) @ torch.ones(3, 1), k)
+    meter.flops(("half",), lambda: torch.ones(2, 3) @ torch.ones(3, 1), linear=1)
+    restored = FlopMeter()
+    restored.load_state_dict(json.loads(json.dumps(meter.state_dict())))
+    assert restored.cache == meter.cache and restored.measurements == meter.measurements
+    assert restored._lines == meter._lines and restored._points == meter._points
