@@ -45,21 +45,39 @@ class CoverageMean:
         return self.count[name] > 0
 
 
-def _kept_view(index: tuple[Tensor | None, ...], shape: torch.Size) -> tuple[Tensor | slice, ...]:
-    """Advanced-indexing key selecting the Cartesian product of the per-dimension index sets.
-
-    Written by hand because the index sets are radbo's own structured-mask format: each
-    dimension either keeps everything (``None``) or a sorted index list.
-    """
+def _kept_shape(index: tuple[Tensor | None, ...], shape: torch.Size) -> tuple[int, ...]:
+    """Shape of the submodel tensor that ``index`` selects from a tensor of ``shape``."""
     if len(index) != len(shape):
         raise ValueError(f"index set has {len(index)} dimensions, tensor has {len(shape)}")
-    lists = [
-        torch.arange(n) if idx is None else idx.to(torch.long)
-        for idx, n in zip(index, shape, strict=True)
-    ]
-    if not lists:
-        return ()
-    return tuple(torch.meshgrid(*lists, indexing="ij"))
+    return tuple(
+        n if idx is None else int(idx.numel()) for idx, n in zip(index, shape, strict=True)
+    )
+
+
+def _add_at(target: Tensor, index: tuple[Tensor | None, ...], value: Tensor | float) -> None:
+    """``target[kept coordinates] += value`` for radbo's structured index sets (each dimension
+    keeps everything, ``None``, or a sorted list of distinct indices).
+
+    Written by hand because the index sets are radbo's own structured-mask format. A full index
+    set is one in-place addition; otherwise the value is scattered one indexed dimension at a
+    time with ``index_add_`` (innermost first, into zero blocks). Every coordinate receives one
+    exact ``0 + v`` then one ``t + v``, so the result is bitwise what adding ``value`` to the
+    selected Cartesian product gives, without that product's index grids."""
+    kept = [(d, idx.to(torch.long)) for d, idx in enumerate(index) if idx is not None]
+    if not kept:
+        target += value
+        return
+    block = (
+        value
+        if isinstance(value, Tensor)
+        else torch.full(_kept_shape(index, target.shape), value, dtype=target.dtype)
+    )
+    for d, idx in reversed(kept[1:]):
+        shape = list(block.shape)
+        shape[d] = target.shape[d]
+        block = torch.zeros(shape, dtype=target.dtype).index_add_(d, idx, block.to(target.dtype))
+    d, idx = kept[0]
+    target.index_add_(d, idx, block.to(target.dtype))
 
 
 def coverage_weighted_mean(
@@ -115,17 +133,18 @@ def coverage_weighted_mean(
         ):
             if name not in update:
                 raise ValueError(f"client update is missing tensor {name!r}")
-            key = _kept_view(index_set.get(name, (None,) * len(shape)), shape)
+            index = index_set.get(name, (None,) * len(shape))
             sub = update[name]
-            expected = num[key].shape
-            if sub.shape != expected:
+            expected = _kept_shape(index, shape)
+            if tuple(sub.shape) != expected:
                 raise ValueError(
                     f"client update {name!r} has shape {tuple(sub.shape)}, "
-                    f"its index set selects {tuple(expected)}"
+                    f"its index set selects {expected}"
                 )
-            num[key] += w * sub.detach().to(torch.float64)
-            den[key] += w
-            sc[key] += w * s_i
+            _add_at(num, index, w * sub.detach().to(torch.float64))
+            _add_at(den, index, float(w))
+            if scales is not None:
+                _add_at(sc, index, float(w * s_i))
         dtype = updates[0][name].dtype if updates else torch.float32
         held = den > 0
         safe = den.clamp_min(1e-300)

@@ -174,3 +174,32 @@ def test_project_ball_scales_only_outside_the_ball():
     assert torch.allclose(out["a"], torch.tensor([0.6])) and torch.allclose(
         out["b"], torch.tensor([0.8])
     )
+
+
+def test_scattering_a_block_equals_adding_to_the_selected_cartesian_product():
+    """radbo.aggregation._add_at (one index_add_ per indexed dimension, or one in-place addition
+    for a full index set) leaves every coordinate bitwise equal to indexing the Cartesian
+    product of the kept indices with meshgrid and adding there."""
+    from radbo.aggregation import _add_at
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (6, 5, 3, 2)
+    for trial in range(20):
+        index = tuple(
+            None
+            if torch.rand((), generator=gen) < 0.4
+            else torch.sort(torch.randperm(n, generator=gen)[: 1 + trial % n]).values
+            for n in shape
+        )
+        lists = [torch.arange(n) if i is None else i for i, n in zip(index, shape, strict=True)]
+        key = torch.meshgrid(*lists, indexing="ij")
+        start = torch.randn(shape, generator=gen, dtype=torch.float64)
+        value = torch.randn(key[0].shape, generator=gen, dtype=torch.float64)
+        expected = start.clone()
+        expected[key] += value
+        got = start.clone()
+        _add_at(got, index, value)
+        assert torch.equal(got, expected)
+        expected[key] += 0.25
+        _add_at(got, index, 0.25)
+        assert torch.equal(got, expected)
