@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from radbo.masks.index import coverage_counts
+from radbo.masks.index import add_at, coverage_counts, kept_shape
 from radbo.typing import IndexSet, Params
 
 
@@ -43,41 +43,6 @@ class CoverageMean:
     def covered(self, name: str) -> Tensor:
         """Boolean tensor: True where at least one client held the coordinate."""
         return self.count[name] > 0
-
-
-def _kept_shape(index: tuple[Tensor | None, ...], shape: torch.Size) -> tuple[int, ...]:
-    """Shape of the submodel tensor that ``index`` selects from a tensor of ``shape``."""
-    if len(index) != len(shape):
-        raise ValueError(f"index set has {len(index)} dimensions, tensor has {len(shape)}")
-    return tuple(
-        n if idx is None else int(idx.numel()) for idx, n in zip(index, shape, strict=True)
-    )
-
-
-def _add_at(target: Tensor, index: tuple[Tensor | None, ...], value: Tensor | float) -> None:
-    """``target[kept coordinates] += value`` for radbo's structured index sets (each dimension
-    keeps everything, ``None``, or a sorted list of distinct indices).
-
-    Written by hand because the index sets are radbo's own structured-mask format. A full index
-    set is one in-place addition; otherwise the value is scattered one indexed dimension at a
-    time with ``index_add_`` (innermost first, into zero blocks). Every coordinate receives one
-    exact ``0 + v`` then one ``t + v``, so the result is bitwise what adding ``value`` to the
-    selected Cartesian product gives, without that product's index grids."""
-    kept = [(d, idx.to(torch.long)) for d, idx in enumerate(index) if idx is not None]
-    if not kept:
-        target += value
-        return
-    block = (
-        value
-        if isinstance(value, Tensor)
-        else torch.full(_kept_shape(index, target.shape), value, dtype=target.dtype)
-    )
-    for d, idx in reversed(kept[1:]):
-        shape = list(block.shape)
-        shape[d] = target.shape[d]
-        block = torch.zeros(shape, dtype=target.dtype).index_add_(d, idx, block.to(target.dtype))
-    d, idx = kept[0]
-    target.index_add_(d, idx, block.to(target.dtype))
 
 
 def coverage_weighted_mean(
@@ -135,16 +100,16 @@ def coverage_weighted_mean(
                 raise ValueError(f"client update is missing tensor {name!r}")
             index = index_set.get(name, (None,) * len(shape))
             sub = update[name]
-            expected = _kept_shape(index, shape)
+            expected = kept_shape(index, shape)
             if tuple(sub.shape) != expected:
                 raise ValueError(
                     f"client update {name!r} has shape {tuple(sub.shape)}, "
                     f"its index set selects {expected}"
                 )
-            _add_at(num, index, w * sub.detach().to(torch.float64))
-            _add_at(den, index, float(w))
+            add_at(num, index, w * sub.detach().to(torch.float64))
+            add_at(den, index, float(w))
             if scales is not None:
-                _add_at(sc, index, float(w * s_i))
+                add_at(sc, index, float(w * s_i))
         dtype = updates[0][name].dtype if updates else torch.float32
         held = den > 0
         safe = den.clamp_min(1e-300)

@@ -180,7 +180,7 @@ def test_scattering_a_block_equals_adding_to_the_selected_cartesian_product():
     """radbo.aggregation._add_at (one index_add_ per indexed dimension, or one in-place addition
     for a full index set) leaves every coordinate bitwise equal to indexing the Cartesian
     product of the kept indices with meshgrid and adding there."""
-    from radbo.aggregation import _add_at
+    from radbo.masks.index import add_at as _add_at
 
     gen = torch.Generator().manual_seed(3)
     shape = (6, 5, 3, 2)

@@ -132,6 +132,41 @@ def dense_mask(index_set: IndexSet, shapes: Mapping[str, torch.Size]) -> Params:
     return out
 
 
+def kept_shape(index: tuple[Tensor | None, ...], shape: torch.Size) -> tuple[int, ...]:
+    """Shape of the submodel tensor that ``index`` selects from a tensor of ``shape``."""
+    if len(index) != len(shape):
+        raise ValueError(f"index set has {len(index)} dimensions, tensor has {len(shape)}")
+    return tuple(
+        n if idx is None else int(idx.numel()) for idx, n in zip(index, shape, strict=True)
+    )
+
+
+def add_at(target: Tensor, index: tuple[Tensor | None, ...], value: Tensor | float) -> None:
+    """``target[kept coordinates] += value`` for radbo's structured index sets (each dimension
+    keeps everything, ``None``, or a sorted list of distinct indices).
+
+    Written by hand because the index sets are radbo's own structured-mask format. A full index
+    set is one in-place addition; otherwise the value is scattered one indexed dimension at a
+    time with ``index_add_`` (innermost first, into zero blocks). Every coordinate receives one
+    exact ``0 + v`` then one ``t + v``, so the result is bitwise what adding ``value`` to the
+    selected Cartesian product gives, without that product's index grids."""
+    kept = [(d, idx.to(torch.long)) for d, idx in enumerate(index) if idx is not None]
+    if not kept:
+        target += value
+        return
+    block = (
+        value
+        if isinstance(value, Tensor)
+        else torch.full(kept_shape(index, target.shape), value, dtype=target.dtype)
+    )
+    for d, idx in reversed(kept[1:]):
+        shape = list(block.shape)
+        shape[d] = target.shape[d]
+        block = torch.zeros(shape, dtype=target.dtype).index_add_(d, idx, block.to(target.dtype))
+    d, idx = kept[0]
+    target.index_add_(d, idx, block.to(target.dtype))
+
+
 def coverage_counts(
     index_sets: Sequence[IndexSet],
     shapes: Mapping[str, torch.Size],
@@ -151,12 +186,17 @@ def coverage_counts(
     out: dict[str, Tensor] = {}
     for key, shape in shapes.items():
         count = torch.zeros(shape, dtype=torch.int64)
+        whole = 0  # clients holding the whole tensor: one addition at the end
         for i, index_set in enumerate(index_sets):
             if weights is not None and not weights[i] > 0:
                 continue
-            full = (None,) * len(shape)
-            held = dense_mask({key: index_set.get(key, full)}, {key: shape})[key]
-            count += held.long()
+            entry = index_set.get(key, (None,) * len(shape))
+            if all(idx is None for idx in entry):
+                whole += 1
+            else:
+                add_at(count, entry, 1)
+        if whole:
+            count += whole
         out[key] = count
     return out
 
