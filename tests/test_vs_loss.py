@@ -308,7 +308,9 @@ def test_implicit_hypergradient_equals_the_derivative_of_the_validation_loss():
     """With no hidden layer g is strongly convex in y, and the implicit hypergradient with
     respect to all three per-class vectors is the derivative of the validation loss at y*(x)."""
     gen = torch.Generator().manual_seed(0)
-    model = VSMLP(5, [], 3).double()
+    with torch.random.fork_rng():  # the initial y from a fixed seed, whatever ran before
+        torch.manual_seed(0)
+        model = VSMLP(5, [], 3).double()
     train = Batch(
         torch.randn(40, 5, generator=gen, dtype=torch.float64),
         torch.randint(0, 3, (40,), generator=gen),
