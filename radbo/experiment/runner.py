@@ -208,6 +208,7 @@ def _run_once(
             bar.set_postfix(postfix)
     finally:
         bar.close()
+        _close(sim.backend)
     entries = [LedgerEntry(**row) for row in ledger]
     run_totals = totals(entries)
     run_totals["communication_rounds"] = sum(r["communication_rounds"] for r in rows)
@@ -231,6 +232,14 @@ def _run_once(
         totals_by_tier=totals_by_tier(entries),
         ledger=ledger,
     )
+
+
+def _close(backend: Backend) -> None:
+    """Stop what ``backend`` runs beside this process (a :class:`radbo.simulation.
+    ProcessBackend`'s workers); backends without a ``close`` hold nothing to stop."""
+    close = getattr(backend, "close", None)
+    if callable(close):
+        close()
 
 
 def _last_evaluation(rows: list[dict[str, Any]]) -> dict[str, float]:

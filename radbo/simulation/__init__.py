@@ -8,9 +8,12 @@ from radbo.simulation.engine import (
     full_index_set,
     update_problem,
 )
+from radbo.simulation.processes import ClientWorkerError, ProcessBackend
 
 __all__ = [
     "BatchedBackend",
+    "ClientWorkerError",
+    "ProcessBackend",
     "RoundRecord",
     "SequentialBackend",
     "Simulation",

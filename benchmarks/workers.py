@@ -1,0 +1,141 @@
+"""``[runtime] backend = "processes"``: a steady 10-client demo round on 2 worker processes
+against 1 worker (which runs the clients in this process, as the sequential backend does).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/workers.py [--rounds 7] [--workers 2]
+
+Both runs are built from the demo config (``examples/demo.toml``: RABO + CG, masks, the
+10-client device fleet) and warmed up with round 0 (it measures FLOPs and starts the pool).
+Then rounds 1..N alternate between the two (2 workers first in odd rounds, 1 worker first in
+even ones); each round is one ``Simulation.step`` (no evaluation). Reported: the median wall
+time and the median CPU time of this process plus its worker processes, the speed-up of the
+medians, and the share of a 1-worker round spent in the client phases (the part workers run
+in parallel; the rest -- sampling, masks, broadcast, aggregation -- bounds the speed-up).
+Both runs compute the same states bitwise, which is checked. Run it on an otherwise idle
+machine: the figure is only meaningful with two free cores; printed beside it is the share of
+the CPUs that other processes used during the measurement (from ``/proc/stat``, so it sees
+processes of other containers on the same machine too) and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from radbo.experiment import build  # noqa: E402
+from radbo.simulation import ProcessBackend  # noqa: E402
+from radbo.simulation.processes import usable_cpus  # noqa: E402
+from tests.configs import small_config  # noqa: E402
+
+
+def cpu_seconds(backend: ProcessBackend) -> float:
+    """User + system CPU seconds of this process and the backend's worker processes."""
+    total = time.process_time()
+    for pid in backend.pids():
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def timed(run: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    """``run`` adding its wall time to ``spent[-1]`` (the client phases of the current round)."""
+
+    def wrapper(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return run(*args)
+        finally:
+            spent[-1] += time.perf_counter() - start
+
+    return wrapper
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every process of this machine used since boot, all CPUs (``/proc/stat``;
+    NaN where there is none): other processes' share during a measurement is this one's
+    difference minus our own CPU time."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
+def same_state(a: Any, b: Any, sim: Any) -> bool:
+    ma, mb = sim.algorithm.model_state(a), sim.algorithm.model_state(b)
+    return all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="steady rounds per worker count")
+    parser.add_argument("--workers", type=int, default=2, help="the worker count set against 1")
+    args = parser.parse_args()
+    n = args.workers
+    torch.set_num_threads(1)
+    runs = {}
+    for workers in (1, n):
+        runtime = {"backend": "processes", "workers": workers}
+        exp = build(small_config(rounds=args.rounds + 1, runtime=runtime))
+        sim = exp.simulation
+        state, _ = sim.step(exp.initial_state, 0)  # warm-up: FLOP measurements, pool start
+        r = {"sim": sim, "state": state, "wall": [], "cpu": [], "clients": [], "phases": [0.0]}
+        sim.backend.run = timed(sim.backend.run, r["phases"])  # type: ignore[method-assign]
+        runs[workers] = r
+    busy0, start = machine_busy_s(), time.perf_counter()
+    for q in range(1, args.rounds + 1):
+        for workers in (n, 1) if q % 2 else (1, n):
+            r = runs[workers]
+            backend = r["sim"].backend
+            cpu0, wall0 = cpu_seconds(backend), time.perf_counter()
+            r["state"], record = r["sim"].step(r["state"], q)
+            r["wall"].append(time.perf_counter() - wall0)
+            r["cpu"].append(cpu_seconds(backend) - cpu0)
+            r["clients"].append(len(record.clients))
+            r["phases"].append(0.0)
+    ours = sum(sum(r["cpu"]) for r in runs.values())
+    others = (machine_busy_s() - busy0 - ours) / ((time.perf_counter() - start) * usable_cpus())
+    equal = same_state(runs[1]["state"], runs[n]["state"], runs[1]["sim"])
+    for r in runs.values():
+        r["sim"].backend.close()
+    load = os.getloadavg()
+    print(
+        f"demo round (10-client fleet, {statistics.mean(runs[1]['clients']):.1f} clients per "
+        f"round on average), median of {args.rounds} alternated steady rounds, "
+        f"torch {torch.__version__}, {usable_cpus()} CPUs; other processes used "
+        f"{100 * max(others, 0.0):.0f} % of them meanwhile, load average "
+        f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) at the end"
+    )
+    wall = {w: statistics.median(r["wall"]) for w, r in runs.items()}
+    cpu = {w: statistics.median(r["cpu"]) for w, r in runs.items()}
+    for w in (1, n):
+        print(f"  {w} worker(s): wall {1e3 * wall[w]:7.1f} ms, CPU {1e3 * cpu[w]:7.1f} ms")
+    print(f"  speed-up {n} vs 1 worker: wall {wall[1] / wall[n]:.2f}x, CPU {cpu[1] / cpu[n]:.2f}x")
+    # the rest of a round (sampling, masks, broadcast, aggregation) runs in this process
+    shares = [p / w for p, w in zip(runs[1]["phases"], runs[1]["wall"], strict=False)]
+    share = statistics.median(shares)
+    k = min(n, usable_cpus())
+    print(
+        f"  client phases: {100 * share:.0f} % of a 1-worker round; the rest is serial, so "
+        f"{k} workers can reach at most {1 / (1 - share + share / k):.2f}x on {k} CPUs (Amdahl)"
+    )
+    print(f"  final states bitwise equal: {equal}")
+    print(f"  per round (clients: 1-worker / {n}-worker wall ms):")
+    for q, clients in enumerate(runs[1]["clients"], start=1):
+        w1, w2 = 1e3 * runs[1]["wall"][q - 1], 1e3 * runs[n]["wall"][q - 1]
+        print(f"    round {q}: {clients} clients: {w1:6.1f} / {w2:6.1f} ({w1 / w2:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""ProcessBackend (``[runtime] backend = "processes"``): a phase's clients run in parallel
+single-threaded worker processes, and a run's results equal the sequential run's bitwise
+(results.json rounds, ledger, totals and final state), the caller's torch thread count is
+kept, and no worker process outlives a run -- also when it fails or is interrupted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import psutil
+import pytest
+import torch
+
+import radbo.experiment.runner as runner
+from radbo.client import ClientBudget, ClientResult, ClientTask, CostRecord
+from radbo.config import ConfigError, parse_config
+from radbo.experiment import build, run
+from radbo.problem import ClientData
+from radbo.simulation import ClientWorkerError, ProcessBackend, SequentialBackend, processes
+from radbo.simulation.processes import usable_cpus
+from tests.configs import small_config
+
+NO_BASELINE = {"enabled": False}
+
+#: name -> overrides of the demo config (a few rounds, no baseline)
+CASES: dict[str, dict] = {
+    "fedavg": dict(algorithm={"name": "fedavg", "local_steps": 3}),
+    "shrofbo": dict(
+        algorithm={"name": "shrofbo"},
+        fleet={"local_steps": "uniform", "local_steps_range": [1, 3]},
+    ),
+    "fedmbo-float64": dict(
+        algorithm={"name": "fedmbo", "inner_steps": 2, "neumann_terms": 3, "clients_per_phase": 3},
+        estimator={"name": "autograd"},
+        mask={"policy": "none"},
+        fleet={"capacities": [1.0]},
+        runtime={"dtype": "float64"},
+    ),
+}
+
+
+def children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def with_backend(overrides: dict, **runtime: object) -> dict:
+    return {**overrides, "runtime": {**overrides.get("runtime", {}), **runtime}}
+
+
+def tensors(value: object, path: str = "state") -> dict[str, torch.Tensor]:
+    """Every tensor in an algorithm state (dataclasses, mappings, sequences), by path."""
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    out: dict[str, torch.Tensor] = {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            out.update(tensors(getattr(value, f.name), f"{path}.{f.name}"))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            out.update(tensors(v, f"{path}[{k!r}]"))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            out.update(tensors(v, f"{path}[{i}]"))
+    return out
+
+
+def assert_same_state(a: object, b: object) -> None:
+    ta, tb = tensors(a), tensors(b)
+    assert ta and ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+
+
+def rounds_json(rows: list[dict]) -> str:
+    """Per-round rows as results.json writes them, without the measured wall time."""
+    return json.dumps([{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows])
+
+
+# ------------------------------------------------------------------- equality with sequential
+def test_demo_run_equals_the_sequential_run_bitwise(tmp_path):
+    """The demo config (RABO + CG, masks, device fleet, paired baseline), two rounds: the
+    files a run writes and its final state are those of the sequential run."""
+    before = torch.get_num_threads()
+    out = {}
+    for backend in ("sequential", "processes"):
+        cfg = small_config(rounds=2, eval_every=1, runtime={"backend": backend, "workers": 2})
+        result = run(cfg, progress=False, output_dir=tmp_path / backend)
+        saved = json.loads((tmp_path / backend / "results.json").read_text())
+        ledger = (tmp_path / backend / "ledger.json").read_text()
+        out[backend] = (result, saved, ledger)
+        assert torch.get_num_threads() == before
+        assert children() == []
+    (seq, seq_saved, seq_ledger), (par, par_saved, par_ledger) = out.values()
+    assert rounds_json(seq_saved["rounds"]) == rounds_json(par_saved["rounds"])
+    assert json.dumps(seq_saved["final"]) == json.dumps(par_saved["final"])
+    assert seq_saved["totals"] == par_saved["totals"]
+    assert seq_saved["baseline"]["totals"] == par_saved["baseline"]["totals"]
+    assert seq_saved["savings"] == par_saved["savings"]
+    assert seq_ledger == par_ledger
+    assert_same_state(seq.state, par.state)
+    assert seq.baseline is not None and par.baseline is not None
+    assert_same_state(seq.baseline.state, par.baseline.state)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_algorithm_run_equals_the_sequential_run_bitwise(name):
+    overrides = dict(CASES[name], rounds=2, eval_every=2, baseline=NO_BASELINE)
+    seq = run(
+        small_config(**with_backend(overrides, backend="sequential")), progress=False, save=False
+    )
+    par = run(
+        small_config(**with_backend(overrides, backend="processes", workers=2)),
+        progress=False,
+        save=False,
+    )
+    assert rounds_json(seq.rounds) == rounds_json(par.rounds)
+    assert seq.ledger == par.ledger
+    assert seq.totals == par.totals
+    assert_same_state(seq.state, par.state)
+    assert children() == []
+
+
+def test_simulation_driven_directly_equals_sequential_in_float64():
+    """Driving a Simulation round by round, the backend as a context manager that stops the
+    workers on leaving it."""
+    cfg = small_config(rounds=2, baseline=NO_BASELINE, runtime={"dtype": "float64"})
+    reference = build(cfg)
+    want = list(reference.simulation.iterate(reference.initial_state, 2))
+    exp = build(cfg)
+    with ProcessBackend(2) as backend:
+        exp.simulation.backend = backend
+        got = list(exp.simulation.iterate(exp.initial_state, 2))
+        assert len(backend.pids()) == 2 and len(children()) == 2
+    assert not backend.running and children() == []
+    for (sa, ra), (sb, rb) in zip(want, got, strict=True):
+        assert_same_state(sa, sb)
+        assert ra.ledger == rb.ledger
+        assert json.dumps(ra.metrics) == json.dumps(rb.metrics)
+
+
+# ------------------------------------------------------------------- the pool's lifetime
+def test_one_worker_runs_in_process():
+    cfg = small_config(rounds=1, baseline=NO_BASELINE)
+    exp = build(
+        small_config(rounds=1, baseline=NO_BASELINE, runtime={"backend": "processes", "workers": 1})
+    )
+    assert isinstance(exp.simulation.backend, ProcessBackend)
+    list(exp.simulation.iterate(exp.initial_state, 1))
+    assert not exp.simulation.backend.running and children() == []
+    assert build(cfg).simulation.backend.__class__ is SequentialBackend
+
+
+def test_an_interrupted_run_leaves_no_worker(monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) between rounds: the runner closes the backend."""
+    real_build = runner.build
+
+    def interrupting(config):
+        exp = real_build(config)
+        evaluate = exp.simulation.evaluate
+
+        def stop(state):
+            assert len(children()) == 2  # the workers ran round 0
+            evaluate(state)
+            raise KeyboardInterrupt
+
+        exp.simulation.evaluate = stop
+        return exp
+
+    monkeypatch.setattr(runner, "build", interrupting)
+    before = torch.get_num_threads()
+    cfg = small_config(
+        rounds=2, eval_every=1, baseline=NO_BASELINE, runtime={"backend": "processes", "workers": 2}
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, progress=False, save=False)
+    assert children() == []
+    assert torch.get_num_threads() == before
+
+
+# plain client work for the mechanics tests: runs in a forked worker
+PARENT = os.getpid()
+
+
+def echo(runtime, task: ClientTask) -> ClientResult:
+    """Doubles the received tensor; fails for clients 3 and 8; a worker dies on client 5."""
+    if task.client in (3, 8):
+        raise ValueError(f"client {task.client} cannot train")
+    if task.client == 5 and os.getpid() != PARENT:
+        os._exit(7)
+    return ClientResult(task.client, {"w": 2 * task.params["w"]}, CostRecord(n_grad=1))
+
+
+def threads(runtime, task: ClientTask) -> ClientResult:
+    """Reports the worker's torch intra-op thread count."""
+    return ClientResult(task.client, {}, CostRecord(), {"threads": torch.get_num_threads()})
+
+
+def tasks(clients: list[int]) -> list[ClientTask]:
+    return [
+        ClientTask(
+            client=c,
+            round=0,
+            phase="train",
+            params={"w": torch.full((c + 1,), float(c))},  # bigger clients go out first
+            index_set={"w": (None,)},
+            data=ClientData(inner=torch.arange(2), outer=torch.arange(2)),
+            seed=c,
+            budget=ClientBudget(),
+        )
+        for c in clients
+    ]
+
+
+def test_results_come_back_in_task_order():
+    with ProcessBackend(2) as backend:
+        results = backend.run(echo, None, None, tasks([4, 0, 2, 1, 6]))  # type: ignore[arg-type]
+    assert [r.client for r in results] == [4, 0, 2, 1, 6]
+    for r in results:
+        assert torch.equal(r.update["w"], torch.full((r.client + 1,), 2.0 * r.client))
+    assert children() == []
+
+
+def double(runtime, task: ClientTask) -> ClientResult:
+    return echo(runtime, task)
+
+
+def test_new_work_is_sent_to_the_workers_or_they_are_forked_anew():
+    """A picklable work reaches the running workers; one that does not pickle (a closure)
+    restarts them, so that the new workers inherit it."""
+    runtime = object()  # stands for a ClientRuntime: inherited by the workers, never pickled
+    with ProcessBackend(2) as backend:
+        backend.run(echo, runtime, None, tasks([0, 1]))  # type: ignore[arg-type]
+        first = backend.pids()
+        backend.run(double, runtime, None, tasks([2, 1]))  # type: ignore[arg-type]
+        assert backend.pids() == first  # the same workers, taught the new work
+
+        def closure(rt, task):
+            return echo(rt, task)
+
+        results = backend.run(closure, runtime, None, tasks([4, 2]))  # type: ignore[arg-type]
+        assert set(backend.pids()).isdisjoint(first)  # forked anew
+        assert [r.client for r in results] == [4, 2]
+        backend.run(echo, runtime, None, tasks([1]))  # type: ignore[arg-type]
+        backend.run(double, runtime, None, tasks([1]))  # type: ignore[arg-type]
+        backend.run(closure, runtime, None, tasks([1]))  # type: ignore[arg-type]
+    assert children() == []
+
+
+def test_a_run_starts_its_workers_once(monkeypatch):
+    """RABO has two phases with different client work: one pool serves both."""
+    starts = []
+    real = processes._Pool.__init__
+
+    def spy(self, *args):
+        starts.append(args)
+        real(self, *args)
+
+    monkeypatch.setattr(processes._Pool, "__init__", spy)
+    runtime = {"backend": "processes", "workers": 2}
+    run(small_config(rounds=2, baseline=NO_BASELINE, runtime=runtime), progress=False, save=False)
+    assert len(starts) == 1
+
+
+def identity(runtime, task: ClientTask) -> ClientResult:
+    """Sends the received tensors back."""
+    return ClientResult(task.client, dict(task.params), CostRecord())
+
+
+def test_tensors_cross_exactly_with_their_shapes_and_strides():
+    base = torch.randn(40, 30, dtype=torch.float64)
+    sent = {
+        "block": base[3:7, 5:9],
+        "transposed": base.t()[2:5],
+        "column": base[:, 3],
+        "expanded": torch.randn(4, 1).expand(4, 6),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5),
+        "flags": torch.tensor([True, False, True]),
+        "indices": torch.arange(1000)[500:510],
+        "half": torch.randn(5).half(),
+    }
+    task = dataclasses.replace(tasks([0])[0], params=sent)
+    with ProcessBackend(2) as backend:
+        (result,) = backend.run(identity, None, None, [task])  # type: ignore[arg-type]
+    for name, t in sent.items():
+        got = result.update[name]
+        assert (got.dtype, got.shape, got.stride()) == (t.dtype, t.shape, t.stride()), name
+        assert torch.equal(got, t), name
+
+
+def test_workers_run_with_one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ProcessBackend(2) as backend:
+            results = backend.run(threads, None, None, tasks([0, 1, 2]))  # type: ignore[arg-type]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert [r.metrics["threads"] for r in results] == [1.0, 1.0, 1.0]
+
+
+def test_an_error_in_client_work_is_raised_with_the_workers_traceback():
+    """Client 8 goes out first and fails, but client 3 comes first in task order: its error is
+    the one raised, as in a sequential run."""
+    with ProcessBackend(2) as backend, pytest.raises(ValueError, match="client 3 ") as info:
+        backend.run(echo, None, None, tasks([0, 3, 8, 1]))  # type: ignore[arg-type]
+    assert any("client 3's 'train' task" in note for note in info.value.__notes__)
+    assert children() == []
+
+
+def test_a_worker_that_dies_is_a_clear_error_not_a_hang():
+    backend = ProcessBackend(2)
+    with pytest.raises(ClientWorkerError, match=r"died with exit code 7 while running client 5"):
+        backend.run(echo, None, None, tasks([0, 5, 1, 2]))  # type: ignore[arg-type]
+    assert not backend.running and children() == []
+    results = backend.run(echo, None, None, tasks([0, 1]))  # type: ignore[arg-type]
+    assert [r.client for r in results] == [0, 1]  # a fresh pool after the failure
+    backend.close()
+    backend.close()  # idempotent
+    assert children() == []
+
+
+# ------------------------------------------------------------------- configuration
+def test_workers_default_to_the_usable_cpus():
+    cfg = small_config(runtime={"backend": "processes"})
+    assert cfg.runtime.workers is None
+    assert ProcessBackend().workers == usable_cpus() == len(os.sched_getaffinity(0))
+    assert ProcessBackend(cfg.runtime.workers).workers == usable_cpus()
+
+
+def test_unset_workers_stay_out_of_the_stored_config():
+    """Configs stored before ``workers`` existed (checkpoints, results.json) still match."""
+    default, set_ = small_config(), small_config(runtime={"backend": "processes", "workers": 2})
+    assert "workers" not in default.model_dump(mode="json")["runtime"]
+    assert set_.model_dump(mode="json")["runtime"]["workers"] == 2
+    for cfg in (default, set_):
+        assert parse_config(cfg.model_dump(mode="json")) == cfg
+
+
+@pytest.mark.parametrize("workers", [0, -2])
+def test_bad_workers_is_a_config_error(workers):
+    with pytest.raises(ConfigError, match=r"runtime\.workers = -?\d+: Input should be greater"):
+        small_config(runtime={"backend": "processes", "workers": workers})
+    with pytest.raises(ValueError, match="ProcessBackend.workers must be an integer >= 1"):
+        ProcessBackend(workers)
