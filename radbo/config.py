@@ -18,7 +18,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from radbo.algorithms import ALGORITHMS, AlgorithmConfig, RABOConfig
 from radbo.data import DATA, PARTITIONS, DataConfig, DigitsData, DirichletPartition, PartitionConfig
@@ -59,6 +66,11 @@ class FleetConfig(Section):
     Devices come from one source at most: ``devices`` (a tier mix of catalog ids -> weights,
     assigned by the run seed), ``file`` (a fleet file, TOML or JSON) or ``trace``. Without one,
     clients have no device profile (no availability draws, no simulated clock).
+
+    ``num_clients`` is bounded by the data: every client needs one inner and one outer example
+    (one for episodic tasks), so a partition of N training examples serves at most about N / 2
+    clients (:meth:`radbo.data.PartitionConfig.max_clients`; the build error names the exact
+    limit); ``[partition] allow_overlap = true`` lets a larger fleet share examples.
 
     ``capacities`` fixes each client's capacity ratio r: a list is cycled over clients (client
     i gets ``capacities[i % len]``), a table maps device tiers to r (``{laptop = 1.0,
@@ -170,20 +182,39 @@ class RuntimeConfig(Section):
 
     ``backend``: ``"sequential"`` runs clients one after another; ``"batched"`` runs clients
     whose work has the same shapes as one stacked computation (:class:`radbo.simulation.
-    BatchedBackend`; equal to the sequential backend up to float rounding). ``dtype``:
-    the floating-point type of data, models and every client computation. ``threads``: torch's
-    intra-op threads while :func:`radbo.run` runs (the caller's setting is restored after);
-    ``None`` leaves torch's own choice. radbo's work is many tiny operations, where intra-op
-    threads only add synchronisation: on a busy 2-core machine a tiny forward+backward took
-    648 ms (median) with torch's default of 2 threads against 0.18 ms with 1, and a demo round
-    used about 30x more CPU; hence the default 1.
+    BatchedBackend`; equal to the sequential backend up to float rounding); ``"processes"``
+    runs a phase's clients in parallel in ``workers`` worker processes, each with one intra-op
+    thread (:class:`radbo.simulation.ProcessBackend`; bitwise equal to the sequential backend
+    with ``threads = 1``). ``workers``: the processes backend's worker count (default: every
+    CPU this process may use, ``len(os.sched_getaffinity(0))``; other backends ignore it). On
+    an idle 2-core machine a steady demo round (9 clients) ran 1.5x faster on 2 workers than
+    on 1 (``benchmarks/workers.py``); with the cores busy with other work it ran slower.
+    ``dtype``: the floating-point type of data, models and every client computation.
+    ``threads``: torch's intra-op threads while :func:`radbo.run` runs (the caller's setting
+    is restored after; with ``"processes"`` they serve this process's server-side work, each
+    worker runs with 1); ``None`` leaves torch's own choice. radbo's work is many tiny
+    operations, where intra-op threads only add synchronisation: on a busy 2-core machine a
+    tiny forward+backward took 648 ms (median) with torch's default of 2 threads against
+    0.18 ms with 1, and a demo round used about 30x more CPU; hence the default 1.
     """
 
-    backend: Literal["sequential", "batched"] = "sequential"
+    backend: Literal["sequential", "batched", "processes"] = "sequential"
     dtype: Literal["float32", "float64"] = "float32"
     threads: int | None = Field(
         1, ge=1, le=1024, description="torch intra-op threads during a run (None: torch's)"
     )
+    workers: int | None = Field(
+        None, ge=1, le=1024, description="worker processes of backend = 'processes' (None: CPUs)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_default_workers(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # unset, ``workers`` stays out of dumps, so configs stored before it existed (in
+        # checkpoints, results.json) still equal the configs that resume them
+        data = handler(self)
+        if isinstance(data, dict) and getattr(self, "workers", None) is None:
+            data.pop("workers", None)
+        return data
 
 
 class RunConfig(Section):

@@ -653,6 +653,44 @@ class BudgetPlanner:
             round_time_s=comm_s + (tau + self.hypergradient_step_factor) * step_s,
         )
 
+    def budgets(
+        self, profiles: Sequence[DeviceLike], deadline_s: float, *, allow_oversize: bool = False
+    ) -> list[Budget]:
+        """:meth:`budget` of every profile, computed once per distinct profile: clients whose
+        profiles are equal (the same catalog device, or equal records of a fleet file) share
+        one :class:`Budget` object, so a fleet of 100,000 clients from a handful of devices
+        computes and holds a handful of budgets.
+
+        >>> from radbo.devices import load_catalog
+        >>> from radbo.masks.structure import StructurePlan
+        >>> from radbo.models import MLPConfig
+        >>> model = MLPConfig(hidden=[8]).build((4,), 2)
+        >>> planner = BudgetPlanner(StructurePlan(model, model.example_input(1)), 4)
+        >>> pi, phone = load_catalog()["raspberry_pi_4"], load_catalog()["phone_low"]
+        >>> out = planner.budgets([pi, phone, pi, pi], 5.0)
+        >>> out[0] is out[2] is out[3], out[0] == planner.budget(pi, 5.0), len({id(b) for b in out})
+        (True, True, 2)
+        """
+        by_id: dict[int, Budget] = {}
+        by_value: dict[Any, Budget] = {}
+        out = []
+        for profile in profiles:
+            found = by_id.get(id(profile))
+            if found is None:
+                try:
+                    found = by_value.get(profile)
+                except TypeError:  # an unhashable profile: shared by identity only
+                    found = None
+                if found is None:
+                    found = self.budget(profile, deadline_s, allow_oversize=allow_oversize)
+                    try:
+                        by_value[profile] = found
+                    except TypeError:
+                        pass
+                by_id[id(profile)] = found
+            out.append(found)
+        return out
+
     def at(self, profile: DeviceLike, capacity: float, local_steps: int) -> Budget:
         """Costs of a given ``(capacity, local_steps)`` on ``profile`` (e.g. a capacity fixed
         by the configuration rather than chosen by :meth:`budget`): memory and whether it fits,

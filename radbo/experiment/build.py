@@ -8,15 +8,17 @@ fleet will do. Every error a user's config can cause here is a :class:`ConfigErr
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from radbo.algorithms import Wiring
 from radbo.client import Algorithm, ClientBudget, ClientRuntime
 from radbo.config import ConfigError, RunConfig
-from radbo.data import Dataset, split_indices
+from radbo.data import Dataset
+from radbo.data.partition import IndexParts, split_parts
 from radbo.devices import Fleet
 from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
 from radbo.experiment.evaluation import calibration_inputs, make_evaluator
@@ -26,7 +28,7 @@ from radbo.masks.structure import StructurePlan
 from radbo.models import BilevelModel
 from radbo.problem import BilevelProblem, ClientData
 from radbo.randomness import Stream, derive_seed, generator
-from radbo.simulation import BatchedBackend, SequentialBackend, Simulation
+from radbo.simulation import BatchedBackend, ProcessBackend, SequentialBackend, Simulation
 from radbo.simulation.schedules import UniformLocalSteps, expected_local_steps
 
 __all__ = [
@@ -37,7 +39,11 @@ __all__ = [
     "build_fleet",
     "build_model",
     "build_policy",
+    "ClientTable",
     "client_budgets",
+    "client_table",
+    "examples_per_client",
+    "fleet_size_error",
     "fleet_table",
     "load_data",
     "partition",
@@ -56,7 +62,7 @@ class Experiment:
     initial_state: Any
     train: Dataset
     test: Dataset
-    clients: list[ClientData]
+    clients: Sequence[ClientData]
     fleet: Fleet | None = None
     device_budgets: list[Budget] | None = None
     planner: BudgetPlanner | None = None
@@ -133,10 +139,89 @@ def build_algorithm(
     return algorithm
 
 
-def partition(config: RunConfig, labels: torch.Tensor) -> list[torch.Tensor]:
-    """Split training indices over clients as configured."""
+def partition(config: RunConfig, labels: torch.Tensor, min_size: int = 1) -> IndexParts:
+    """Split training indices over clients as configured, at least ``min_size`` examples each
+    (clients share examples when the data are too few and ``partition.allow_overlap`` is set;
+    see :class:`radbo.data.PartitionConfig`)."""
     gen = generator(config.seed, Stream.PARTITION)
-    return config.partition.split(labels, config.fleet.num_clients, gen)
+    return config.partition.partition(labels, config.fleet.num_clients, gen, min_size=min_size)
+
+
+def examples_per_client(config: RunConfig) -> int:
+    """The fewest training examples a client can work with: one inner and one outer example,
+    or one for an episodic task (its support and query sets come from the same examples)."""
+    return 1 if config.task.episodic else 2
+
+
+def fleet_size_error(config: RunConfig, examples: int, limit: int) -> str:
+    """The error for a fleet larger than the partition can serve without sharing examples:
+    names the limit for this config and how to go past it."""
+    n = config.fleet.num_clients
+    if examples_per_client(config) == 1:
+        each = "at least one sample each"
+    else:
+        each = "at least one sample each for their inner and one for their outer data"
+    held_out = getattr(config.data, "test_fraction", None)
+    after = "" if held_out is None else f" (after test_fraction = {held_out:g})"
+    return (
+        f"config error: fleet.num_clients = {n}: the {config.partition.kind} partition cannot "
+        f"give {n} clients {each} from the {examples} training examples of "
+        f"{config.data.name}{after}: at most {limit} clients fit; use num_clients <= {limit}, "
+        "or set [partition] allow_overlap = true to let clients share examples"
+    )
+
+
+class ClientTable(Sequence[ClientData]):
+    """Every client's inner and outer indices, packed (:class:`~radbo.data.partition.
+    IndexParts`); client ``i``'s :class:`ClientData` is made when it is asked for. A fleet of
+    100,000 clients thus holds two flat index tensors, not 200,000 small ones.
+
+    >>> parts = IndexParts.pack([torch.tensor([0, 1]), torch.tensor([2, 3, 4])])
+    >>> table = ClientTable(parts, IndexParts.pack([torch.tensor([5]), torch.tensor([6])]))
+    >>> len(table), table[1].inner.tolist(), table[1].outer.tolist()
+    (2, [2, 3, 4], [6])
+    """
+
+    def __init__(self, inner: IndexParts, outer: IndexParts) -> None:
+        if len(inner) != len(outer):
+            raise ValueError(f"got {len(inner)} inner but {len(outer)} outer index sets")
+        empty = torch.nonzero((inner.sizes() == 0) | (outer.sizes() == 0)).flatten()
+        if empty.numel():
+            c = int(empty[0])
+            raise ValueError(
+                f"client {c}: a client needs at least one inner and one outer sample, got "
+                f"{int(inner.sizes()[c])} inner and {int(outer.sizes()[c])} outer"
+            )
+        self.inner = inner
+        self.outer = outer
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @overload
+    def __getitem__(self, index: int) -> ClientData: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[ClientData]: ...
+    def __getitem__(self, index: int | slice) -> ClientData | list[ClientData]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return ClientData(inner=self.inner[index], outer=self.outer[index])
+
+    def __iter__(self) -> Iterator[ClientData]:
+        for inner, outer in zip(self.inner, self.outer, strict=True):
+            yield ClientData(inner=inner, outer=outer)
+
+
+def client_table(config: RunConfig, parts: Sequence[torch.Tensor]) -> ClientTable:
+    """Every client's inner and outer examples: ``parts`` split by ``data.outer_fraction``
+    (:func:`radbo.data.partition.split_parts`: :func:`radbo.data.split_indices` on one client
+    after the other, from the run's client-split stream), or each part as both for an
+    episodic task."""
+    packed = parts if isinstance(parts, IndexParts) else IndexParts.pack(parts)
+    if config.task.episodic:  # support and query sets come from the same examples
+        return ClientTable(packed, packed)
+    client_gen = generator(config.seed, Stream.CLIENT_SPLIT)
+    return ClientTable(*split_parts(packed, 1.0 - config.data.outer_fraction, client_gen))
 
 
 def build_policy(config: RunConfig) -> MaskPolicy:
@@ -195,21 +280,20 @@ def build(config: RunConfig) -> Experiment:
     """Build data, model, fleet, masks, algorithm and the simulation for ``config``."""
     train, test = load_data(config)
     task = config.task
+    need = examples_per_client(config)
     try:
         train, test = task.split_data(train, test, config.data.disjoint_classes)
-        parts = partition(config, train.labels)
+        limit = config.partition.max_clients(train.labels, need)
+        if config.fleet.num_clients > limit and not config.partition.allow_overlap:
+            raise ConfigError(fleet_size_error(config, train.labels.numel(), limit))
+        parts = partition(config, train.labels, need)
+    except ConfigError:
+        raise
     except ValueError as err:
         raise ConfigError(
             f"config error: task {task.name!r} on {config.data.name}: {err}"
         ) from None
-    client_gen = generator(config.seed, Stream.CLIENT_SPLIT)
-    clients = []
-    for idx in parts:
-        if task.episodic:  # support and query sets come from the same examples
-            clients.append(ClientData(inner=idx, outer=idx))
-            continue
-        inner, outer = split_indices(idx, 1.0 - config.data.outer_fraction, client_gen)
-        clients.append(ClientData(inner=inner, outer=outer))
+    clients = client_table(config, parts)
     try:
         sampler = task.sampler(train, clients)
     except ValueError as err:
@@ -231,9 +315,8 @@ def build(config: RunConfig) -> Experiment:
     planner: BudgetPlanner | None = None
     if fleet is not None and plan is not None:
         planner = budget_planner(config, model, plan)
-        device_budgets = [
-            planner.budget(p, config.fleet.deadline_s, allow_oversize=True) for p in fleet
-        ]
+        # one budget per distinct device, shared by the clients that have it
+        device_budgets = planner.budgets(fleet, config.fleet.deadline_s, allow_oversize=True)
     assigner: SubmodelAssigner | None = None
     if masked and plan is not None:
         assigner = SubmodelAssigner(
@@ -247,7 +330,7 @@ def build(config: RunConfig) -> Experiment:
     budgets = client_budgets(config, fleet, device_budgets)
     weights = None
     if config.algorithm.weighting == "data_size":
-        weights = [float(c.inner.numel()) for c in clients]
+        weights = [float(n) for n in clients.inner.sizes().tolist()]
     fc = config.fleet
     schedule = (
         UniformLocalSteps(*fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round")
@@ -280,7 +363,11 @@ def build(config: RunConfig) -> Experiment:
         budgets=budgets,
         shapes=shapes,
         masks=assigner,
-        backend=BatchedBackend() if config.runtime.backend == "batched" else SequentialBackend(),
+        backend=ProcessBackend(config.runtime.workers)
+        if config.runtime.backend == "processes"
+        else BatchedBackend()
+        if config.runtime.backend == "batched"
+        else SequentialBackend(),
         seed=config.seed,
         clients_per_round=fc.clients_per_round,
         weights=weights,
@@ -308,7 +395,7 @@ def client_budgets(
 ) -> list[ClientBudget]:
     """Capacity and local steps of every client: explicit ``fleet.capacities`` first (cycled
     list, or by device tier), then the device's memory budget (masked runs only), else the full
-    model."""
+    model. Clients with equal budgets share one (frozen) :class:`ClientBudget` object."""
     fc, steps = config.fleet, config.algorithm.local_steps_default
     caps = fc.capacities
     tiers = None if fleet is None else fleet.tiers()
@@ -320,6 +407,7 @@ def client_budgets(
                 f"{missing}; add them (tiers in this fleet: {sorted(set(tiers))})"
             )
     out = []
+    shared: dict[tuple[float, int], ClientBudget] = {}
     for i in range(fc.num_clients):
         device = None if device_budgets is None else device_budgets[i]
         if isinstance(caps, dict) and tiers is not None:
@@ -337,7 +425,10 @@ def client_budgets(
         else:
             capacity = 1.0
         local = device.local_steps if device is not None and fc.local_steps == "budget" else steps
-        out.append(ClientBudget(capacity=capacity, local_steps=local))
+        budget = shared.get((capacity, local))
+        if budget is None:
+            budget = shared[(capacity, local)] = ClientBudget(capacity=capacity, local_steps=local)
+        out.append(budget)
     return out
 
 

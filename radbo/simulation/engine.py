@@ -208,6 +208,11 @@ class Simulation(Generic[State]):
     overcommit: float = 0.0
     phase_deadline_s: float | None = None
     _trackers: dict[str, CoverageTracker] = field(default_factory=dict, init=False, repr=False)
+    # every client's availability in one tensor, gathered from `profiles` (the sequence it was
+    # gathered from, the tensor) on the first availability draw
+    _availability: tuple[Sequence[DeviceLike], Tensor] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         n = len(self.clients)
@@ -268,14 +273,34 @@ class Simulation(Generic[State]):
         return torch.Generator().manual_seed(derive_seed(self.seed, *words))
 
     def available_clients(self, round: int) -> list[int]:
-        """Clients available in ``round``: one Bernoulli(availability) draw per client."""
+        """Clients available in ``round``: one Bernoulli(availability) draw per client (client
+        c is available when the c-th of ``n`` float64 uniforms is below its availability),
+        compared for all clients at once."""
         n = len(self.clients)
         if self.profiles is None:
             return list(range(n))
         draws = torch.rand(
             n, generator=self._generator(round, Stream.AVAILABILITY), dtype=torch.float64
         )
-        return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
+        return torch.nonzero(draws < self._availabilities()).flatten().tolist()
+
+    def _availabilities(self) -> Tensor:
+        """Every client's availability (float64), gathered once per ``profiles`` sequence."""
+        assert self.profiles is not None
+        cached = self._availability
+        if cached is None or cached[0] is not self.profiles:
+            values = [float(p.availability) for p in self.profiles]
+            cached = self._availability = (self.profiles, torch.tensor(values, dtype=torch.float64))
+        return cached[1]
+
+    def _unavailable(self, available: Sequence[int]) -> list[int]:
+        """The clients not in ``available``, sorted."""
+        n = len(self.clients)
+        if len(available) == n:
+            return []
+        missing = torch.ones(n, dtype=torch.bool)
+        missing[torch.tensor(list(available), dtype=torch.int64)] = False
+        return torch.nonzero(missing).flatten().tolist()
 
     def dropouts(self, round: int, sampled: Sequence[int], num_phases: int) -> dict[int, int]:
         """Which sampled clients drop out of ``round``, and in which phase: ``{client: phase}``.
@@ -364,7 +389,7 @@ class Simulation(Generic[State]):
         start = time.perf_counter()
         available = self.available_clients(round)
         sampled = self.sample_clients(round, available)
-        unavailable = sorted(set(range(len(self.clients))) - set(available))
+        unavailable = self._unavailable(available)
         phases = self.algorithm.phases()
         if not sampled:
             record = RoundRecord(
