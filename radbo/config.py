@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     Field,
-    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -206,15 +204,7 @@ class RuntimeConfig(Section):
     workers: int | None = Field(
         None, ge=1, le=1024, description="worker processes of backend = 'processes' (None: CPUs)"
     )
-
-    @model_serializer(mode="wrap")
-    def _omit_default_workers(self, handler: SerializerFunctionWrapHandler) -> Any:
-        # unset, ``workers`` stays out of dumps, so configs stored before it existed (in
-        # checkpoints, results.json) still equal the configs that resume them
-        data = handler(self)
-        if isinstance(data, dict) and getattr(self, "workers", None) is None:
-            data.pop("workers", None)
-        return data
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("workers",)
 
 
 class RunConfig(Section):

@@ -31,9 +31,15 @@ Circle(kind='circle', radius=1.0)
 """
 
 from collections.abc import Iterator
-from typing import Any, Generic, Literal, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 from pydantic_core import CoreSchema, core_schema
 
 __all__ = ["ConfigError", "Registry", "Section", "all_tags", "registries"]
@@ -44,9 +50,24 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """A strict config section: unknown keys are errors, instances are immutable."""
+    """A strict config section: unknown keys are errors, instances are immutable.
+
+    ``dump_omits_defaults`` names fields added after configs were first stored: a dump leaves
+    each out while it holds its default, so configs without it dump (in ``results.json`` and
+    checkpoints) as they did before it existed, and resuming them still compares equal."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            fields = type(self).model_fields
+            for name in self.dump_omits_defaults:
+                if getattr(self, name) == fields[name].default:
+                    data.pop(name, None)
+        return data
 
 
 S = TypeVar("S", bound=Section)

@@ -33,11 +33,11 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from numbers import Integral, Real
-from typing import Any, Literal, overload
+from typing import ClassVar, Literal, overload
 
 import numpy as np
 import torch
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field
 from torch import Tensor
 
 from radbo.registry import Registry, Section
@@ -45,6 +45,7 @@ from radbo.registry import Registry, Section
 __all__ = [
     "PARTITIONS",
     "DirichletPartition",
+    "FleetTooLargeError",
     "IIDPartition",
     "ClassesPartition",
     "IndexParts",
@@ -362,6 +363,12 @@ def partition_q_dominant(
     return _sorted_parts([torch.cat([t, f]) for t, f in zip(taken, fills, strict=True)])
 
 
+def _first_part_size(n: int, fraction: float) -> int:
+    """``round(fraction * n)``, clamped to ``[1, n - 1]`` when ``n >= 2`` (both parts non-empty)."""
+    first = round(fraction * n)
+    return min(max(first, 1), n - 1) if n >= 2 else first
+
+
 def split_indices(
     indices: Tensor, fraction: float, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
@@ -387,9 +394,7 @@ def split_indices(
     if not (_is_real(fraction) and 0.0 < fraction < 1.0):
         raise ValueError(f"{where}: fraction must lie strictly between 0 and 1, got {fraction!r}.")
     n = indices.numel()
-    first = round(fraction * n)
-    if n >= 2:
-        first = min(max(first, 1), n - 1)
+    first = _first_part_size(n, fraction)
     shuffled = indices[torch.randperm(n, generator=generator)]
     return torch.sort(shuffled[:first]).values, torch.sort(shuffled[first:]).values
 
@@ -541,9 +546,7 @@ def split_parts(
     if not (_is_real(fraction) and 0.0 < fraction < 1.0):
         raise ValueError(f"{where}: fraction must lie strictly between 0 and 1, got {fraction!r}.")
     sizes = parts.sizes().tolist()
-    firsts = [
-        min(max(round(fraction * n), 1), n - 1) if n >= 2 else round(fraction * n) for n in sizes
-    ]
+    firsts = [_first_part_size(n, fraction) for n in sizes]
     drawn: list[Tensor] = []
     for start in range(0, len(sizes), _DRAW_CHUNK):
         chunk = [torch.randperm(n, generator=generator) for n in sizes[start : start + _DRAW_CHUNK]]
@@ -609,12 +612,7 @@ class PartitionConfig(Section):
         description="let clients share examples when the data set is too small for the fleet",
     )
 
-    @model_serializer(mode="wrap")
-    def _omit_default_overlap(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict) and not getattr(self, "allow_overlap", False):
-            data.pop("allow_overlap", None)
-        return data
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("allow_overlap",)
 
     def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
         """One sorted index tensor per client, disjoint and covering every example (the kind's
@@ -656,16 +654,20 @@ class PartitionConfig(Section):
         if num_clients <= limit:
             return IndexParts.pack(self.split_at_least(labels, num_clients, generator, min_size))
         if limit < 1:
-            raise ValueError(
+            message = (
                 f"{where}: the {labels.numel()} examples cannot give even one client "
                 f"{min_size} examples."
             )
-        if not self.allow_overlap:
-            raise ValueError(
+        else:
+            message = (
                 f"{where}: {labels.numel()} examples give at most {limit} clients {min_size} "
                 f"examples each, not {num_clients}; use at most {limit} clients, or set "
                 "allow_overlap = true to let clients share examples."
             )
+        if not self.allow_overlap:
+            raise FleetTooLargeError(message, limit=limit)
+        if limit < 1:
+            raise ValueError(message)
         groups = math.ceil(num_clients / limit)
         return IndexParts.concat(
             [
@@ -673,6 +675,15 @@ class PartitionConfig(Section):
                 for size in _equal_sizes(num_clients, groups)
             ]
         )
+
+
+class FleetTooLargeError(ValueError):
+    """A fleet larger than a partition kind can serve without sharing examples; ``limit`` is
+    :meth:`PartitionConfig.max_clients` for the data and minimum size asked for."""
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 def _check_min_size(min_size: int) -> int:

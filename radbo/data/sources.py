@@ -7,12 +7,12 @@ files, so that the MNIST path (``[data] name = "mnist"``) can be exercised witho
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import Field, model_validator
 
 from radbo.data.datasets import (
     Dataset,
@@ -71,13 +71,7 @@ class DataConfig(Section):
     #: the test split holds other classes than the training split (labels are numbered
     #: independently in each), as Omniglot's background / evaluation alphabets
     disjoint_classes: ClassVar[bool] = False
-
-    @model_serializer(mode="wrap")
-    def _omit_default_imbalance(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict) and getattr(self, "imbalance", None) == 1.0:
-            data.pop("imbalance", None)
-        return data
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("imbalance",)
 
     def load(self, seed: int, *, flat: bool) -> tuple[Dataset, Dataset]:
         """(training set, test set) as flat vectors (``flat``) or images ``(C, H, W)``; the

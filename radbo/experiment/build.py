@@ -15,10 +15,10 @@ from typing import Any, overload
 import torch
 
 from radbo.algorithms import Wiring
-from radbo.client import Algorithm, ClientBudget, ClientRuntime
+from radbo.client import Algorithm, Backend, ClientBudget, ClientRuntime
 from radbo.config import ConfigError, RunConfig
 from radbo.data import Dataset
-from radbo.data.partition import IndexParts, split_parts
+from radbo.data.partition import FleetTooLargeError, IndexParts, split_parts
 from radbo.devices import Fleet
 from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
 from radbo.experiment.evaluation import calibration_inputs, make_evaluator
@@ -36,6 +36,7 @@ __all__ = [
     "budget_planner",
     "build",
     "build_algorithm",
+    "build_backend",
     "build_fleet",
     "build_model",
     "build_policy",
@@ -224,6 +225,16 @@ def client_table(config: RunConfig, parts: Sequence[torch.Tensor]) -> ClientTabl
     return ClientTable(*split_parts(packed, 1.0 - config.data.outer_fraction, client_gen))
 
 
+def build_backend(config: RunConfig) -> Backend:
+    """The backend ``[runtime] backend`` names."""
+    kind = config.runtime.backend
+    if kind == "processes":
+        return ProcessBackend(config.runtime.workers)
+    if kind == "batched":
+        return BatchedBackend()
+    return SequentialBackend()
+
+
 def build_policy(config: RunConfig) -> MaskPolicy:
     """The configured mask policy."""
     mc = config.mask
@@ -283,12 +294,9 @@ def build(config: RunConfig) -> Experiment:
     need = examples_per_client(config)
     try:
         train, test = task.split_data(train, test, config.data.disjoint_classes)
-        limit = config.partition.max_clients(train.labels, need)
-        if config.fleet.num_clients > limit and not config.partition.allow_overlap:
-            raise ConfigError(fleet_size_error(config, train.labels.numel(), limit))
         parts = partition(config, train.labels, need)
-    except ConfigError:
-        raise
+    except FleetTooLargeError as err:
+        raise ConfigError(fleet_size_error(config, train.labels.numel(), err.limit)) from None
     except ValueError as err:
         raise ConfigError(
             f"config error: task {task.name!r} on {config.data.name}: {err}"
@@ -363,11 +371,7 @@ def build(config: RunConfig) -> Experiment:
         budgets=budgets,
         shapes=shapes,
         masks=assigner,
-        backend=ProcessBackend(config.runtime.workers)
-        if config.runtime.backend == "processes"
-        else BatchedBackend()
-        if config.runtime.backend == "batched"
-        else SequentialBackend(),
+        backend=build_backend(config),
         seed=config.seed,
         clients_per_round=fc.clients_per_round,
         weights=weights,
