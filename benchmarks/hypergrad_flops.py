@@ -51,9 +51,15 @@ ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = [
     ("cg (10 it.)", ImplicitCG(max_iter=10, tol=0.0)),
     ("neumann (10)", Neumann(terms=10)),
-    ("fd |P|=1, cg 10", FiniteDifference(num_coordinates=1, cg_iters=10, tol=0.0)),
-    ("fd |P|=8, cg 10", FiniteDifference(num_coordinates=8, cg_iters=10, tol=0.0)),
-    ("fd |P|=8, cg 3", FiniteDifference(num_coordinates=8, cg_iters=3, tol=0.0)),
+    (
+        "fd |P|=1, cg 10",
+        FiniteDifference(scheme="forward", num_coordinates=1, cg_iters=10, tol=0.0),
+    ),
+    (
+        "fd |P|=8, cg 10",
+        FiniteDifference(scheme="forward", num_coordinates=8, cg_iters=10, tol=0.0),
+    ),
+    ("fd |P|=8, cg 3", FiniteDifference(scheme="forward", num_coordinates=8, cg_iters=3, tol=0.0)),
     ("fd |P|=8 as printed", FiniteDifference(num_coordinates=8, as_printed=True)),
     ("first order (10)", FirstOrder(lam=10.0, inner_steps=10)),
 ]
@@ -62,15 +68,32 @@ CG3 = ImplicitCG(max_iter=3, tol=0.0)
 # engine-ledger variants: [estimator] sections for examples/demo.toml
 LEDGER_VARIANTS = [
     ("cg (RABO)", {"name": "cg", "max_iter": 10, "tol": 0.0}),
-    ("fd |P|=1", {"name": "finite_difference", "num_coordinates": 1, "tol": 0.0}),
-    ("fd |P|=8 (RAFBO)", {"name": "finite_difference", "num_coordinates": 8, "tol": 0.0}),
+    (
+        "fd |P|=1",
+        {"name": "finite_difference", "scheme": "forward", "num_coordinates": 1, "tol": 0.0},
+    ),
+    (
+        "fd |P|=8 (RAFBO)",
+        {"name": "finite_difference", "scheme": "forward", "num_coordinates": 8, "tol": 0.0},
+    ),
     (
         "fd |P|=8, cg 3",
-        {"name": "finite_difference", "num_coordinates": 8, "cg_iters": 3, "tol": 0.0},
+        {
+            "name": "finite_difference",
+            "scheme": "forward",
+            "num_coordinates": 8,
+            "cg_iters": 3,
+            "tol": 0.0,
+        },
     ),
     (
         "fd |P|=8 as printed",
-        {"name": "finite_difference", "num_coordinates": 8, "as_printed": True},
+        {
+            "name": "finite_difference",
+            "scheme": "forward",
+            "num_coordinates": 8,
+            "as_printed": True,
+        },
     ),
 ]
 

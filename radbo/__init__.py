@@ -44,7 +44,13 @@ from radbo.masks.coverage_report import coverage_stats
 from radbo.problem import Batch, BilevelProblem, ClientData
 from radbo.registry import Registry, Section
 from radbo.report import compare, load_run
-from radbo.simulation import BatchedBackend, ProcessBackend, SequentialBackend, Simulation
+from radbo.simulation import (
+    BatchedBackend,
+    DivergenceError,
+    ProcessBackend,
+    SequentialBackend,
+    Simulation,
+)
 from radbo.tasks import FeatureL2, HyperRepresentation
 from radbo.version import __version__
 
@@ -68,6 +74,7 @@ __all__ = [
     "ConfigError",
     "CoverageMean",
     "DeviceProfile",
+    "DivergenceError",
     "Estimator",
     "Experiment",
     "FeatureL2",

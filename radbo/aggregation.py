@@ -42,7 +42,8 @@ class CoverageMean:
 
     def covered(self, name: str) -> Tensor:
         """Boolean tensor: True where at least one client held the coordinate."""
-        return self.count[name] > 0
+        held = self.count[name] > 0
+        return held.to(self.mean[name].device) if name in self.mean else held
 
 
 def coverage_weighted_mean(
@@ -89,9 +90,10 @@ def coverage_weighted_mean(
     weight_sum: Params = {}
     scale: Params = {}
     for name, shape in shapes.items():
-        num = torch.zeros(shape, dtype=torch.float64)
-        den = torch.zeros(shape, dtype=torch.float64)
-        sc = torch.zeros(shape, dtype=torch.float64)
+        device = updates[0][name].device if updates and name in updates[0] else None
+        num = torch.zeros(shape, dtype=torch.float64, device=device)
+        den = torch.zeros(shape, dtype=torch.float64, device=device)
+        sc = torch.zeros(shape, dtype=torch.float64, device=device)
         client_scales = [0.0] * len(updates) if scales is None else scales
         for update, index_set, w, s_i in zip(
             updates, index_sets, weights, client_scales, strict=True

@@ -129,6 +129,8 @@ def tuple_where(mask: Tensor | None, new: Sequence[Tensor], old: Sequence[Tensor
     Values of the branch not taken never leak, NaN included."""
     if mask is None:
         return tuple(new)
+    if new and mask.device != new[0].device:  # the cohort's flags are made on the CPU
+        mask = mask.to(new[0].device)
     return tuple(
         torch.where(mask.reshape(mask.shape + (1,) * (n.ndim - mask.ndim)), n, o)
         for n, o in zip(new, old, strict=True)
@@ -611,7 +613,7 @@ def solve_cg(
     rs = tuple_dot(r, r, lead)
     p = r
     active = rs.double() > threshold  # per client: still iterating
-    counts = torch.full(active.shape, calls, dtype=torch.int64)
+    counts = torch.full(active.shape, calls, dtype=torch.int64, device=active.device)
     iterations = 0
     while bool(active.any()) and iterations < max_iter:
         ap = apply(p)

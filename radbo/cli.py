@@ -4,16 +4,47 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
 
 from radbo.checkpoint import CheckpointError
 from radbo.config import ConfigError, load_config
+from radbo.data.partition import FleetTooLargeError
 from radbo.devices.budget import DeviceTooSmallError
+from radbo.devices.profile import ProfileError
+from radbo.edge import LATENCY_RUNS
 from radbo.export import ExportCheckError, ExportError
+from radbo.limits import caps_lifted
 from radbo.report import ReportError
+from radbo.simulation.divergence import DivergenceError
+from radbo.simulation.processes import ClientWorkerError
 
 EXIT_CONFIG = 2
 EXIT_CHECK = 1
+
+#: What ``main`` reports as one line on stderr with exit code 2: a config, fleet file, trace,
+#: device profile, data, checkpoint, run folder or output folder radbo refuses, a run stopped
+#: by its divergence guard, a dead worker process. Any other exception is a bug in radbo and
+#: keeps its traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError,
+    ProfileError,
+    DeviceTooSmallError,
+    FleetTooLargeError,
+    CheckpointError,
+    ReportError,
+    ExportError,
+    DivergenceError,
+    ClientWorkerError,
+)
+
+_FORCE_HELP = (
+    "accept values above the caps that guard against a run that would not end (rounds > "
+    "1,000,000, > 10,000 steps per round, > 1,000,000 clients, step sizes > 1000); the "
+    "physical bounds still hold"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,9 +66,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--checkpoint-every", type=int, help="write a checkpoint every N rounds (overrides)"
     )
+    run.add_argument("--force", action="store_true", help=_FORCE_HELP)
     fleet = sub.add_parser("fleet", help="show the fleet of a config: devices, r, tau, memory fit")
     fleet.add_argument("config", help="path to the TOML run configuration")
     fleet.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    fleet.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    fleet.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="compare the simulator's per-sample compute time on this host (probe_host) with "
+        "the latency of each submodel in ExecuTorch and ONNX Runtime (needs radbo[edge])",
+    )
+    fleet.add_argument(
+        "--runs",
+        type=int,
+        default=LATENCY_RUNS,
+        metavar="N",
+        help=f"--calibrate: timed runs per figure, median taken (default {LATENCY_RUNS})",
+    )
     report = sub.add_parser(
         "report",
         help="compare finished runs: accuracy vs round, time, bytes, FLOPs; cost per tier",
@@ -65,6 +111,26 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write a torch.export program (client-<i>.pt2) per submodel",
     )
+    export.add_argument(
+        "--format",
+        default="safetensors",
+        metavar="LIST",
+        help="comma-separated files to write per submodel: safetensors (weights), pte "
+        "(ExecuTorch, XNNPACK), onnx; pte and onnx need radbo[edge] (default: safetensors)",
+    )
+    export.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="also write an int8 ExecuTorch program (client-<i>.int8.pte; needs pte)",
+    )
+    export.add_argument(
+        "--latency-runs",
+        type=int,
+        default=LATENCY_RUNS,
+        metavar="N",
+        help=f"timed runs per latency figure of a .pte / .onnx (default {LATENCY_RUNS}; 0: none)",
+    )
+    export.add_argument("--force", action="store_true", help=_FORCE_HELP)
     return parser
 
 
@@ -125,6 +191,8 @@ def _fleet(args: argparse.Namespace) -> int:
 
     from radbo.experiment import fleet_table
 
+    if args.calibrate:
+        return _calibrate(args)
     rows = fleet_table(load_config(args.config))
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -140,6 +208,8 @@ def _fleet(args: argparse.Namespace) -> int:
         ("device_memory_mb", "{:>10.1f}"),
         ("memory_fits", "{!s:>5}"),
         ("availability", "{:>6.2f}"),
+        ("window_share", "{:>6.3f}"),
+        ("available_share", "{:>7.3f}"),
         ("round_time_s", "{:>9.3f}"),
     ]
     titles = {
@@ -153,6 +223,8 @@ def _fleet(args: argparse.Namespace) -> int:
         "device_memory_mb": "dev MB",
         "memory_fits": "fits",
         "availability": "avail",
+        "window_share": "window",
+        "available_share": "t_avail",
         "round_time_s": "round s",
     }
     present = [(k, f) for k, f in columns if k in rows[0]]
@@ -164,6 +236,16 @@ def _fleet(args: argparse.Namespace) -> int:
     print("  ".join(head))
     for row in rows:
         print("  ".join(f.format(row[k]) for k, f in present))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from radbo.export import calibrate
+
+    result = calibrate(load_config(args.config), runs=args.runs)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     return 0
 
 
@@ -183,7 +265,14 @@ def _export(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     try:
-        result = export_submodels(config, args.output, torch_export=args.torch_export)
+        result = export_submodels(
+            config,
+            args.output,
+            formats=args.format,
+            torch_export=args.torch_export,
+            quantize=args.quantize,
+            latency_runs=args.latency_runs,
+        )
     except ExportCheckError as err:
         _print_export(err.result.manifest)
         print(str(err), file=sys.stderr)
@@ -193,6 +282,10 @@ def _export(args: argparse.Namespace) -> int:
         f"{len(result.clients)} clients, {result.manifest['submodels']} distinct submodels; "
         f"check passed (max |diff| {result.max_abs_diff:.3g})"
     )
+    for problem in result.manifest["check"].get("unsupported", []):
+        print(
+            f"not exported: client-{problem['client']} as {problem['format']}: {problem['error']}"
+        )
     print(f"manifest: {result.manifest_path}")
     return 0
 
@@ -209,31 +302,66 @@ def _print_export(manifest: dict) -> None:
             extra = (
                 f" + {te['file']}" if te.get("file") else f" (torch.export failed: {te['error']})"
             )
+        for key in ("pte", "onnx", "pte_int8"):
+            record = c.get(key)
+            if not record:
+                continue
+            if "error" in record:
+                extra += f" ({key} failed)"
+                continue
+            latency = record.get("latency") or []
+            speed = f", {latency[-1]['per_sample_s'] * 1e6:.1f} us/sample" if latency else ""
+            if "max_abs_diff" in record:
+                extra += f" + {record['file']} (|diff| {record['max_abs_diff']:.2g}{speed})"
+            else:  # int8: compared with FP32, not held to the tolerance
+                agree = record["top1_agreement"]
+                extra += f" + {record['file']} (top-1 agrees with FP32 {agree:.1%}{speed})"
         print(
             f"{c['client']:>6}  {str(c['device'] or '-'):<24.24}  {str(c['tier'] or '-'):<10.10}  "
             f"{c['capacity']:>6.4g}  {c['local_steps']:>4}  {c['parameters']:>9}  "
             f"{c['bytes'] / 1e6:>8.3f}  {c['flops_per_step'] / 1e6:>10.2f}  "
-            f"{c['max_abs_diff']:>9.2g}  {c['file']}{extra}"
+            f"{c['max_abs_diff']:>9.2g}  {c['file'] or '-'}{extra}"
         )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``radbo`` command; returns the exit code: 2 for bad configs, run
-    folders or output folders, 1 when ``radbo export``'s check fails."""
+    """Entry point of the ``radbo`` command; returns the exit code: 2 for what
+    :data:`USER_ERRORS` covers (bad configs, files, run or output folders; printed as one
+    line per problem on stderr, without a traceback), 1 when ``radbo export``'s check fails."""
     args = _parser().parse_args(argv)
+    commands = {"run": _run, "fleet": _fleet, "report": _report, "export": _export}
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
-        if args.command == "run":
-            return _run(args)
-        if args.command == "fleet":
-            return _fleet(args)
-        if args.command == "report":
-            return _report(args)
-        if args.command == "export":
-            return _export(args)
-    except (ConfigError, DeviceTooSmallError, CheckpointError, ReportError, ExportError) as err:
+        # --force lifts the caps for the whole command: the config, and the checks a run
+        # makes when it is built (local steps a device budget gives)
+        with caps_lifted(getattr(args, "force", False)):
+            return commands[args.command](args)
+    except USER_ERRORS as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG
-    return 1  # pragma: no cover
+    finally:
+        warnings.showwarning = shown
+
+
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """radbo's own warnings (a checkpoint fallback, a divergence in "warn" mode) as one line
+    ``warning: ...`` on stderr; other libraries' warnings as Python prints them."""
+    if category.__module__.startswith("radbo") or filename.startswith(str(_PACKAGE)):
+        print(f"warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
+
+
+_PACKAGE = Path(__file__).resolve().parent
+_SHOW_WARNING = warnings.showwarning
 
 
 if __name__ == "__main__":  # pragma: no cover

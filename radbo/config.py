@@ -14,6 +14,7 @@ errors are turned into one line per problem by :func:`format_validation_error`:
 
 from __future__ import annotations
 
+import reprlib
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -28,6 +29,7 @@ from pydantic import (
 from radbo.algorithms import ALGORITHMS, AlgorithmConfig, RABOConfig
 from radbo.data import DATA, PARTITIONS, DataConfig, DigitsData, DirichletPartition, PartitionConfig
 from radbo.hypergrad import ESTIMATORS, Estimator
+from radbo.limits import MAX_CLIENTS, MAX_ROUNDS, Steps, StepSize, capped, caps_lifted
 from radbo.masks.policies import POLICIES
 from radbo.models import MODELS, MLPConfig, ModelConfig
 from radbo.registry import ConfigError, Section, all_tags
@@ -47,15 +49,28 @@ __all__ = [
 ]
 
 
+_CLIENTS_CAP = capped(MAX_CLIENTS, "a larger fleet's tables fill the memory of a workstation")
+_ROUNDS_CAP = capped(MAX_ROUNDS, "a run of more rounds would not end")
+
+
 # -- fleet and masks ------------------------------------------------------------------------
 class TraceConfig(Section):
     """A FedScale-style trace file: ``{client id: {computation: ms/sample, communication: kbit/s}}``
-    in JSON or TOML. ``flops_per_sample`` converts ms/sample to FLOP/s."""
+    in JSON or TOML. ``flops_per_sample`` converts ms/sample to FLOP/s.
+
+    ``behavior`` (optional) is a FedScale-style client behaviour trace in JSON or TOML,
+    ``{client id: {active: [s, ...], inactive: [s, ...], finish_time: s}}``: client c is on
+    from ``active[i]`` to ``inactive[i]`` seconds of a cycle of ``finish_time`` seconds on the
+    virtual clock, and is sampled only in rounds that start while it is on (then with
+    probability ``availability``). See :meth:`radbo.devices.Fleet.from_trace`."""
 
     path: str
-    flops_per_sample: float = Field(gt=0)
+    flops_per_sample: float = Field(gt=0, allow_inf_nan=False)
     memory_bytes: int = Field(gt=0)
-    availability: float = Field(1.0, ge=0, le=1)
+    availability: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    behavior: str | None = Field(
+        None, description="FedScale-style client behaviour trace (on/off windows), JSON or TOML"
+    )
 
 
 class FleetConfig(Section):
@@ -80,31 +95,46 @@ class FleetConfig(Section):
     or ``"uniform_per_round"`` (drawn again every round).
     """
 
-    num_clients: int = Field(10, ge=1)
+    num_clients: Annotated[int, _CLIENTS_CAP] = Field(
+        10, ge=1, description="clients of the fleet (<= 1,000,000 without --force)"
+    )
     capacities: (
-        list[Annotated[float, Field(gt=0, le=1)]]
-        | dict[str, Annotated[float, Field(gt=0, le=1)]]
+        list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]]
+        | dict[str, Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]]
         | None
     ) = Field(None, min_length=1)
     clients_per_round: int | None = Field(None, ge=1)
     dropout: float = Field(
-        0.0, ge=0, lt=1, description="chance a sampled client drops out mid-round"
+        0.0,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="chance a sampled client drops out mid-round",
     )
     overcommit: float = Field(
-        0.0, ge=0, description="sample ceil(K (1 + oc)) clients, aggregate the first K results"
+        0.0,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="sample ceil(K (1 + oc)) clients, aggregate the first K results (oc <= 1000)",
     )
     phase_deadline_s: float | None = Field(
-        None, gt=0, description="discard results arriving later in a phase (simulated s)"
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="discard results arriving later in a phase (simulated s)",
     )
-    devices: dict[str, Annotated[float, Field(ge=0)]] | None = None
+    devices: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None
     file: str | None = None
     trace: TraceConfig | None = None
-    deadline_s: float = Field(60.0, gt=0)
-    capacity_levels: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+    deadline_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    capacity_levels: list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = Field(
         default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625], min_length=1
     )
     local_steps: Literal["fixed", "budget", "uniform", "uniform_per_round"] = "fixed"
-    local_steps_range: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = (1, 10)
+    local_steps_range: tuple[Annotated[Steps, Field(ge=1)], Annotated[Steps, Field(ge=1)]] = Field(
+        (1, 10), description="inclusive range of uniform local steps (<= 10,000 without --force)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FleetConfig:
@@ -170,8 +200,10 @@ class BaselineConfig(Section):
 
     enabled: bool = False
     algorithm: Literal["fedmbo_style", "fedmbo"] = "fedmbo_style"
-    terms: int = Field(10, ge=1, description="Neumann terms")
-    eta: float = Field(0.1, gt=0, description="Neumann step")
+    terms: Steps = Field(10, ge=1, description="Neumann terms (<= 10,000 without --force)")
+    eta: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="Neumann step (<= 1000 without --force)"
+    )
     clients_per_phase: int | None = Field(None, ge=1, description="FedMBO's n")
 
 
@@ -194,6 +226,11 @@ class RuntimeConfig(Section):
     operations, where intra-op threads only add synchronisation: on a busy 2-core machine a
     tiny forward+backward took 648 ms (median) with torch's default of 2 threads against
     0.18 ms with 1, and a demo round used about 30x more CPU; hence the default 1.
+    ``device``: where data, models and every client and server computation live: ``"cpu"``
+    or ``"cuda"`` / ``"cuda:N"`` (a GPU; with the sequential or batched backend). The run is
+    built on the CPU as always (same initial weights, partitions and masks) and then moved;
+    random draws (minibatches, client sampling, masks) stay on CPU generators, so a GPU run
+    draws what a CPU run draws and differs from it only by floating-point rounding.
     """
 
     backend: Literal["sequential", "batched", "processes"] = "sequential"
@@ -204,14 +241,30 @@ class RuntimeConfig(Section):
     workers: int | None = Field(
         None, ge=1, le=1024, description="worker processes of backend = 'processes' (None: CPUs)"
     )
-    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("workers",)
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$",
+        description='where the run computes: "cpu", "cuda" or "cuda:N"',
+    )
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("workers", "device")
+
+    @model_validator(mode="after")
+    def _device_backend(self) -> RuntimeConfig:
+        if self.device != "cpu" and self.backend == "processes":
+            raise ValueError(
+                f'device = "{self.device}" needs backend = "sequential" or "batched": '
+                "forked worker processes cannot share a GPU context"
+            )
+        return self
 
 
 class RunConfig(Section):
     """A whole run: what ``radbo run CONFIG.toml`` reads."""
 
-    seed: int = 0
-    rounds: int = Field(50, ge=1)
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="the run seed (a TOML integer >= 0)")
+    rounds: Annotated[int, _ROUNDS_CAP] = Field(
+        50, ge=1, description="rounds of the run (<= 1,000,000 without --force)"
+    )
     eval_every: int = Field(5, ge=1)
     output_dir: str = "runs/radbo"
     checkpoint_every: int | None = Field(
@@ -354,6 +407,17 @@ def _location(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "<root>"
 
 
+def _value_text(value: Any) -> str:
+    """A value as a message shows it: tables as ``{...}``, long values cut to 100 characters."""
+    if isinstance(value, dict):
+        return "{...}"
+    try:
+        text = repr(value)
+    except RecursionError:  # a list nested thousands deep (possible from Python, not TOML)
+        text = reprlib.repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
 def format_validation_error(error: ValidationError) -> str:
     """One line per problem: ``config error: FIELD = VALUE: what is allowed``.
 
@@ -378,7 +442,7 @@ def format_validation_error(error: ValidationError) -> str:
         problems.setdefault(key, (value, []))[1].append(msg)
     lines = []
     for (where, _), (value, msgs) in problems.items():
-        value_text = "{...}" if isinstance(value, dict) else repr(value)
+        value_text = _value_text(value)
         rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
         text = " or ".join([msgs[0], *rest])
         if where == "<root>":  # a rule across sections: no single field to name
@@ -388,21 +452,37 @@ def format_validation_error(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a config mapping; raises :class:`ConfigError` with a readable message."""
+def parse_config(data: dict[str, Any], *, force: bool = False) -> RunConfig:
+    """Validate a config mapping; raises :class:`ConfigError` with a readable message.
+
+    ``force`` lifts the caps on values that would hang a run (:mod:`radbo.limits`: rounds,
+    steps per round, fleet size, step sizes); the physical bounds hold regardless."""
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config error: a run config is a table of settings, got {type(data).__name__}"
+        )
     try:
-        return RunConfig.model_validate(data)
+        with caps_lifted(force):
+            return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
+    except RecursionError:  # pydantic recursing through absurdly deep nesting
+        raise ConfigError("config error: the config is nested too deeply") from None
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a TOML run configuration."""
+def load_config(path: str | Path, *, force: bool = False) -> RunConfig:
+    """Read and validate a TOML run configuration (``force``: see :func:`parse_config`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config error: {path} does not exist or is not a file")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # TOMLDecodeError, UnicodeDecodeError, an integer of 4300+ digits
         raise ConfigError(f"config error: {path} is not valid TOML: {err}") from None
-    return parse_config(data)
+    except RecursionError:  # tomllib recurses once per level of nested arrays or tables
+        raise ConfigError(
+            f"config error: {path} is not valid TOML: arrays or tables nested too deeply"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"config error: {path} cannot be read: {err.strerror or err}") from None
+    return parse_config(data, force=force)

@@ -1,4 +1,4 @@
-"""Cost accounting: FLOPs executed, bytes on the wire, simulated time, a virtual clock.
+"""Cost accounting: FLOPs executed, bytes on the wire, simulated time, energy, a virtual clock.
 
 Every client and phase of a round produces one :class:`LedgerEntry`:
 
@@ -17,6 +17,12 @@ Every client and phase of a round produces one :class:`LedgerEntry`:
   (synchronous rounds), a round is the sum of its phases, and the virtual clock adds rounds up
   (FedScale's virtual clock, with compute time from the submodel's FLOPs instead of a per-sample
   constant, and bytes from the real payload instead of the full model's pickle).
+- **Energy** (joules, :func:`phase_energy`): compute energy = FLOPs x the device's
+  ``energy_per_flop``; radio energy = bytes up x ``energy_per_byte_up`` + bytes down x
+  ``energy_per_byte_down``. A figure the profile does not give (or a client without a profile)
+  leaves that energy *unknown*, ``None`` in the ledger row, never a silent 0: :func:`totals`
+  sums the known joules and counts the FLOPs and bytes it could not price
+  (``energy_unpriced_flops``, ``energy_unpriced_bytes``; both 0 when the totals are complete).
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ class LinkProfile(Protocol):
 
     @property
     def downlink_bps(self) -> float: ...
+
+
+class EnergyProfile(Protocol):
+    """The energy figures of a device profile (:class:`radbo.devices.DeviceProfile`); each is
+    ``None`` when unknown."""
+
+    @property
+    def energy_per_flop(self) -> float | None: ...
+
+    @property
+    def energy_per_byte_up(self) -> float | None: ...
+
+    @property
+    def energy_per_byte_down(self) -> float | None: ...
 
 
 class DeviceLike(LinkProfile, Protocol):
@@ -198,6 +218,12 @@ class LedgerEntry:
     bytes_up: int
     compute_s: float
     comm_s: float
+    energy_compute_j: float | None = None
+    """FLOPs x the device's J/FLOP; ``None`` when the profile gives no ``energy_per_flop``
+    (or there is no profile)."""
+    energy_radio_j: float | None = None
+    """bytes up x J/byte up + bytes down x J/byte down; ``None`` when the profile gives no
+    per-byte figures (or there is no profile)."""
 
     @property
     def time_s(self) -> float:
@@ -219,6 +245,31 @@ def phase_times(
     return compute, comm
 
 
+def phase_energy(
+    flops: int, bytes_down: int, bytes_up: int, profile: object | None
+) -> tuple[float | None, float | None]:
+    """(compute joules, radio joules) of one client phase on ``profile``, each ``None`` when
+    the profile lacks its figures (:class:`EnergyProfile`; a profile-like object without the
+    attributes counts as lacking them, as does ``profile=None``).
+
+    Compute = ``flops * energy_per_flop``; radio = ``bytes_up * energy_per_byte_up +
+    bytes_down * energy_per_byte_down``, evaluated in exactly this order (float64).
+
+    >>> from types import SimpleNamespace as NS
+    >>> phase_energy(10**9, 1000, 500, NS(energy_per_flop=1e-10, energy_per_byte_up=2e-6,
+    ...                                   energy_per_byte_down=1e-6))
+    (0.1, 0.002)
+    >>> phase_energy(10**9, 1000, 500, NS(energy_per_flop=None))
+    (None, None)
+    """
+    per_flop = getattr(profile, "energy_per_flop", None)
+    up = getattr(profile, "energy_per_byte_up", None)
+    down = getattr(profile, "energy_per_byte_down", None)
+    compute = None if per_flop is None else flops * per_flop
+    radio = None if up is None or down is None else bytes_up * up + bytes_down * down
+    return compute, radio
+
+
 def round_time(entries: Iterable[LedgerEntry]) -> float:
     """Synchronous round: each phase lasts as long as its slowest client; phases add up."""
     slowest: dict[str, float] = {}
@@ -231,12 +282,32 @@ _SUMMED = ("flops", "n_grad", "n_hvp", "samples", "bytes_down", "bytes_up", "com
 
 
 def totals(entries: Iterable[LedgerEntry]) -> dict[str, float]:
-    """Sums of every counter over ``entries`` (``bytes`` = down + up)."""
+    """Sums of every counter over ``entries`` (``bytes`` = down + up), and energy:
+    ``energy_compute_j`` and ``energy_radio_j`` (the known joules, summed in ledger order),
+    ``energy_j`` (their sum) and what could not be priced, ``energy_unpriced_flops`` (FLOPs of
+    entries without compute energy) and ``energy_unpriced_bytes`` (bytes of entries without
+    radio energy); the energy totals are complete when both are 0."""
     out: dict[str, float] = dict.fromkeys(_SUMMED, 0)
+    compute_j: float = 0
+    radio_j: float = 0
+    unpriced_flops = unpriced_bytes = 0
     for e in entries:
         for k in _SUMMED:
             out[k] += getattr(e, k)
+        if e.energy_compute_j is None:
+            unpriced_flops += e.flops
+        else:
+            compute_j += e.energy_compute_j
+        if e.energy_radio_j is None:
+            unpriced_bytes += e.bytes_down + e.bytes_up
+        else:
+            radio_j += e.energy_radio_j
     out["bytes"] = out["bytes_down"] + out["bytes_up"]
+    out["energy_compute_j"] = float(compute_j)
+    out["energy_radio_j"] = float(radio_j)
+    out["energy_j"] = out["energy_compute_j"] + out["energy_radio_j"]
+    out["energy_unpriced_flops"] = unpriced_flops
+    out["energy_unpriced_bytes"] = unpriced_bytes
     return out
 
 
@@ -254,7 +325,10 @@ def as_dicts(entries: Sequence[LedgerEntry]) -> list[dict[str, Any]]:
 
 
 def savings(run_totals: Mapping[str, float], baseline_totals: Mapping[str, float]) -> dict:
-    """Fractions of a baseline's compute, bytes and simulated time that a run used."""
+    """Fractions of a baseline's compute, bytes, simulated time and energy that a run used
+    (``nan`` where the baseline's figure is 0 or absent, e.g. energy on a fleet without energy
+    figures). The energy fractions compare known joules: they are exact when neither run has
+    unpriced FLOPs or bytes (``energy_unpriced_*`` in the totals)."""
 
     def frac(key: str) -> float:
         base = baseline_totals.get(key, 0.0)
@@ -266,4 +340,7 @@ def savings(run_totals: Mapping[str, float], baseline_totals: Mapping[str, float
         "bytes_up_fraction": frac("bytes_up"),
         "bytes_down_fraction": frac("bytes_down"),
         "time_fraction": frac("sim_time_s"),
+        "energy_fraction": frac("energy_j"),
+        "energy_compute_fraction": frac("energy_compute_j"),
+        "energy_radio_fraction": frac("energy_radio_j"),
     }

@@ -2,9 +2,15 @@
 
 :func:`plot_accuracy` draws one run's accuracy curve (``radbo run`` writes it as
 ``accuracy.png``). :func:`load_run` reads a finished run folder and :func:`compare` compares
-several (``radbo report RUN_DIR ...``): test accuracy against rounds, simulated time, bytes and
-FLOPs (one PNG each, one line per run), a Markdown and a JSON summary of the final accuracy,
-the totals and the savings against a paired baseline, and the cost of every device tier.
+several (``radbo report RUN_DIR ...``): test accuracy against rounds, simulated time, bytes,
+FLOPs and energy (one PNG each, one line per run), a Markdown and a JSON summary of the final
+accuracy, the totals (energy included) and the savings against a paired baseline, and the cost
+of every device tier.
+
+Energy is read where ``results.json`` has it (``energy_*`` totals, ``cost_energy_j`` per round);
+a run written before radbo accounted energy shows ``-`` in the tables and no line in the energy
+plot. A total marked ``>=`` is partial: some FLOPs or bytes ran on devices without energy
+figures (``energy_unpriced_flops`` / ``energy_unpriced_bytes`` > 0).
 
 Only JSON is read: nothing in a run folder is unpickled or executed. A folder that is not a
 finished run (no ``results.json``, malformed JSON, missing keys) raises :class:`ReportError`
@@ -112,6 +118,10 @@ def _read_json(path: Path) -> Any:
             f"report error: {path}: malformed JSON at line {err.lineno} column {err.colno}: "
             f"{err.msg}"
         ) from None
+    except RecursionError:
+        raise ReportError(f"report error: {path}: JSON nested too deeply") from None
+    except ValueError as err:  # e.g. an integer of more digits than Python converts
+        raise ReportError(f"report error: {path}: unreadable JSON: {err}") from None
 
 
 def _check_numbers(path: Path, where: str, data: Any, keys: Sequence[str]) -> None:
@@ -225,24 +235,32 @@ class Run:
         """Per round (all of them, in order): ``round`` (1-based), ``sim_clock_s`` (the virtual
         clock at the end of the round, already cumulative), ``cumulative_flops`` and
         ``cumulative_bytes`` (sums of ``cost_flops`` / ``cost_bytes`` up to and including the
-        round) and ``test_accuracy`` / ``test_loss`` (``None`` on rounds not evaluated)."""
+        round), ``cumulative_energy_j`` (sum of ``cost_energy_j``, joules; ``None`` from the
+        first round without it, as in runs written before energy was accounted, and everywhere
+        when the run priced no energy at all) and
+        ``test_accuracy`` / ``test_loss`` (``None`` on rounds not evaluated)."""
         out: dict[str, list[Any]] = {
             "round": [],
             "sim_clock_s": [],
             "cumulative_flops": [],
             "cumulative_bytes": [],
+            "cumulative_energy_j": [],
             "test_accuracy": [],
             "test_loss": [],
         }
         flops: float = 0
         nbytes: float = 0
+        energy: float | None = None if _energy(self.totals)["energy_j"] is None else 0
         for row in self.rounds:
             flops += row["cost_flops"]
             nbytes += row["cost_bytes"]
+            step: Any = row.get("cost_energy_j")
+            energy = energy + step if energy is not None and _is_number(step) else None
             out["round"].append(int(row["round"]) + 1)
             out["sim_clock_s"].append(row["sim_clock_s"])
             out["cumulative_flops"].append(flops)
             out["cumulative_bytes"].append(nbytes)
+            out["cumulative_energy_j"].append(energy)
             out["test_accuracy"].append(row.get("test_accuracy"))
             out["test_loss"].append(row.get("test_loss"))
         return out
@@ -292,7 +310,38 @@ PLOTS: dict[str, tuple[str, str, float]] = {
     "accuracy_vs_time.png": ("sim_clock_s", "simulated time (s)", 1.0),
     "accuracy_vs_bytes.png": ("cumulative_bytes", "bytes sent and received (MB)", 1e-6),
     "accuracy_vs_flops.png": ("cumulative_flops", "compute (GFLOP)", 1e-9),
+    "accuracy_vs_energy.png": ("cumulative_energy_j", "energy, compute + radio (J)", 1.0),
 }
+
+#: Energy keys of ``totals`` copied into the summary and tier rows (``None`` when absent).
+_ENERGY_KEYS = (
+    "energy_j",
+    "energy_compute_j",
+    "energy_radio_j",
+    "energy_unpriced_flops",
+    "energy_unpriced_bytes",
+)
+
+
+def _energy(totals: Mapping[str, Any]) -> dict[str, Any]:
+    """The energy totals of ``totals``, each ``None`` when absent or not a number; joules are
+    ``None`` too (unknown, not 0 J) when nothing was priced: 0 J with unpriced work."""
+    out = {k: totals[k] if _is_number(totals.get(k)) else None for k in _ENERGY_KEYS}
+    if out["energy_compute_j"] == 0 and out["energy_unpriced_flops"]:
+        out["energy_compute_j"] = None
+    if out["energy_radio_j"] == 0 and out["energy_unpriced_bytes"]:
+        out["energy_radio_j"] = None
+    if out["energy_compute_j"] is None and out["energy_radio_j"] is None:
+        out["energy_j"] = None
+    return out
+
+
+def _energy_cell(row: Mapping[str, Any], spec: str = ".3g") -> str:
+    """``row["energy_j"]`` formatted, ``>=`` in front when part of the work was unpriced."""
+    text = _fmt(row["energy_j"], spec)
+    if text != "-" and (row["energy_unpriced_flops"] or row["energy_unpriced_bytes"]):
+        text = ">=" + text
+    return text
 
 
 @dataclass
@@ -352,6 +401,7 @@ def _summary_row(run: Run, label: str) -> dict[str, Any]:
         "bytes_down": totals["bytes_down"],
         "bytes_up": totals["bytes_up"],
         "sim_time_s": totals["sim_time_s"],
+        **_energy(totals),
         "baseline_test_accuracy": None,
         "savings": run.savings,
     }
@@ -365,7 +415,9 @@ def _tier_rows(run: Run) -> list[dict[str, Any]]:
     for entry in run.ledger or []:
         clients.setdefault(str(entry["tier"]), set()).add(entry["client"])
     rows = []
+    run_j = _energy(run.totals)["energy_j"]
     for tier, t in run.totals_by_tier.items():
+        energy = _energy(t)
         rows.append(
             {
                 "tier": tier,
@@ -378,8 +430,12 @@ def _tier_rows(run: Run) -> list[dict[str, Any]]:
                 "bytes_up": t["bytes_up"],
                 "compute_s": t["compute_s"],
                 "comm_s": t["comm_s"],
+                **energy,
                 "flops_share": t["flops"] / run.totals["flops"] if run.totals["flops"] else None,
                 "bytes_share": t["bytes"] / run.totals["bytes"] if run.totals["bytes"] else None,
+                "energy_share": (
+                    energy["energy_j"] / run_j if energy["energy_j"] is not None and run_j else None
+                ),
             }
         )
     return rows
@@ -408,10 +464,17 @@ def _main_table(summary: Sequence[Mapping[str, Any]]) -> str:
         "GFLOP",
         "MB",
         "sim time (s)",
+        "energy (J)",
     ]
     with_baseline = any(row["savings"] is not None for row in summary)
     if with_baseline:
-        header += ["baseline acc", "compute vs base", "bytes vs base", "time vs base"]
+        header += [
+            "baseline acc",
+            "compute vs base",
+            "bytes vs base",
+            "time vs base",
+            "energy vs base",
+        ]
     rows = []
     for row in summary:
         cells = [
@@ -423,6 +486,7 @@ def _main_table(summary: Sequence[Mapping[str, Any]]) -> str:
             _fmt(row["flops"], ".3f", 1e-9),
             _fmt(row["bytes"], ".3f", 1e-6),
             _fmt(row["sim_time_s"], ".2f"),
+            _energy_cell(row),
         ]
         if with_baseline:
             sv = row["savings"] or {}
@@ -431,6 +495,7 @@ def _main_table(summary: Sequence[Mapping[str, Any]]) -> str:
                 _fmt(sv.get("compute_fraction"), ".1%"),
                 _fmt(sv.get("bytes_fraction"), ".1%"),
                 _fmt(sv.get("time_fraction"), ".1%"),
+                _fmt(sv.get("energy_fraction"), ".1%"),
             ]
         rows.append(cells)
     return _markdown_table(header, rows)
@@ -445,8 +510,12 @@ def _tier_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "MB up",
         "compute (s)",
         "comm (s)",
+        "energy (J)",
+        "compute (J)",
+        "radio (J)",
         "FLOP share",
         "bytes share",
+        "energy share",
     ]
     cells = [
         [
@@ -457,8 +526,12 @@ def _tier_table(rows: Sequence[Mapping[str, Any]]) -> str:
             _fmt(r["bytes_up"], ".3f", 1e-6),
             _fmt(r["compute_s"], ".3f"),
             _fmt(r["comm_s"], ".3f"),
+            _energy_cell(r),
+            _fmt(r["energy_compute_j"], ".3g"),
+            _fmt(r["energy_radio_j"], ".3g"),
             _fmt(r["flops_share"], ".1%"),
             _fmt(r["bytes_share"], ".1%"),
+            _fmt(r["energy_share"], ".1%"),
         ]
         for r in rows
     ]
@@ -466,9 +539,10 @@ def _tier_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot_comparison(runs: Sequence[Run], labels: Sequence[str], out_dir: str | Path) -> list[Path]:
-    """The four comparison PNGs of :data:`PLOTS` in ``out_dir`` (written atomically): test
-    accuracy at every evaluated round against the round, the simulated clock, cumulative MB
-    and cumulative GFLOP, one line per run. Returns the paths."""
+    """The comparison PNGs of :data:`PLOTS` in ``out_dir`` (written atomically): test
+    accuracy at every evaluated round against the round, the simulated clock, cumulative MB,
+    cumulative GFLOP and cumulative joules (compute + radio), one line per run (a run without
+    energy figures draws no line in the energy plot). Returns the paths."""
     plt = _pyplot()
     curves = [run.curve() for run in runs]
     paths = []
@@ -478,7 +552,7 @@ def plot_comparison(runs: Sequence[Run], labels: Sequence[str], out_dir: str | P
             points = [
                 (x * scale, acc)
                 for x, acc in zip(curve[key], curve["test_accuracy"], strict=True)
-                if acc is not None
+                if acc is not None and x is not None
             ]
             if points:
                 xs, ys = zip(*points, strict=True)
@@ -487,7 +561,7 @@ def plot_comparison(runs: Sequence[Run], labels: Sequence[str], out_dir: str | P
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-        if runs:
+        if ax.get_legend_handles_labels()[0]:  # no legend for a plot without lines
             ax.legend(fontsize="small")
         fig.tight_layout()
         paths.append(_save_png(fig, Path(out_dir) / filename))

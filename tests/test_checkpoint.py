@@ -99,8 +99,10 @@ def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch, case):
     crash_at(monkeypatch, 3)  # the checkpoint after round 2 is the last one written
     with pytest.raises(Crash):
         run(cfg, progress=False, output_dir=tmp_path / "cut")
-    index = json.loads((tmp_path / "cut/checkpoints/run/checkpoint.json").read_text())
-    assert index["rounds_done"] == 2 and len(index["rows"]) == 2
+    folder = tmp_path / "cut/checkpoints/run"
+    index = json.loads((folder / "checkpoint.json").read_text())
+    history = json.loads((folder / index["files"]["history"]["file"]).read_text())
+    assert index["rounds_done"] == 2 and len(history["rows"]) == 2
     resumed = run(cfg, progress=False, output_dir=tmp_path / "cut", resume=True)
 
     assert comparable(tmp_path / "whole") == comparable(tmp_path / "cut")
@@ -194,6 +196,21 @@ def small_state(round_=0):
     )
 
 
+# a round record as the engine writes it (RoundRecord.as_dict); the index model checks its types
+ROW = {
+    "round": 0,
+    "clients": [0, 1],
+    "unavailable": [],
+    "rejected": {},
+    "dropped": {},
+    "late": {},
+    "communication_rounds": 2,
+    "wall_time_s": 0.1,
+    "sim_round_time_s": 1.5,
+    "sim_clock_s": 1.5,
+}
+
+
 def save(tmp_path, state, rounds_done=1):
     return save_checkpoint(
         tmp_path,
@@ -201,7 +218,7 @@ def save(tmp_path, state, rounds_done=1):
         state=state,
         rounds_done=rounds_done,
         clock_s=1.5,
-        rows=[{"round": 0, "loss": float("nan")}],
+        rows=[{**ROW, "loss": float("nan")}],
         ledger=[],
         sim_tensors={"coverage/x/w": torch.tensor([True, False])},
         sim_meta={"coverage": {}},
@@ -211,13 +228,19 @@ def save(tmp_path, state, rounds_done=1):
 def test_round_trip_and_old_tensor_files_removed(tmp_path):
     save(tmp_path, small_state(1), rounds_done=1)
     save(tmp_path, small_state(2), rounds_done=2)
+    save(tmp_path, small_state(3), rounds_done=3)
+    # the newest checkpoint and the one before it (the fallback) are kept
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-prev.json",
         "checkpoint.json",
+        "history-000002.json",
+        "history-000003.json",
         "state-000002.safetensors",
+        "state-000003.safetensors",
     ]
     ckpt = load_checkpoint(tmp_path, template=small_state(), config={"seed": 0})
-    assert_same_state(ckpt.state, small_state(2))
-    assert ckpt.rounds_done == 2 and ckpt.clock_s == 1.5
+    assert_same_state(ckpt.state, small_state(3))
+    assert ckpt.rounds_done == 3 and ckpt.clock_s == 1.5 and ckpt.fallback is None
     assert torch.equal(ckpt.sim_tensors["coverage/x/w"], torch.tensor([True, False]))
     assert ckpt.rows[0]["loss"] != ckpt.rows[0]["loss"]  # NaN survives JSON
 
@@ -234,6 +257,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         save(tmp_path, small_state(2), rounds_done=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint.json",
+        "history-000001.json",
         "state-000001.safetensors",
     ]
     assert load_checkpoint(tmp_path, template=small_state()).state.round == 1
@@ -242,9 +266,12 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
-        (lambda d: d.update(tensors="../elsewhere.safetensors"), "names no valid tensor file"),
-        (lambda d: d.update(tensors="state-000009.safetensors"), "cannot read"),
-        (lambda d: d.update(format="pickle"), "is not a radbo-checkpoint/1 index"),
+        (
+            lambda d: d["files"]["tensors"].update(file="../elsewhere.safetensors"),
+            r"files.tensors.file = '../elsewhere.safetensors': String should match pattern",
+        ),
+        (lambda d: d["files"]["tensors"].update(file="state-000009.safetensors"), "is missing"),
+        (lambda d: d.update(format="pickle"), "is not a radbo-checkpoint/2 index"),
         (lambda d: d["state_scalars"].pop("round"), "no value for state field 'round'"),
     ],
 )
@@ -252,6 +279,7 @@ def test_damaged_index_is_a_clear_error(tmp_path, tamper, message):
     index_path = save(tmp_path, small_state())
     data = json.loads(index_path.read_text())
     tamper(data)
+    data["index_sha256"] = checkpoint._index_digest(data)  # past the index's own checksum
     index_path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(tmp_path, template=small_state())

@@ -203,3 +203,16 @@ def test_every_example_config_validates_and_builds(path):
 
     exp = build(load_config(path))
     assert exp.simulation.clients and exp.config.rounds >= 1
+
+
+def test_radbo_warnings_print_as_one_line_and_others_as_python_prints_them(capsys, monkeypatch):
+    import radbo.cli
+    from radbo.checkpoint import CheckpointWarning
+
+    others: list[tuple] = []
+    monkeypatch.setattr(radbo.cli, "_SHOW_WARNING", lambda *args: others.append(args))
+    warn = radbo.cli._one_line_warning
+    warn(CheckpointWarning("resuming from round 2"), CheckpointWarning, "x.py", 1)
+    warn(UserWarning("elsewhere"), UserWarning, "/site/other.py", 7)
+    assert capsys.readouterr().err == "warning: resuming from round 2\n"
+    assert [(str(a[0]), a[2], a[3]) for a in others] == [("elsewhere", "/site/other.py", 7)]

@@ -77,7 +77,7 @@ def test_non_positive_number_gives_one_line_naming_field(field: str, bad: int) -
 
     assert len(lines) == 1
     assert lines[0].startswith(f"device profile error: {field} = {bad!r}: ")
-    assert "greater than 0" in lines[0]
+    assert "greater than 0" in lines[0] or "greater than or equal to 1" in lines[0]
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
@@ -112,10 +112,10 @@ def test_missing_fields_each_get_a_line() -> None:
     lines = error_lines(record)
 
     assert lines == [
-        "device profile error: compute_flops = <missing>: Field required (allowed: a finite "
-        "number > 0, sustained FP32 training throughput in FLOP/s)",
-        "device profile error: uplink_bps = <missing>: Field required (allowed: a finite number "
-        "> 0, uplink bandwidth in bit/s)",
+        "device profile error: compute_flops = <missing>: Field required (allowed: a number in "
+        "[1, 1e21], sustained FP32 training throughput in FLOP/s)",
+        "device profile error: uplink_bps = <missing>: Field required (allowed: a number in "
+        "[1, 1e15], uplink bandwidth in bit/s)",
     ]
 
 
@@ -170,10 +170,10 @@ positive_floats = st.floats(min_value=0, exclude_min=True, allow_nan=False, allo
 valid_records = st.fixed_dictionaries(
     {
         "name": st.text(min_size=1, max_size=20),
-        "compute_flops": positive_floats,
+        "compute_flops": st.floats(min_value=1, max_value=1e21),
         "memory_bytes": st.integers(min_value=1, max_value=2**63),
-        "uplink_bps": positive_floats,
-        "downlink_bps": positive_floats,
+        "uplink_bps": st.floats(min_value=1, max_value=1e15),
+        "downlink_bps": st.floats(min_value=1, max_value=1e15),
     },
     optional={
         "availability": st.floats(min_value=0, max_value=1),
@@ -458,9 +458,9 @@ def mixed_fleet() -> Fleet:
     odd = parse_profile(
         valid_record(
             name='quote " backslash \\ tab \t newline \n del \x7f é 😀',
-            compute_flops=1.2345678901234567e-5,
+            compute_flops=1.2345678901234567,
             memory_bytes=2**62,
-            uplink_bps=1e300,
+            uplink_bps=1e15,
             availability=0.0,
             energy_per_flop=5e-324,
             source="",
@@ -483,7 +483,9 @@ def test_file_round_trip_is_exact(tmp_path: Path, suffix: str) -> None:
 
 
 def test_files_are_readable_lists_of_devices(tmp_path: Path) -> None:
-    fleet = Fleet.from_profiles([get_device("raspberry_pi_4"), get_device("esp32_s3")])
+    unknown = dict.fromkeys(("energy_per_flop", "energy_per_byte_up", "energy_per_byte_down"))
+    no_energy = get_device("esp32_s3").model_copy(update=unknown)
+    fleet = Fleet.from_profiles([get_device("raspberry_pi_4"), no_energy])
     fleet.to_file(tmp_path / "f.json")
     fleet.to_file(tmp_path / "f.toml")
 
@@ -492,7 +494,7 @@ def test_files_are_readable_lists_of_devices(tmp_path: Path) -> None:
 
     assert as_json == as_toml
     assert [d["name"] for d in as_json["device"]] == [p.name for p in fleet]
-    assert "energy_per_flop" not in as_json["device"][1]  # None is left out
+    assert not set(unknown) & set(as_json["device"][1])  # None is left out
     assert "[[device]]" in (tmp_path / "f.toml").read_text(encoding="utf-8")
 
 

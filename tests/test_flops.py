@@ -215,6 +215,8 @@ def test_finite_difference_pays_a_gradient_per_coordinate_where_autograd_pays_no
     assert flops(ImplicitCG(max_iter=iters, tol=0.0)) == (2 + iters) * unit
     assert (results[-1].n_grad, results[-1].n_hvp) == (2, iters + 1)
     for size in (1, 4):
-        estimator = FiniteDifference(num_coordinates=size, cg_iters=iters, tol=0.0)
+        estimator = FiniteDifference(
+            num_coordinates=size, cg_iters=iters, tol=0.0, scheme="forward"
+        )
         assert flops(estimator) == (2 + iters + size) * unit
         assert (results[-1].n_grad, results[-1].n_hvp) == (2 + iters + size, 0)

@@ -99,7 +99,7 @@ def test_fd_as_printed_is_what_eq_10_says_and_its_error_is_large(
 ) -> None:
     x, y = problem.point()
     xf, yf = flat(x), flat(y)
-    result = FiniteDifference(as_printed=True)(problem.outer, problem.inner, x, y)
+    result = FiniteDifference(as_printed=True, mu=1e-3)(problem.outer, problem.inner, x, y)
     # eq. (10) / Alg. 2 line 7 as printed: ∇_x f + ∇²_xy g ∇_y f = ∇_x f − Bᵀ ∇_y f
     printed = problem.e + problem.D @ xf + problem.E.T @ yf - problem.B.T @ problem.grad_y_f(xf, yf)
     torch.testing.assert_close(flat(result.grad), printed, rtol=1e-8, atol=1e-8)
@@ -185,18 +185,22 @@ def test_fd_rescale_is_unbiased_over_the_coordinate_draw(problem: Quadratic) -> 
 def test_fd_counts(problem: Quadratic) -> None:
     x, y = problem.point()
     gen = torch.Generator().manual_seed(0)
-    result = FiniteDifference(num_coordinates=3, cg_iters=4, tol=0.0)(
+    result = FiniteDifference(num_coordinates=3, cg_iters=4, tol=0.0, scheme="forward")(
         problem.outer, problem.inner, x, y, generator=gen
     )
     assert (result.n_grad, result.n_hvp) == (2 + 4 + 3, 0)  # f, g base, 4 CG matvecs, |P|
-    result = FiniteDifference(cg_iters=4, tol=0.0)(problem.outer, problem.inner, x, y)
+    result = FiniteDifference(cg_iters=4, tol=0.0, scheme="forward")(
+        problem.outer, problem.inner, x, y
+    )
     assert (result.n_grad, result.n_hvp) == (2 + 4 + 7, 0)
     gen = torch.Generator().manual_seed(0)
     result = FiniteDifference(num_coordinates=5, as_printed=True)(
         problem.outer, problem.inner, x, y, generator=gen
     )
     assert (result.n_grad, result.n_hvp) == (2 + 5, 0)
-    result = FiniteDifference(num_coordinates=50)(problem.outer, problem.inner, x, y)
+    result = FiniteDifference(num_coordinates=50, scheme="forward")(
+        problem.outer, problem.inner, x, y
+    )
     assert result.n_grad == 2 + 10 + 7  # |P| = min(50, 7); CG converges in dim y = 10
 
 
@@ -685,7 +689,7 @@ def test_fd_rejects_a_step_that_vanishes_in_float32() -> None:
     x = {"a": torch.tensor([1.0e6], dtype=torch.float32)}
     y = {"w": torch.tensor([0.0], dtype=torch.float32)}
     with pytest.raises(ValueError, match=r"FiniteDifference.mu = 0.001 vanishes next to x\['a'\]"):
-        FiniteDifference()(
+        FiniteDifference(mu=1e-3)(
             lambda x, y: y["w"].sum(), lambda x, y: (y["w"] - x["a"]).pow(2).sum(), x, y
         )
     assert torch.equal(x["a"], torch.tensor([1.0e6]))

@@ -208,7 +208,7 @@ def test_demo_reaches_accuracy():
 
 def unclipped_demo(seed: int = 0, rounds: int = 25) -> RunConfig:
     data = demo_dict()
-    data["algorithm"] = {**data["algorithm"], "max_hypergrad_norm": None}
+    data["algorithm"] = {**data["algorithm"], "max_hypergrad_norm": None, "divergence": "off"}
     data.update(seed=seed, rounds=rounds, baseline={"enabled": False})
     return parse_config(data)
 

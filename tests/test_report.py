@@ -165,3 +165,9 @@ def test_labels_are_algorithm_names_when_unique_else_folder_names() -> None:
     assert run_labels([fake("a/x", "rabo"), fake("b/y", "simfbo")]) == ["rabo", "simfbo"]
     assert run_labels([fake("a/x", "rabo"), fake("b/y", "rabo")]) == ["x", "y"]
     assert run_labels([fake("a/x", "rabo"), fake("b/x", "rabo")]) == ["a/x", "b/x"]
+
+
+def test_a_results_json_nested_too_deeply_is_one_report_error(tmp_path: Path):
+    (tmp_path / "results.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ReportError, match=r"results\.json: JSON nested too deeply$"):
+        load_run(tmp_path)

@@ -106,7 +106,11 @@ def configs(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
         {
             **base,
             "algorithm": {"name": "rafbo", **bilevel},
-            "estimator": {"name": "finite_difference", "num_coordinates": args.rafbo_coordinates},
+            "estimator": {
+                "name": "finite_difference",
+                "scheme": "forward",  # the paper's eq. (10)
+                "num_coordinates": args.rafbo_coordinates,
+            },
         }
     )
 
@@ -115,7 +119,11 @@ def configs(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
             parse_config({**base, "baseline": {**base["baseline"], "algorithm": kind}})
         )
 
-    printed = {"name": "finite_difference", "num_coordinates": args.rafbo_coordinates}
+    printed = {
+        "name": "finite_difference",
+        "scheme": "forward",
+        "num_coordinates": args.rafbo_coordinates,
+    }
     return {
         "RABO": rabo,
         "RAFBO": rafbo,

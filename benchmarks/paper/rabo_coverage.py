@@ -62,7 +62,11 @@ def config(args: argparse.Namespace, method: str, k: int, seed: int) -> dict[str
         "algorithm": {"name": method.lower(), **bilevel},
     }
     if method == "RAFBO":
-        cfg["estimator"] = {"name": "finite_difference", "num_coordinates": args.rafbo_coordinates}
+        cfg["estimator"] = {
+            "name": "finite_difference",
+            "scheme": "forward",  # the paper's eq. (10)
+            "num_coordinates": args.rafbo_coordinates,
+        }
     return cfg
 
 

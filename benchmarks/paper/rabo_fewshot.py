@@ -57,7 +57,11 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "algorithm": {"name": "rafbo", **bilevel},
             # |P| sampled coordinates of x get the finite-difference indirect term, the rest
             # the direct term only (the paper's RAFBO; one gradient of g per coordinate)
-            "estimator": {"name": "finite_difference", "num_coordinates": args.rafbo_coordinates},
+            "estimator": {
+                "name": "finite_difference",
+                "scheme": "forward",  # the paper's eq. (10)
+                "num_coordinates": args.rafbo_coordinates,
+            },
         },
         "FedMBO (full model)": {
             "mask": {"policy": "none"},

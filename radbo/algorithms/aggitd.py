@@ -121,6 +121,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias
 from radbo.typing import IndexSet, Params
 
@@ -163,16 +164,28 @@ class AggITDConfig(AlgorithmConfig):
     docstring for the algorithm radbo implements)."""
 
     name: Literal["aggitd"]
-    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta, local step on y")
-    outer_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="alpha, step on x")
-    inner_rounds: int = Field(
-        3, ge=1, description="R, lower-level communication rounds per iteration"
+    inner_lr: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="beta, local step on y (<= 1000 without --force)",
     )
-    local_steps: int = Field(
-        5, ge=1, description="tau, local SGD steps per lower-level round (fixed local steps)"
+    outer_lr: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="alpha, step on x (<= 1000 without --force)"
     )
-    batch_size: int = Field(32, ge=1, description="inner minibatch per local step")
-    outer_batch_size: int = Field(32, ge=1, description="outer minibatch of grad f at y^R")
+    inner_rounds: Steps = Field(
+        3,
+        ge=1,
+        description="R, lower-level communication rounds per iteration (<= 10,000 without --force)",
+    )
+    local_steps: Steps = Field(
+        5,
+        ge=1,
+        description="tau, local SGD steps per lower-level round (fixed local steps; "
+        "<= 10,000 without --force)",
+    )
+    batch_size: BatchSize = Field(32, ge=1, description="inner minibatch per local step")
+    outer_batch_size: BatchSize = Field(32, ge=1, description="outer minibatch of grad f at y^R")
     clients_per_phase: int | None = Field(
         None, ge=1, description="clients sampled per communication round; default all available"
     )

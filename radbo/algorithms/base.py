@@ -43,6 +43,17 @@ A = TypeVar("A", bound="AlgorithmConfig")
 #: How clients are weighted in aggregation: equally, or by their number of examples.
 Weighting = Literal["uniform", "data_size"]
 
+#: What the server does when a round blows up (see :mod:`radbo.simulation.divergence`).
+Divergence = Literal["rollback", "stop", "warn", "off"]
+
+#: The divergence guard's fields of every ``[algorithm]`` kind.
+DIVERGENCE_FIELDS = (
+    "divergence",
+    "divergence_factor",
+    "divergence_norm_factor",
+    "divergence_damping",
+)
+
 
 @dataclass(frozen=True)
 class Wiring:
@@ -87,11 +98,49 @@ class AlgorithmConfig(Section):
         full_model: it trains the full model on every client (masks are refused).
         flower_actions: the ``train.<action>`` Flower message types its phases use besides
             ``train`` (see :func:`radbo.flower.message_type`).
+        step_sizes: its step-size fields, which the divergence guard damps together after a
+            rollback (:meth:`damped`; default ``inner_lr`` and ``outer_lr``).
+
+    The ``divergence*`` fields configure the server's divergence guard
+    (:mod:`radbo.simulation.divergence`): what it does when a round's loss exceeds
+    ``divergence_factor`` x its smoothed running minimum (and its first value), a loss or
+    the model turns non-finite, or the RMS of the x and y entries jumps above
+    ``divergence_norm_factor`` x its largest value so far (and above 1). Default: roll back
+    to the last good round and multiply every step size by ``divergence_damping`` (0.5); a
+    run that never trips it is unchanged, bit for bit.
     """
 
     name: str
     weighting: Weighting = Field(
         "uniform", description="client weights p_i: uniform, or proportional to data size"
+    )
+    divergence: Divergence = Field(
+        "rollback",
+        description="on a blow-up: roll back to the last good round and damp the step sizes, "
+        "stop with an error, warn, or do nothing",
+    )
+    divergence_factor: float = Field(
+        5.0,
+        gt=1,
+        le=1e6,
+        allow_inf_nan=False,
+        description="a round loss above this many times its smoothed running minimum (and "
+        "above its first value) is a blow-up",
+    )
+    divergence_norm_factor: float = Field(
+        10.0,
+        gt=1,
+        le=1e6,
+        allow_inf_nan=False,
+        description="rms(x, y) above this many times its largest value so far (and above 1) "
+        "is a blow-up",
+    )
+    divergence_damping: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="each rollback multiplies every step size by this",
     )
 
     estimator_uses: ClassVar[tuple[str, ...]] = ()
@@ -99,6 +148,9 @@ class AlgorithmConfig(Section):
     default_estimator_settings: ClassVar[dict[str, Any]] = {}
     full_model: ClassVar[bool] = False
     flower_actions: ClassVar[tuple[str, ...]] = ()
+    step_sizes: ClassVar[tuple[str, ...]] = ("inner_lr", "outer_lr")
+    # the divergence settings came after configs were first stored (see Section)
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = DIVERGENCE_FIELDS
 
     if TYPE_CHECKING:
         # Every kind declares these fields itself (its own default, bounds and meaning); they
@@ -134,7 +186,22 @@ class AlgorithmConfig(Section):
             "outer_batch_size": self.outer_batch_size,
             "weighting": self.weighting,
             "max_hypergrad_norm": getattr(self, "max_hypergrad_norm", None),
+            **self.divergence_settings(),
         }
+
+    def divergence_settings(self) -> dict[str, Any]:
+        """The ``divergence*`` fields, which a paired baseline run reuses."""
+        return {name: getattr(self, name) for name in DIVERGENCE_FIELDS}
+
+    def damped(self, scale: float) -> Self:
+        """A copy with every step size (:attr:`step_sizes`) multiplied by ``scale``; all else,
+        the estimator and the wiring included, is shared.
+
+        >>> from radbo.algorithms import RABOConfig
+        >>> RABOConfig(inner_lr=0.5, outer_lr=0.1).damped(0.25).inner_lr
+        0.125
+        """
+        return self.model_copy(update={n: getattr(self, n) * scale for n in self.step_sizes})
 
     def build(self, wiring: Wiring) -> Any:
         """The algorithm this section configures, wired for a run."""

@@ -49,6 +49,7 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import extract
 from radbo.typing import IndexSet, Params
 
@@ -70,12 +71,20 @@ class FedAvgConfig(AlgorithmConfig):
     """FedAvg / HeteroFL / FedRolex hyperparameters (single-level; see the module docstring)."""
 
     name: Literal["fedavg"]
-    lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="local and server step")
-    local_steps: int = Field(5, ge=1, description="local SGD steps per round")
-    batch_size: int = Field(32, ge=1, description="inner minibatch per step")
-    outer_batch_size: int = Field(32, ge=1, description="outer minibatch per step")
+    lr: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="local and server step (<= 1000 without --force)",
+    )
+    local_steps: Steps = Field(
+        5, ge=1, description="local SGD steps per round (<= 10,000 without --force)"
+    )
+    batch_size: BatchSize = Field(32, ge=1, description="inner minibatch per step")
+    outer_batch_size: BatchSize = Field(32, ge=1, description="outer minibatch per step")
 
     flower_actions: ClassVar[tuple[str, ...]] = ()
+    step_sizes: ClassVar[tuple[str, ...]] = ("lr",)
 
     @property
     def local_steps_default(self) -> int:
@@ -90,6 +99,7 @@ class FedAvgConfig(AlgorithmConfig):
             "outer_batch_size": self.outer_batch_size,
             "weighting": self.weighting,
             "max_hypergrad_norm": None,
+            **self.divergence_settings(),
         }
 
     def build(self, wiring: Wiring) -> FedAvg:

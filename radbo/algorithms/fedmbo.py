@@ -65,6 +65,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.randomness import Stream, generator
 from radbo.typing import IndexSet, Params
 
@@ -96,13 +97,21 @@ class FedMBOConfig(AlgorithmConfig):
     SGD on y and a randomized Neumann hypergradient built across freshly sampled clients."""
 
     name: Literal["fedmbo"]
-    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta")
-    outer_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="alpha")
-    inner_steps: int = Field(5, ge=1, description="T, minibatch-SGD rounds on y")
-    batch_size: int = Field(32, ge=1, description="S")
-    outer_batch_size: int = Field(32, ge=1, description="minibatch of d_i and p_i,0")
-    neumann_terms: int = Field(10, ge=1, description="N")
-    eta: float = Field(0.1, gt=0, allow_inf_nan=False, description="1 / l_g,1")
+    inner_lr: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="beta (<= 1000 without --force)"
+    )
+    outer_lr: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="alpha (<= 1000 without --force)"
+    )
+    inner_steps: Steps = Field(
+        5, ge=1, description="T, minibatch-SGD rounds on y (<= 10,000 without --force)"
+    )
+    batch_size: BatchSize = Field(32, ge=1, description="S")
+    outer_batch_size: BatchSize = Field(32, ge=1, description="minibatch of d_i and p_i,0")
+    neumann_terms: Steps = Field(10, ge=1, description="N (<= 10,000 without --force)")
+    eta: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="1 / l_g,1 (<= 1000 without --force)"
+    )
     clients_per_phase: int | None = Field(None, ge=1, description="n; default all available")
     max_hypergrad_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
 

@@ -61,6 +61,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.typing import BilevelLoss, IndexSet, Params
 
 __all__ = ["FedMSA", "FedMSAConfig", "FedMSAState"]
@@ -94,18 +95,25 @@ class FedMSAConfig(AlgorithmConfig):
     from all sampled clients, then K local variance-reduced steps on one of them."""
 
     name: Literal["fedmsa"]
-    outer_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="alpha")
-    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta_w")
-    v_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta_v")
-    momentum: float = Field(0.5, ge=0, le=1, description="rho")
-    local_steps: int = Field(5, ge=1, description="K")
-    batch_size: int = Field(32, ge=1, description="inner minibatch per evaluation")
-    outer_batch_size: int = Field(32, ge=1, description="outer minibatch per evaluation")
+    outer_lr: StepSize = Field(
+        0.05, gt=0, allow_inf_nan=False, description="alpha (<= 1000 without --force)"
+    )
+    inner_lr: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="beta_w (<= 1000 without --force)"
+    )
+    v_lr: StepSize = Field(
+        0.1, gt=0, allow_inf_nan=False, description="beta_v (<= 1000 without --force)"
+    )
+    momentum: float = Field(0.5, ge=0, le=1, allow_inf_nan=False, description="rho")
+    local_steps: Steps = Field(5, ge=1, description="K (<= 10,000 without --force)")
+    batch_size: BatchSize = Field(32, ge=1, description="inner minibatch per evaluation")
+    outer_batch_size: BatchSize = Field(32, ge=1, description="outer minibatch per evaluation")
 
     estimator_uses: ClassVar[tuple[str, ...]] = ("products",)
     default_estimator: ClassVar[str | None] = "autograd"
     full_model: ClassVar[bool] = True
     flower_actions: ClassVar[tuple[str, ...]] = ("momentum", "local")
+    step_sizes: ClassVar[tuple[str, ...]] = ("inner_lr", "outer_lr", "v_lr")
 
     @property
     def local_steps_default(self) -> int:

@@ -113,6 +113,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.randomness import Stream, generator
 from radbo.typing import BilevelLoss, IndexSet, Params
 
@@ -152,24 +153,45 @@ class FedNestConfig(AlgorithmConfig):
     MNIST settings -- steps 0.01, 5 local epochs of batch 64 -- make many more local steps)."""
 
     name: Literal["fednest", "lfednest"]
-    inner_lr: float = Field(
-        0.5, gt=0, allow_inf_nan=False, description="beta, the clients' local step on y"
+    inner_lr: StepSize = Field(
+        0.5,
+        gt=0,
+        allow_inf_nan=False,
+        description="beta, the clients' local step on y (<= 1000 without --force)",
     )
-    outer_lr: float = Field(
-        0.3, gt=0, allow_inf_nan=False, description="alpha, the clients' local step on x"
+    outer_lr: StepSize = Field(
+        0.3,
+        gt=0,
+        allow_inf_nan=False,
+        description="alpha, the clients' local step on x (<= 1000 without --force)",
     )
-    inner_steps: int = Field(1, ge=1, description="T, FedInn calls per outer iteration")
-    local_steps: int = Field(
-        5, ge=1, description="tau, local steps on y per FedInn call (fleet.local_steps = 'fixed')"
+    inner_steps: Steps = Field(
+        1, ge=1, description="T, FedInn calls per outer iteration (<= 10,000 without --force)"
     )
-    outer_local_steps: int = Field(5, ge=1, description="local steps on x in FedOut")
-    batch_size: int = Field(32, ge=1, description="inner minibatch of each g gradient / product")
-    outer_batch_size: int = Field(32, ge=1, description="outer minibatch of each f gradient")
-    neumann_terms: int = Field(
-        5, ge=1, description="N: the IHGP truncation N' is uniform on {0, ..., N-1}"
+    local_steps: Steps = Field(
+        5,
+        ge=1,
+        description="tau, local steps on y per FedInn call (fleet.local_steps = 'fixed'; "
+        "<= 10,000 without --force)",
     )
-    eta: float = Field(
-        0.1, gt=0, allow_inf_nan=False, description="1 / l_g,1, the Neumann step of the IHGP"
+    outer_local_steps: Steps = Field(
+        5, ge=1, description="local steps on x in FedOut (<= 10,000 without --force)"
+    )
+    batch_size: BatchSize = Field(
+        32, ge=1, description="inner minibatch of each g gradient / product"
+    )
+    outer_batch_size: BatchSize = Field(32, ge=1, description="outer minibatch of each f gradient")
+    neumann_terms: Steps = Field(
+        5,
+        ge=1,
+        description="N: the IHGP truncation N' is uniform on {0, ..., N-1} "
+        "(<= 10,000 without --force)",
+    )
+    eta: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="1 / l_g,1, the Neumann step of the IHGP (<= 1000 without --force)",
     )
     clients_per_phase: int | None = Field(
         None, ge=1, description="clients sampled per communication round; default all available"

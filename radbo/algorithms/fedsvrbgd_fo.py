@@ -112,6 +112,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Estimator, FirstOrder
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -162,15 +163,29 @@ class FedSVRBGDConfig(AlgorithmConfig):
     section's ``lam`` (the paper: λ = 5/ε = 50)."""
 
     name: Literal["fedsvrbgd_fo"]
-    eta: float = Field(0.01, gt=0, allow_inf_nan=False, description="eta, the learning rate")
-    alpha_x: float = Field(
-        0.1, gt=0, allow_inf_nan=False, description="alpha_x; the x step is alpha_x * eta"
+    eta: StepSize = Field(
+        0.01,
+        gt=0,
+        allow_inf_nan=False,
+        description="eta, the learning rate (<= 1000 without --force)",
     )
-    alpha_y: float = Field(
-        0.1, gt=0, allow_inf_nan=False, description="alpha_y; the y step is alpha_y * eta"
+    alpha_x: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="alpha_x; the x step is alpha_x * eta (<= 1000 without --force)",
     )
-    alpha_z: float = Field(
-        0.1, gt=0, allow_inf_nan=False, description="alpha_z; the z step is alpha_z * eta"
+    alpha_y: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="alpha_y; the y step is alpha_y * eta (<= 1000 without --force)",
+    )
+    alpha_z: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="alpha_z; the z step is alpha_z * eta (<= 1000 without --force)",
     )
     momentum: float = Field(
         0.1,
@@ -179,12 +194,15 @@ class FedSVRBGDConfig(AlgorithmConfig):
         allow_inf_nan=False,
         description="a = beta*eta^2 of the STORM recursion (beta_x = beta_y = beta_z); 1: SGD",
     )
-    local_steps: int = Field(
-        4, ge=1, description="p, local iterations per communication period (fleet 'fixed')"
+    local_steps: Steps = Field(
+        4,
+        ge=1,
+        description="p, local iterations per communication period (fleet 'fixed'; "
+        "<= 10,000 without --force)",
     )
-    batch_size: int = Field(10, ge=1, description="inner minibatch per local iteration")
-    outer_batch_size: int = Field(10, ge=1, description="outer minibatch per local iteration")
-    init_batch_size: int | None = Field(
+    batch_size: BatchSize = Field(10, ge=1, description="inner minibatch per local iteration")
+    outer_batch_size: BatchSize = Field(10, ge=1, description="outer minibatch per local iteration")
+    init_batch_size: BatchSize | None = Field(
         None,
         ge=1,
         description="B, inner and outer minibatch of the t = 0 estimators; "
@@ -193,6 +211,7 @@ class FedSVRBGDConfig(AlgorithmConfig):
 
     estimator_uses: ClassVar[tuple[str, ...]] = ("penalty",)
     default_estimator: ClassVar[str | None] = "first_order"
+    step_sizes: ClassVar[tuple[str, ...]] = ("eta",)  # every local step is alpha * eta
     #: without an ``[estimator]`` section: the paper's λ = 5/ε = 50 (Sec. 5, ε = 0.1)
     default_estimator_settings: ClassVar[dict[str, Any]] = {"lam": 50.0}
 
@@ -212,6 +231,7 @@ class FedSVRBGDConfig(AlgorithmConfig):
             "outer_batch_size": self.outer_batch_size,
             "weighting": self.weighting,
             "max_hypergrad_norm": None,
+            **self.divergence_settings(),
         }
 
     def build(self, wiring: Wiring) -> FedSVRBGD:

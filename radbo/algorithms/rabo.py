@@ -58,6 +58,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Estimator, ImplicitCG, init_state
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -83,11 +84,23 @@ class RABOConfig(AlgorithmConfig):
     finite-difference estimator (Alg. 2)."""
 
     name: Literal["rabo", "rafbo"] = "rabo"
-    inner_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="beta, inner step size")
-    outer_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="alpha, outer step size")
-    inner_steps: int = Field(5, ge=1, description="T, local inner SGD steps per round")
-    batch_size: int = Field(32, ge=1, description="minibatch of the inner loss")
-    outer_batch_size: int = Field(32, ge=1, description="minibatch of the outer loss")
+    inner_lr: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="beta, inner step size (<= 1000 without --force)",
+    )
+    outer_lr: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="alpha, outer step size (<= 1000 without --force)",
+    )
+    inner_steps: Steps = Field(
+        5, ge=1, description="T, local inner SGD steps per round (<= 10,000 without --force)"
+    )
+    batch_size: BatchSize = Field(32, ge=1, description="minibatch of the inner loss")
+    outer_batch_size: BatchSize = Field(32, ge=1, description="minibatch of the outer loss")
     max_hypergrad_norm: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="clip each client's hypergradient (off)"
     )

@@ -77,6 +77,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.hypergrad import Autograd, Estimator
+from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -112,27 +113,56 @@ class SimFBOConfig(AlgorithmConfig):
     """SimFBO / ShroFBO hyperparameters (Alg. 1 of ``papers/simfbo_shrofbo.txt``)."""
 
     name: Literal["simfbo", "shrofbo"] = "shrofbo"
-    inner_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="eta_y")
-    v_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="eta_v")
-    outer_lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="eta_x")
-    server_lr_y: float = Field(0.2, gt=0, allow_inf_nan=False, description="gamma_y")
-    server_lr_v: float = Field(0.05, gt=0, allow_inf_nan=False, description="gamma_v")
-    server_lr_x: float = Field(0.05, gt=0, allow_inf_nan=False, description="gamma_x")
+    inner_lr: StepSize = Field(
+        0.05, gt=0, allow_inf_nan=False, description="eta_y (<= 1000 without --force)"
+    )
+    v_lr: StepSize = Field(
+        0.05, gt=0, allow_inf_nan=False, description="eta_v (<= 1000 without --force)"
+    )
+    outer_lr: StepSize = Field(
+        0.05, gt=0, allow_inf_nan=False, description="eta_x (<= 1000 without --force)"
+    )
+    server_lr_y: StepSize = Field(
+        0.2, gt=0, allow_inf_nan=False, description="gamma_y (<= 1000 without --force)"
+    )
+    server_lr_v: StepSize = Field(
+        0.05, gt=0, allow_inf_nan=False, description="gamma_v (<= 1000 without --force)"
+    )
+    server_lr_x: StepSize = Field(
+        0.05, gt=0, allow_inf_nan=False, description="gamma_x (<= 1000 without --force)"
+    )
     radius: float | None = Field(
         10.0, gt=0, allow_inf_nan=False, description="r of the projection on v"
     )
-    coefficient: float = Field(1.0, gt=0, allow_inf_nan=False, description="a_i^(t,k)")
-    local_steps: int = Field(5, ge=1, description="tau when fleet.local_steps = 'fixed'")
+    coefficient: float = Field(
+        1.0,
+        ge=1e-6,
+        le=1e6,
+        allow_inf_nan=False,
+        description="a_i^(t,k), in [1e-6, 1e6] (it scales q_i; ShroFBO's h_i = q_i / ||a_i||_1 "
+        "cancels it): beyond, q_i under- or overflows in float32",
+    )
+    local_steps: Steps = Field(
+        5, ge=1, description="tau when fleet.local_steps = 'fixed' (<= 10,000 without --force)"
+    )
     rho: Literal["holders", "printed"] = Field(
         "holders",
         description="ShroFBO's rho: per coordinate over its holders (radbo), or eq. (8) as "
         "printed (sum_j p_j ||a_j||_1 over all n clients)",
     )
-    batch_size: int = Field(32, ge=1, description="inner minibatch per local step")
-    outer_batch_size: int = Field(32, ge=1, description="outer minibatch per local step")
+    batch_size: BatchSize = Field(32, ge=1, description="inner minibatch per local step")
+    outer_batch_size: BatchSize = Field(32, ge=1, description="outer minibatch per local step")
 
     estimator_uses: ClassVar[tuple[str, ...]] = ("products", "penalty")
     default_estimator: ClassVar[str | None] = "autograd"
+    step_sizes: ClassVar[tuple[str, ...]] = (
+        "inner_lr",
+        "v_lr",
+        "outer_lr",
+        "server_lr_y",
+        "server_lr_v",
+        "server_lr_x",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -265,7 +295,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
                 x, y, v, q_x, q_y, q_v, buffers = (
                     params_where(active, n, o) for n, o in zip(new, old, strict=True)
                 )
-        taus = torch.tensor(cohort.num_steps, dtype=torch.float64)
+        taus = torch.tensor(
+            cohort.num_steps, dtype=torch.float64, device=next(iter(q_y.values())).device
+        )
         a_norm: Any = a * taus if cohort.stacked else a * cohort.num_steps[0]
         update = self.local_message(q_x, q_y, q_v, a_norm)
         if self.aggregate_buffers:

@@ -351,8 +351,8 @@ def read_omniglot(
                 try:
                     with Image.open(file) as image:
                         gray = image.convert("L")
-                except (UnidentifiedImageError, OSError) as error:
-                    raise ValueError(
+                except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as error:
+                    raise ValueError(  # a bomb: a PNG declaring far more pixels than a glyph
                         f"Omniglot: {file} could not be decoded as a PNG image ({error})."
                     ) from error
                 if gray.size != (image_size, image_size):
@@ -483,4 +483,25 @@ def read_libsvm(
         labels, np.round(labels)
     ):
         raise _libsvm_error(path, num_features, "non-integer label or non-finite value")
-    return sparse.toarray(), labels.astype(np.int64)
+    rows, columns = sparse.shape
+    dense_bytes = 8 * rows * columns
+    if dense_bytes > _memory_bytes():
+        raise ValueError(
+            f"LIBSVM: {path}: {rows} examples x {columns} features as dense float64 would take "
+            f"{dense_bytes / 1e9:.3g} GB, more than this machine's {_memory_bytes() / 1e9:.3g} GB "
+            "of memory; set a smaller num_features (or check the file's largest index)."
+        )
+    try:
+        return sparse.toarray(), labels.astype(np.int64)
+    except MemoryError:
+        raise ValueError(
+            f"LIBSVM: {path}: {rows} examples x {columns} features as dense float64 "
+            f"({dense_bytes / 1e9:.3g} GB) do not fit in the memory free now."
+        ) from None
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)

@@ -24,16 +24,22 @@ from pathlib import Path
 from typing import Any, TypeGuard, overload
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from radbo.devices.catalog import load_catalog, unknown_device_message
-from radbo.devices.profile import DeviceProfile, ProfileError, parse_profile
+from radbo.devices.profile import DAY_S, DeviceProfile, ProfileError, parse_profile
 
-__all__ = ["FLEET_FORMAT", "Fleet", "largest_remainder_counts"]
+__all__ = ["FLEET_FORMAT", "Fleet", "WindowSchedule", "largest_remainder_counts"]
 
 FLEET_FORMAT = "radbo-fleet"
 """Value of the ``format`` key written at the top of every fleet file."""
 _FLEET_VERSION = 1
 _TRACE_FIELDS = ("computation", "communication")
+# FedScale's client behaviour trace: on at active[i], off at inactive[i], repeating after
+# finish_time; duration and model are read past (FedScale does not use them for availability)
+_BEHAVIOR_FIELDS = ("active", "inactive", "finish_time")
+_BEHAVIOR_IGNORED = ("duration", "model")
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:
@@ -111,12 +117,21 @@ def _toml_value(value: object) -> str:
         if not math.isfinite(value):
             raise ValueError(f"cannot write non-finite float {value!r} to a fleet file")
         return repr(value)  # shortest repr: valid TOML and round-trips exactly
+    if isinstance(value, list | tuple):  # availability windows: [[start_s, end_s], ...]
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to a fleet file")
 
 
 def _profile_record(profile: DeviceProfile) -> dict[str, Any]:
     # None (no energy figure) is left out: TOML has no null and the field defaults to None.
-    return {k: v for k, v in profile.model_dump().items() if v is not None}
+    # No windows and the default period are left out too, so files without windows read as
+    # before; both default back to the same values.
+    record = {k: v for k, v in profile.model_dump().items() if v is not None}
+    if not profile.windows:
+        del record["windows"]
+    if profile.period_s == DAY_S:
+        del record["period_s"]
+    return record
 
 
 def _fleet_toml(records: list[dict[str, Any]]) -> str:
@@ -181,10 +196,19 @@ def _read_table(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
             data = tomllib.loads(text)
     except ProfileError as err:  # a duplicate JSON key
         raise ProfileError(f"{err} (in {what} {path})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+    except ValueError as err:  # JSON/TOML/UTF-8 decoding, or an integer of 4300+ digits
         kind = "JSON" if suffix == ".json" else "TOML"
         raise ProfileError(
             f"device profile error: {what} {path} is not valid {kind}: {err}"
+        ) from None
+    except RecursionError:  # both parsers recurse once per level of nesting
+        kind = "JSON" if suffix == ".json" else "TOML"
+        raise ProfileError(
+            f"device profile error: {what} {path} is not valid {kind}: nested too deeply"
+        ) from None
+    except OSError as err:
+        raise ProfileError(
+            f"device profile error: {what} {path} cannot be read: {err.strerror or err}"
         ) from None
     if not isinstance(data, dict):
         raise ProfileError(
@@ -275,6 +299,7 @@ class Fleet(Sequence[DeviceProfile]):
         memory_bytes: int,
         availability: float = 1.0,
         base: DeviceProfile | None = None,
+        behavior: str | os.PathLike[str] | None = None,
     ) -> Fleet:
         """A fleet from a FedScale-style device-capacity trace in JSON or TOML.
 
@@ -286,6 +311,15 @@ class Fleet(Sequence[DeviceProfile]):
         ``availability`` apply to every client. ``base``, if given, supplies the name prefix,
         tier, energy per FLOP and source note; otherwise clients are named ``client <id>`` with
         tier ``trace``.
+
+        ``behavior``, if given, is a FedScale-style client behaviour trace (JSON or TOML; the
+        content of FedScale's ``client_behave_trace``, pickled upstream): client id ->
+        ``{"active": [s, ...], "inactive": [s, ...], "finish_time": s}``. Client ``c`` is on
+        from ``active[i]`` to ``inactive[i]`` (seconds), and the pattern repeats every
+        ``finish_time`` seconds: its profile gets ``windows = [[active[i], inactive[i]], ...]``
+        and ``period_s = finish_time`` (validated like any profile's windows; FedScale's
+        ``duration`` and ``model`` keys are allowed and not used). Every client of the capacity
+        trace needs an entry with at least one window; entries for other ids are not used.
         """
         if not _is_finite_number(flops_per_sample):
             raise ValueError(
@@ -312,6 +346,7 @@ class Fleet(Sequence[DeviceProfile]):
                     f"device profile error: trace[{key!r}]: client id {cid} appears twice"
                 )
             entries[cid] = _check_trace_entry(key, entry)
+        windows = {} if behavior is None else _read_behavior(Path(behavior), sorted(entries))
         profiles = []
         for cid in sorted(entries):
             computation = float(entries[cid]["computation"])
@@ -331,8 +366,12 @@ class Fleet(Sequence[DeviceProfile]):
                 "downlink_bps": communication * 1000.0,
                 "availability": availability,
                 "energy_per_flop": None if base is None else base.energy_per_flop,
+                "energy_per_byte_up": None if base is None else base.energy_per_byte_up,
+                "energy_per_byte_down": None if base is None else base.energy_per_byte_down,
                 "source": note if base is None or not base.source else f"{note}; {base.source}",
             }
+            if cid in windows:
+                record["windows"], record["period_s"] = windows[cid]
             profiles.append(parse_profile(record, where=f"trace client {cid}: "))
         return cls(tuple(profiles))
 
@@ -415,6 +454,183 @@ class Fleet(Sequence[DeviceProfile]):
             }
             for i, (p, tier) in enumerate(zip(self.profiles, self.tiers(), strict=True))
         ]
+
+
+def _read_behavior(
+    path: Path, clients: Sequence[int]
+) -> dict[int, tuple[list[list[float]], float]]:
+    """``{client id: (windows, period_s)}`` for ``clients`` from a FedScale-style behaviour
+    trace (see :meth:`Fleet.from_trace`); one :class:`ProfileError` line per problem."""
+    data = _read_table(path, "behavior trace")
+    by_id: dict[int, tuple[object, object]] = {}
+    for key, entry in data.items():
+        try:
+            cid = int(str(key).strip())
+        except ValueError:
+            raise ProfileError(
+                f"device profile error: behavior[{key!r}] = {{...}}: client ids must be integers"
+            ) from None
+        if cid in by_id:
+            raise ProfileError(
+                f"device profile error: behavior[{key!r}]: client id {cid} appears twice"
+            )
+        by_id[cid] = (key, entry)
+    missing = [c for c in clients if c not in by_id]
+    if missing:
+        shown = ", ".join(str(c) for c in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ProfileError(
+            f"device profile error: behavior trace {path} has no entry for client {shown} of "
+            f"the capacity trace ({len(missing)} missing); every client needs one"
+        )
+    out = {}
+    problems = []
+    for cid in clients:
+        raw_key, raw_entry = by_id[cid]
+        try:
+            out[cid] = _check_behavior_entry(raw_key, raw_entry)
+        except ProfileError as err:
+            problems.append(str(err))
+    if problems:
+        raise ProfileError("\n".join(problems))
+    return out
+
+
+def _check_behavior_entry(key: object, entry: object) -> tuple[list[list[float]], float]:
+    """One behaviour trace entry as ``(windows, period_s)``; one line per problem."""
+    where = f"behavior[{key!r}]"
+    if not isinstance(entry, Mapping):
+        raise ProfileError(
+            f"device profile error: {where} = {entry!r}: expected a table with active and "
+            "inactive (lists of seconds) and finish_time (seconds)"
+        )
+    problems = [
+        f"device profile error: {where}.{name} = {entry[name]!r}: unknown field (allowed: "
+        f"{', '.join(_BEHAVIOR_FIELDS + _BEHAVIOR_IGNORED)})"
+        for name in sorted(set(entry) - set(_BEHAVIOR_FIELDS) - set(_BEHAVIOR_IGNORED))
+    ]
+    for name in _BEHAVIOR_FIELDS:
+        if name not in entry:
+            problems.append(f"device profile error: {where}.{name} = <missing>: Field required")
+    times: dict[str, list[float]] = {}
+    for name in ("active", "inactive"):
+        value = entry.get(name)
+        if name not in entry:
+            continue
+        if not isinstance(value, list) or not all(
+            _is_finite_number(t, strict=False) for t in value
+        ):
+            problems.append(
+                f"device profile error: {where}.{name} = {_short(value)}: must be a list of "
+                "finite numbers >= 0 (seconds)"
+            )
+        else:
+            times[name] = [float(t) for t in value]
+    period = entry.get("finish_time")
+    if "finish_time" in entry and not (_is_number(period) and _is_finite_number(period)):
+        problems.append(
+            f"device profile error: {where}.finish_time = {period!r}: must be a finite number "
+            "> 0 (seconds after which the pattern repeats)"
+        )
+    if len(times) == 2:
+        on, off = times["active"], times["inactive"]
+        if len(on) != len(off):
+            problems.append(
+                f"device profile error: {where}: active has {len(on)} times and inactive "
+                f"{len(off)}; give one inactive time per active time"
+            )
+        elif not on:
+            problems.append(
+                f"device profile error: {where}.active = []: the client is never on; give it "
+                "a window, or leave the client out of the traces"
+            )
+    if problems:
+        raise ProfileError("\n".join(problems))
+    windows = [[a, b] for a, b in zip(times["active"], times["inactive"], strict=True)]
+    assert _is_number(period)  # checked above
+    return windows, float(period)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class WindowSchedule:
+    """The availability windows of every client, in flat arrays, to check all clients at once.
+
+    Built by :meth:`of` from the clients' profiles (``windows`` and ``period_s`` of
+    :class:`~radbo.devices.DeviceProfile`); a client without windows is always on. ``open``
+    agrees exactly with :meth:`DeviceProfile.available_at` (the phase is ``clock_s % period_s``
+    in float64, as Python computes it).
+
+    >>> on = {"name": "d", "compute_flops": 1.0, "memory_bytes": 1, "uplink_bps": 1.0,
+    ...       "downlink_bps": 1.0, "windows": [[0, 100]], "period_s": 200.0}
+    >>> schedule = WindowSchedule.of([parse_profile(on), parse_profile(on | {"windows": []})])
+    >>> [schedule.open(t).tolist() for t in (50.0, 150.0)]
+    [[True, True], [False, True]]
+    """
+
+    always: np.ndarray
+    """``bool[n]``: clients without windows."""
+    owner: np.ndarray
+    """``int64[w]``: the client of each window."""
+    start: np.ndarray
+    """``float64[w]``: where each window opens in its period, seconds."""
+    end: np.ndarray
+    """``float64[w]``: where each window closes (exclusive), seconds."""
+    period: np.ndarray
+    """``float64[w]``: the period of each window's client, seconds."""
+
+    @classmethod
+    def of(cls, profiles: Sequence[object]) -> WindowSchedule | None:
+        """The schedule of ``profiles`` (client order), or ``None`` when none has windows.
+        Objects without a ``windows`` attribute count as always on."""
+        owner, start, end, period = [], [], [], []
+        always = np.ones(len(profiles), dtype=bool)
+        for c, profile in enumerate(profiles):
+            windows = getattr(profile, "windows", ())
+            if not windows:
+                continue
+            always[c] = False
+            for a, b in windows:
+                owner.append(c)
+                start.append(float(a))
+                end.append(float(b))
+                period.append(float(getattr(profile, "period_s", DAY_S)))
+        if not owner:
+            return None
+        return cls(
+            always=always,
+            owner=np.asarray(owner, dtype=np.int64),
+            start=np.asarray(start, dtype=np.float64),
+            end=np.asarray(end, dtype=np.float64),
+            period=np.asarray(period, dtype=np.float64),
+        )
+
+    def _covered(self, clock_s: float) -> np.ndarray:
+        phase = np.remainder(np.float64(clock_s), self.period)  # = clock_s % period_s, exactly
+        return (self.start <= phase) & (phase < self.end)
+
+    def open(self, clock_s: float) -> Tensor:
+        """``bool[n]``: which clients a window covers at virtual time ``clock_s``."""
+        on = self.always.copy()
+        on[self.owner[self._covered(clock_s)]] = True
+        return torch.from_numpy(on)
+
+    def next_opening(self, clock_s: float) -> float:
+        """The earliest virtual time ``>= clock_s`` at which some client's window is open."""
+        if self.always.any() or self._covered(clock_s).any():
+            return clock_s
+        phase = np.remainder(np.float64(clock_s), self.period)
+        wait = np.where(self.start > phase, self.start - phase, self.start + self.period - phase)
+        opening = clock_s + float(wait.min())
+        # rounding can land a few ulps before the window opens: step up to it
+        for _ in range(64):
+            if self._covered(opening).any():
+                break
+            opening = math.nextafter(opening, math.inf)
+        return opening
 
 
 def _check_trace_entry(key: object, entry: object) -> Mapping[str, Any]:

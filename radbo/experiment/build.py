@@ -22,6 +22,7 @@ from radbo.data.partition import FleetTooLargeError, IndexParts, split_parts
 from radbo.devices import Fleet
 from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
 from radbo.experiment.evaluation import calibration_inputs, make_evaluator
+from radbo.limits import MAX_BUDGET_STEPS, caps_are_lifted
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.masks.policies import POLICIES, MaskPolicy
 from radbo.masks.structure import StructurePlan
@@ -48,6 +49,7 @@ __all__ = [
     "fleet_table",
     "load_data",
     "partition",
+    "run_device",
 ]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -89,6 +91,32 @@ def _as(data: Dataset, dtype: torch.dtype) -> Dataset:
     return Dataset(data.features.to(dtype), data.labels, data.num_classes, data.name)
 
 
+def run_device(config: RunConfig) -> torch.device:
+    """The device ``[runtime] device`` names; a GPU this machine does not have is a
+    :class:`ConfigError`."""
+    device = torch.device(config.runtime.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f'config error: runtime.device = "{config.runtime.device}": no CUDA device is '
+                'available to torch here (torch.cuda.is_available() is False); use "cpu"'
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(
+                f'config error: runtime.device = "{config.runtime.device}": this machine has '
+                f"{count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device
+
+
+def _on(data: Dataset, device: torch.device) -> Dataset:
+    """``data`` with its features and labels on ``device`` (the same object on its own)."""
+    if data.features.device == device and data.labels.device == device:
+        return data
+    return Dataset(data.features.to(device), data.labels.to(device), data.num_classes, data.name)
+
+
 def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -> BilevelModel:
     """The configured model for inputs of ``input_shape`` (one example) and ``classes``
     outputs, initialised from the run seed (global RNG state is restored), in the run's dtype.
@@ -107,6 +135,14 @@ def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -
             raise ConfigError(
                 f"config error: model.name = {mc.name!r}: cannot take {config.data.name} inputs "
                 f"of shape {tuple(input_shape)}: {err}"
+            ) from None
+        except (MemoryError, RuntimeError) as err:  # torch's "can't allocate memory"
+            if not isinstance(err, MemoryError) and "allocate" not in str(err):
+                raise  # not an allocation failure: a bug, keep its traceback
+            raise ConfigError(
+                f"config error: model.name = {mc.name!r}: the model does not fit in this "
+                f"machine's memory ({str(err).splitlines()[0] if str(err) else 'MemoryError'}); "
+                "use smaller widths"
             ) from None
     return model.to(_DTYPES[config.runtime.dtype])
 
@@ -260,12 +296,14 @@ def build_fleet(config: RunConfig) -> Fleet | None:
                 flops_per_sample=fc.trace.flops_per_sample,
                 memory_bytes=fc.trace.memory_bytes,
                 availability=fc.trace.availability,
+                behavior=fc.trace.behavior,
             )
         else:
             return None
     except ValueError as err:  # includes ProfileError: bad device ids, fleet or trace files
         source = next(k for k in ("devices", "file", "trace") if getattr(fc, k) is not None)
-        raise ConfigError(f"config error: fleet.{source}: {err}") from None
+        lines = str(err).splitlines() or [repr(err)]  # one line per problem, each named
+        raise ConfigError("\n".join(f"config error: fleet.{source}: {x}" for x in lines)) from None
     if len(fleet) != fc.num_clients:
         raise ConfigError(
             f"config error: fleet.num_clients = {fc.num_clients}: the fleet has "
@@ -288,7 +326,11 @@ def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) 
 
 
 def build(config: RunConfig) -> Experiment:
-    """Build data, model, fleet, masks, algorithm and the simulation for ``config``."""
+    """Build data, model, fleet, masks, algorithm and the simulation for ``config``.
+
+    Everything is built on the CPU (initial weights, partitions, structure plan, masks), then
+    the model, the data and the initial state move to ``[runtime] device``."""
+    device = run_device(config)
     train, test = load_data(config)
     task = config.task
     need = examples_per_client(config)
@@ -324,7 +366,12 @@ def build(config: RunConfig) -> Experiment:
     if fleet is not None and plan is not None:
         planner = budget_planner(config, model, plan)
         # one budget per distinct device, shared by the clients that have it
-        device_budgets = planner.budgets(fleet, config.fleet.deadline_s, allow_oversize=True)
+        try:
+            device_budgets = planner.budgets(fleet, config.fleet.deadline_s, allow_oversize=True)
+        except ValueError as err:  # a deadline or device whose step count or times overflow
+            raise ConfigError(
+                f"config error: fleet.deadline_s = {config.fleet.deadline_s:g}: {err}"
+            ) from None
     assigner: SubmodelAssigner | None = None
     if masked and plan is not None:
         assigner = SubmodelAssigner(
@@ -352,6 +399,10 @@ def build(config: RunConfig) -> Experiment:
     p = [1.0] * len(clients) if weights is None else weights
     population_steps = sum(w * t for w, t in zip(p, steps, strict=True)) / sum(p)
     algorithm = build_algorithm(config, outer_names, inner_names, buffer_names, population_steps)
+    if device.type != "cpu":
+        model.to(device)
+        state = model.state_dict()
+        train, test = _on(train, device), _on(test, device)
     runtime = ClientRuntime(
         problem=build_task(config, train),
         features=train.features,
@@ -428,7 +479,14 @@ def client_budgets(
             capacity = device.capacity
         else:
             capacity = 1.0
-        local = device.local_steps if device is not None and fc.local_steps == "budget" else steps
+        from_budget = device is not None and fc.local_steps == "budget"
+        local = device.local_steps if device is not None and from_budget else steps
+        if from_budget and local > MAX_BUDGET_STEPS and not caps_are_lifted():  # radbo.limits
+            raise ConfigError(
+                f"config error: fleet.deadline_s = {fc.deadline_s:g}: client {i}'s device fits "
+                f"{local:,} local steps in it, more than {MAX_BUDGET_STEPS:,} (a round would "
+                "not end); lower deadline_s, or lift the cap with radbo run --force"
+            )
         budget = shared.get((capacity, local))
         if budget is None:
             budget = shared[(capacity, local)] = ClientBudget(capacity=capacity, local_steps=local)
@@ -439,7 +497,10 @@ def client_budgets(
 def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
     """Per client: device, tier, capacity r and local steps τ as the run will use them, the
     r the device's memory budget would allow, training memory at r against the device's
-    memory, availability and the expected round time at (r, τ) (what ``radbo fleet`` prints).
+    memory, availability (per-round probability), the share of time the device's availability
+    windows are open (``window_share``, 1 without windows), the share of time it is available
+    (``available_share`` = window share x availability) and the expected round time at (r, τ)
+    (what ``radbo fleet`` prints).
     """
     exp = build(config)
     rows = []
@@ -462,6 +523,8 @@ def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
                 device_memory_mb=profile.memory_bytes / 1e6,
                 memory_fits=actual.memory_fits,
                 availability=profile.availability,
+                window_share=profile.window_share,
+                available_share=profile.available_share,
                 round_time_s=actual.round_time_s,
             )
         rows.append(row)

@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from radbo.checkpoint import CheckpointError, atomic_write_text, load_checkpoint, save_checkpoint
+from radbo.checkpoint import (
+    CheckpointError,
+    atomic_write_text,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from radbo.client import Backend
-from radbo.config import RunConfig
+from radbo.config import ConfigError, RunConfig
 from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
 from radbo.experiment.baseline import baseline_config
 from radbo.experiment.build import build
+from radbo.limits import caps_lifted
 from radbo.version import __version__
 
 __all__ = ["RunResult", "run", "save_results", "torch_threads"]
@@ -37,11 +45,17 @@ class RunResult:
         rounds: per-round metrics (``RoundRecord.as_dict``).
         final: the last evaluation (``test_accuracy``, ``test_loss``).
         state: the final algorithm state.
-        totals: run totals (FLOPs, bytes, simulated time, communication rounds, ...).
+        totals: run totals (FLOPs, bytes, simulated time, communication rounds, energy in
+            joules: ``energy_compute_j``, ``energy_radio_j``, ``energy_j`` and the FLOPs and
+            bytes without an energy figure, ``energy_unpriced_flops`` / ``_bytes``; see
+            :func:`radbo.cost.totals`, ...).
         totals_by_tier: the same counters per device tier.
         ledger: one row per client, phase and round.
         baseline: the paired full-model run's result (when ``baseline.enabled``).
-        savings: this run's compute, bytes and simulated time as fractions of the baseline's.
+        savings: this run's compute, bytes, simulated time and energy as fractions of the
+            baseline's (:func:`radbo.cost.savings`).
+        resumed_from_fallback: ``None``, or why the newest checkpoint was refused when a resume
+            continued from the previous one (``results.json`` has it then).
     """
 
     config: RunConfig
@@ -54,6 +68,7 @@ class RunResult:
     ledger: list[dict[str, Any]] = field(default_factory=list)
     baseline: RunResult | None = None
     savings: dict[str, float] | None = None
+    resumed_from_fallback: str | None = None
 
 
 def run(
@@ -68,7 +83,9 @@ def run(
     """Run ``config`` end to end (and its full-model baseline when ``baseline.enabled``).
 
     With ``save`` writes ``results.json``, ``ledger.json`` and ``accuracy.png`` to
-    ``output_dir`` (default ``config.output_dir``).
+    ``output_dir`` (default ``config.output_dir``). That folder is made before round 0 (one
+    that cannot be made or written is a :class:`ConfigError`), and the empty folders made for
+    it are removed again when the run stops with an error.
 
     With ``config.checkpoint_every = N`` a checkpoint (safetensors + JSON, atomic) is written
     to ``<output_dir>/checkpoints/run`` (``.../baseline`` for the baseline) every N rounds and
@@ -83,8 +100,16 @@ def run(
     each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
     place of the simulation's default sequential backend.
     """
-    with torch_threads(config.runtime.threads):
-        return _run(config, progress, output_dir, save, resume, backend_factory)
+    out = Path(output_dir if output_dir is not None else config.output_dir)
+    made = _make_output_dir(out) if save or config.checkpoint_every is not None else []
+    try:
+        with torch_threads(config.runtime.threads):
+            return _run(config, progress, output_dir, save, resume, backend_factory)
+    except BaseException:  # a refused config, a failed run: leave no empty folders behind
+        for folder in made:
+            with suppress(OSError):
+                folder.rmdir()  # only if still empty
+        raise
 
 
 @contextmanager
@@ -121,8 +146,10 @@ def _run(
         backend_factory=backend_factory,
     )
     if config.baseline.enabled:
+        with caps_lifted():  # config passed the caps (or was forced past them); so does this
+            base_config = baseline_config(config)
         base = _run_once(
-            baseline_config(config),
+            base_config,
             progress=progress,
             desc="baseline",
             checkpoints=checkpoints / "baseline",
@@ -158,7 +185,10 @@ def _run_once(
     state, clock_s, done = exp.initial_state, 0.0, 0
     rows: list[dict[str, Any]] = []
     ledger: list[dict[str, Any]] = []
-    if resume and checkpoints is not None and (checkpoints / "checkpoint.json").is_file():
+    fallback: str | None = None
+    if resume and checkpoints is not None and has_checkpoint(checkpoints):
+        # verified (SHA-256, index model, finite tensors); falls back to the previous
+        # checkpoint with a CheckpointWarning when the newest is damaged
         ckpt = load_checkpoint(
             checkpoints, template=exp.initial_state, config=config_data, ignore=_RESUMABLE
         )
@@ -168,11 +198,18 @@ def _run_once(
                 f"rounds = {config.rounds}; raise rounds to continue it"
             )
         state, clock_s, done = ckpt.state, ckpt.clock_s, ckpt.rounds_done
-        rows, ledger = ckpt.rows, ckpt.ledger
-        sim.load_state_dict(ckpt.sim_tensors, ckpt.sim_meta)
+        rows, ledger, fallback = ckpt.rows, ckpt.ledger, ckpt.fallback
+        try:
+            sim.load_state_dict(ckpt.sim_tensors, ckpt.sim_meta)
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(
+                f"the checkpoint in {checkpoints} holds an engine state this run cannot "
+                f"restore: {err!r}"
+            ) from None
     every = config.checkpoint_every
     bar = tqdm(total=config.rounds, initial=done, desc=desc, unit="round", disable=not progress)
     last_eval = _last_evaluation(rows)
+    diverged = next((r["divergence"] for r in reversed(rows) if "divergence" in r), None)
     try:
         start = state
         for state, record in sim.iterate(start, config.rounds - done, done, clock_s):  # noqa: B007
@@ -205,6 +242,12 @@ def _run_once(
                 postfix["acc"] = f"{last_eval['accuracy']:.3f}"
                 if "accuracy_ci95" in last_eval:
                     postfix["acc"] += f"±{last_eval['accuracy_ci95']:.3f}"
+            if record.divergence is not None:
+                diverged = record.divergence
+            if diverged is not None:  # the latest divergence, from its round on
+                postfix["diverged"] = f"r{diverged['round']}"
+                if diverged["action"] == "rollback":
+                    postfix["diverged"] += f" rolled back, lr x{diverged['lr_scale']:g}"
             bar.set_postfix(postfix)
     finally:
         bar.close()
@@ -231,7 +274,29 @@ def _run_once(
         totals=run_totals,
         totals_by_tier=totals_by_tier(entries),
         ledger=ledger,
+        resumed_from_fallback=fallback,
     )
+
+
+def _make_output_dir(out: Path) -> list[Path]:
+    """Create the output folder before round 0, so that a folder that cannot be made or
+    written is a :class:`ConfigError` naming it, not a traceback after the last round.
+    Returns the folders it created, deepest first."""
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    problem = None
+    if out.exists() and not out.is_dir():
+        problem = "it is a file, not a folder"
+    else:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            problem = f"the folder cannot be created ({err.strerror or err})"
+        else:
+            if not os.access(out, os.W_OK | os.X_OK):
+                problem = "the folder is not writable"
+    if problem is not None:
+        raise ConfigError(f"config error: output_dir = {str(out)!r}: {problem}")
+    return made
 
 
 def _close(backend: Backend) -> None:
@@ -252,7 +317,14 @@ def _last_evaluation(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _summary(result: RunResult) -> dict[str, Any]:
-    return {"final": result.final, "totals": result.totals, "totals_by_tier": result.totals_by_tier}
+    summary: dict[str, Any] = {
+        "final": result.final,
+        "totals": result.totals,
+        "totals_by_tier": result.totals_by_tier,
+    }
+    if result.resumed_from_fallback is not None:  # only when a resume fell back
+        summary["resumed_from_fallback"] = result.resumed_from_fallback
+    return summary
 
 
 def save_results(result: RunResult, out: Path) -> None:

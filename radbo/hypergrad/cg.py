@@ -18,6 +18,7 @@ from radbo.hypergrad.base import (
     implicit_result,
     require_y,
 )
+from radbo.limits import Steps
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["ImplicitCG", "solve_cg"]
@@ -58,7 +59,9 @@ class ImplicitCG(Estimator):
     """
 
     name: Literal["cg"] = "cg"
-    max_iter: int = Field(10, ge=1, description="at most this many CG iterations")
+    max_iter: Steps = Field(
+        10, ge=1, description="at most this many CG iterations (<= 10,000 without --force)"
+    )
     tol: FiniteFloat = Field(1e-10, ge=0, description="relative squared-residual tolerance")
     damping: FiniteFloat = Field(0.0, ge=0, description="added to the diagonal of H_yy")
 

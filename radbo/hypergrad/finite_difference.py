@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import ClassVar, Literal
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -13,10 +14,15 @@ from torch import Tensor
 from radbo.autodiff import (
     FiniteDifferenceSystem,
     Linearization,
+    Scalar,
+    TensorTuple,
+    broadcast,
     leaf,
     loss_grads,
     solve_cg,
+    tuple_axpy,
     tuple_dot,
+    tuple_norm,
 )
 from radbo.hypergrad.base import (
     ESTIMATORS,
@@ -26,9 +32,26 @@ from radbo.hypergrad.base import (
     MemoryModel,
     require_y,
 )
+from radbo.limits import Steps
 from radbo.typing import BilevelLoss, Params
 
-__all__ = ["FiniteDifference"]
+__all__ = ["FiniteDifference", "default_step"]
+
+Scheme = Literal["forward", "central"]
+
+
+def default_step(scheme: Scheme, dtype: torch.dtype) -> float:
+    """The coordinate step ``μ`` a difference scheme gets by default in ``dtype``:
+    ``eps^(1/3)`` for ``"central"``, ``eps^(1/2)`` for ``"forward"`` (``eps`` the dtype's
+    machine epsilon), the steps that balance each scheme's truncation error (``O(μ²)``,
+    ``O(μ)``) against its rounding error (``O(eps / μ)``) for unit-scale derivatives.
+
+    >>> [f"{default_step(s, t):.3e}" for s in ("central", "forward")
+    ...  for t in (torch.float32, torch.float64)]
+    ['4.922e-03', '6.055e-06', '3.453e-04', '1.490e-08']
+    """
+    eps = torch.finfo(dtype).eps
+    return eps ** (1 / 3) if scheme == "central" else eps ** (1 / 2)
 
 
 @ESTIMATORS.register
@@ -38,9 +61,19 @@ class FiniteDifference(Estimator):
 
     Follows Alg. 2 and eq. (10) of the RABO paper (``papers/rabo_rafbo.txt``): for every
     coordinate ``p`` of a set ``P`` sampled from the coordinates of ``x``, the column
-    ``∇²_{y x_p} g`` is replaced by the deterministic forward difference::
+    ``∇²_{y x_p} g`` is replaced by a deterministic difference of ``∇_y g``. The paper's is
+    the forward difference (``scheme = "forward"``)::
 
         δ_p = (∇_y g(x + μ e_p, y) − ∇_y g(x, y)) / μ                       (eq. (10))
+
+    whose error is ``O(μ)``; the default ``scheme = "central"`` takes the central difference::
+
+        δ_p = (∇_y g(x + μ e_p, y) − ∇_y g(x − μ e_p, y)) / (2μ)
+
+    whose error is ``O(μ²)``, for two gradients per coordinate where the forward difference
+    needs one (plus one at ``(x, y)`` shared by all coordinates). Both quotients divide by the
+    step actually representable in x's dtype (``(x_p + μ) − x_p``, or
+    ``(x_p + μ) − (x_p − μ)``).
 
     **Correction of the printed formula.** Alg. 2 line 7 contracts ``δ_p`` with ``∇_y f``,
     which approximates ``(∇²_xy g · ∇_y f)_p``; but the hypergradient (eq. (9)) needs
@@ -51,24 +84,40 @@ class FiniteDifference(Estimator):
         grad_p = ∇_{x_p} f + scale · ⟨δ_p, w⟩    for p ∈ P
         grad_p = ∇_{x_p} f                       for p ∉ P
 
-    where the Hessian-vector products inside CG are themselves forward differences of
-    ``∇_y g`` (no double backward anywhere)::
+    where the Hessian-vector products inside CG are themselves differences of ``∇_y g`` (no
+    double backward anywhere), of the same scheme as the coordinates::
 
-        H u ≈ (∇_y g(x, y + ε u) − ∇_y g(x, y)) / ε,      ε = hvp_mu / max(||u||, tiny)
+        forward:  H u ≈ (∇_y g(x, y + ε u) − ∇_y g(x, y)) / ε
+        central:  H u ≈ (∇_y g(x, y + ε u) − ∇_y g(x, y − ε u)) / (2ε)
+        ε = hvp_mu / max(||u||, tiny)
 
     so the y-step ``ε u`` always has norm ``hvp_mu`` (``||·||`` is the norm over all
     tensors of ``y``; ``u = 0`` gives ``H u = 0``). With ``as_printed=True`` the estimator
     instead returns eq. (10) / Alg. 2 exactly as printed, ``grad_p = ∇_{x_p} f + scale ·
-    ⟨δ_p, ∇_y f⟩`` (no CG); this is *not* a hypergradient and is kept only to reproduce the
-    paper -- on the quadratic test problem of ``tests/test_hypergrad_fd_fo.py`` its relative
-    error is 1.65 (165 %), against about ``6e-13`` for the corrected form.
+    ⟨δ_p, ∇_y f⟩`` (no CG), with the forward difference unless ``scheme`` is given; this is
+    *not* a hypergradient and is kept only to reproduce the paper -- on the quadratic test
+    problem of ``tests/test_hypergrad_fd_fo.py`` its relative error is 1.65 (165 %), against
+    about ``6e-13`` for the corrected form.
+
+    **Accuracy and cost of the two schemes** (``benchmarks/fd_scheme.py``; the tanh network of
+    ``tests/test_hypergrad.py``, all 5 coordinates of x, default CG; relative error against
+    the exact hypergradient, FLOPs measured by :func:`radbo.flops.count_flops`): at their
+    default steps, central 2.9e-6 (float64) and 4.3e-5 (float32) for 1.82x the forward
+    scheme's FLOPs, forward 1.4e-5 and 5.3e-4. Given the same FLOPs as 12 more CG iterations,
+    forward stays at 1.4e-5 and 5.3e-4; in float32 no ``μ`` and ``hvp_mu`` bring it below
+    2e-4, where rounding (``eps / μ``) meets truncation (``μ``). (In float64, with both steps
+    tuned down to 1e-8 and 1e-6, forward with those extra iterations reaches 2.5e-8, where
+    central with 10 iterations is held at 2.8e-6 by CG.) When ``|P|`` is a small sample of x,
+    the sampling of ``P`` dominates instead: on ``examples/rafbo.toml`` (5 % of x, float32,
+    10 rounds) the two schemes end within 0.003 test accuracy of each other (seeds 0, 1, 2),
+    central for 1.96x the FLOPs; there ``scheme = "forward"`` is the better use of compute.
 
     **Coordinates outside P** get the direct term ``∇_x f`` only. With ``scale = 1``
     (``rescale=False``, the paper's choice) the estimate is biased whenever ``|P| < dim x``:
     its expectation over ``P`` is ``∇_x f + (|P| / d) · (indirect term)``. ``rescale=True``
     uses ``scale = d / |P|``, which makes the estimate unbiased over the draw of ``P`` (up to
     the finite-difference and CG errors) at the price of a variance growing like ``d / |P|``.
-    On a quadratic ``g`` both differences are exact up to rounding, so with ``|P| = d`` the
+    On a quadratic ``g`` both schemes are exact up to rounding, so with ``|P| = d`` the
     estimator matches the implicit hypergradient of eq. (7) to CG accuracy.
 
     Attributes:
@@ -76,11 +125,15 @@ class FiniteDifference(Estimator):
             ``min(num_coordinates, dim x)``. Default ``None``: all coordinates.
         fraction: alternatively ``|P| = ceil(fraction · dim x)``, ``0 < fraction <= 1``. At
             most one of ``num_coordinates`` and ``fraction`` may be set (neither: all).
-        mu: the coordinate step ``μ > 0`` of eq. (10); the quotient uses the step actually
-            representable, ``(x_p + μ) − x_p``. Default ``1e-3``.
+        scheme: ``"central"`` (default) or ``"forward"`` (eq. (10)), for the coordinate
+            differences and CG's Hessian-vector products alike; with ``as_printed`` the
+            default is ``"forward"``.
+        mu: the coordinate step ``μ > 0``. Default ``None``: chosen from x's dtype by
+            :func:`default_step`, ``eps^(1/3)`` for central differences (4.9e-3 in float32,
+            6.1e-6 in float64) and ``eps^(1/2)`` for forward ones (3.5e-4, 1.5e-8).
         hvp_mu: the norm ``> 0`` of the y-step of the finite-difference Hessian-vector
             products. Default ``1e-3``.
-        cg_iters: at most this many CG iterations (each one gradient of ``g``), ``>= 1``;
+        cg_iters: at most this many CG iterations (one Hessian-vector product each), ``>= 1``;
             default ``10``.
         tol: CG's relative squared-residual tolerance (see :func:`solve_cg`), ``>= 0``;
             default ``1e-10``.
@@ -97,13 +150,21 @@ class FiniteDifference(Estimator):
     as a call's ``draws``.
 
     As products for simultaneous methods (:meth:`linearize`, SimFBO / ShroFBO, FedMSA,
-    FedMBO) only ``hvp_mu`` matters: ``∇²_yy g · u`` and ``∇²_xy g · v`` by one difference of
-    the gradient along ``u`` (:class:`~radbo.autodiff.FiniteDifferenceSystem`).
+    FedMBO) only ``hvp_mu`` matters: ``∇²_yy g · u`` and ``∇²_xy g · v`` by one forward
+    difference of the gradient along ``u`` (:class:`~radbo.autodiff.FiniteDifferenceSystem`);
+    ``scheme`` and ``mu`` do not apply there.
 
-    Cost (``n_hvp = 0``, second-order free): ``n_grad = 2 + (CG iterations) + |P|`` -- one
-    gradient of ``f`` with respect to ``(x, y)``, one of ``g`` at ``(x, y)``, one of ``g`` per
-    CG iteration and one per coordinate of ``P`` (``as_printed``: ``2 + |P|``). That is *more*
-    FLOPs than :class:`ImplicitCG` with as many iterations, for every ``|P| >= 1``: an autograd
+    Cost (``n_hvp = 0``, second-order free), in gradient evaluations ``n_grad``: one gradient
+    of ``f`` with respect to ``(x, y)``, then
+
+    - forward: ``n_grad = 2 + (CG iterations) + |P|`` -- one gradient of ``g`` at ``(x, y)``,
+      one per CG iteration and one per coordinate of ``P`` (``as_printed``: ``2 + |P|``);
+    - central: ``n_grad = 1 + 2·(CG iterations) + 2|P|`` -- two gradients of ``g`` per CG
+      iteration and per coordinate, none at ``(x, y)`` (``as_printed``: ``1 + 2|P|``);
+
+    so central costs less than twice forward for the same iterations and ``|P|``. Each
+    gradient of ``g`` is taken with respect to y only. Either scheme costs *more* FLOPs than
+    :class:`ImplicitCG` with as many iterations, for every ``|P| >= 1``: an autograd
     Hessian-vector product costs at most about one gradient (far less when y is a small head,
     since it reuses the saved activations), and autograd's mixed product covers all of x in
     one backward pass where a difference covers one coordinate per gradient
@@ -111,9 +172,8 @@ class FiniteDifference(Estimator):
     estimator saves is second-order machinery: no ``create_graph``, no double backward.
 
     Precision: the differences are accurate when ``∇_y g`` is smooth in y (a linear head or a
-    logistic regression: about ``4e-4`` relative error per product at the default steps in
-    float32). When y holds ReLU layers, a step can cross activation kinks and float32 cancels
-    digits; raise ``hvp_mu`` or work in float64 there.
+    logistic regression). When y holds ReLU layers, a step can cross activation kinks and
+    float32 cancels digits; raise ``hvp_mu`` or work in float64 there.
 
     ``HypergradResult.v`` is ``−w = [∇²_yy g]⁻¹ ∇_y f`` as solved by CG (``−∇_y f`` with
     ``as_printed``), so that ``grad_p = ∇_{x_p} f − scale · ⟨δ_p, v⟩`` for ``p ∈ P``.
@@ -124,18 +184,29 @@ class FiniteDifference(Estimator):
     >>> x, y = {"a": torch.tensor([4.0], dtype=torch.float64)}, {"w": torch.tensor([2.0],
     ...                                                                dtype=torch.float64)}
     >>> r = FiniteDifference()(f, g, x, y)      # Φ(a) = (a/2 − 1)²/2, Φ'(4) = 0.5
-    >>> round(float(r.grad["a"]), 8), r.n_grad, r.n_hvp
-    (0.5, 4, 0)
-    >>> round(float(FiniteDifference(as_printed=True)(f, g, x, y).grad["a"]), 8)  # wrong
-    -2.0
+    >>> round(float(r.grad["a"]), 8), r.n_grad, r.n_hvp      # 1 + 2·1 CG + 2·1 coordinate
+    (0.5, 5, 0)
+    >>> r = FiniteDifference(scheme="forward")(f, g, x, y)
+    >>> round(float(r.grad["a"]), 8), r.n_grad               # 2 + 1 CG + 1 coordinate
+    (0.5, 4)
+    >>> printed = FiniteDifference(as_printed=True)
+    >>> printed.scheme, round(float(printed(f, g, x, y).grad["a"]), 6)  # wrong
+    ('forward', -2.0)
     """
 
     name: Literal["finite_difference"] = "finite_difference"
     num_coordinates: int | None = Field(None, ge=1, description="|P|; default all of x")
     fraction: FiniteFloat | None = Field(None, gt=0, le=1, description="|P| as a share of dim(x)")
-    mu: FiniteFloat = Field(1e-3, gt=0, description="coordinate step of eq. (10)")
+    scheme: Scheme = Field(
+        "central", description="central (O(mu^2)) or forward (O(mu), eq. (10)) differences"
+    )
+    mu: FiniteFloat | None = Field(
+        None, gt=0, description="coordinate step; default from the dtype (eps^(1/3) / eps^(1/2))"
+    )
     hvp_mu: FiniteFloat = Field(1e-3, gt=0, description="norm of the y-step of H_yy u")
-    cg_iters: int = Field(10, ge=1, description="at most this many CG iterations")
+    cg_iters: Steps = Field(
+        10, ge=1, description="at most this many CG iterations (<= 10,000 without --force)"
+    )
     tol: FiniteFloat = Field(1e-10, ge=0, description="CG's relative squared-residual tolerance")
     damping: FiniteFloat = Field(0.0, ge=0, description="added to the diagonal of H_yy in CG")
     as_printed: bool = Field(
@@ -149,11 +220,28 @@ class FiniteDifference(Estimator):
     products_fields: ClassVar[frozenset[str]] = frozenset({"hvp_mu"})
     memory_model: ClassVar[MemoryModel] = "finite_difference"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _printed_scheme(cls, data: Any) -> Any:
+        # eq. (10) as printed is a forward difference: as_printed alone reproduces it
+        if isinstance(data, dict) and data.get("as_printed") is True and "scheme" not in data:
+            return {**data, "scheme": "forward"}
+        return data
+
     @model_validator(mode="after")
     def _one_size(self) -> FiniteDifference:
         if self.num_coordinates is not None and self.fraction is not None:
             raise ValueError("give num_coordinates or fraction, not both")
         return self
+
+    def step(self, dtype: torch.dtype) -> float:
+        """The coordinate step ``μ`` used on an x of ``dtype``: ``mu``, or when it is
+        ``None`` :func:`default_step` of the scheme.
+
+        >>> FiniteDifference(mu=1e-3).step(torch.float32), FiniteDifference().step(torch.float64)
+        (0.001, 6.055454452393343e-06)
+        """
+        return default_step(self.scheme, dtype) if self.mu is None else self.mu
 
     def num_sampled(self, dim: int) -> int:
         """``|P|`` for ``dim`` coordinates of ``x``.
@@ -213,6 +301,7 @@ class FiniteDifference(Estimator):
         """The estimate at ``(x, y)``; ``P`` comes from ``draws`` (one row per client for a
         cohort) or is drawn with ``generator``; ``state`` is ignored."""
         require_y(y)
+        central = self.scheme == "central"
         x_names, y_names = tuple(x), tuple(y)
         xs = tuple(leaf("x", k, t).detach() for k, t in x.items())
         ys = tuple(leaf("y", k, t).detach() for k, t in y.items())
@@ -221,28 +310,65 @@ class FiniteDifference(Estimator):
         dim = sum(sizes)
         if draws is None:
             draws = self.draw(generator, {k: t[(0,) * lead] for k, t in x.items()})
-        coords = draws["coordinates"].to(torch.long)  # [|P|], or [C, |P|] for a cohort
+        # [|P|], or [C, |P|] for a cohort; drawn on the CPU, used where x lives
+        coords = draws["coordinates"].to(device=xs[0].device if xs else None, dtype=torch.long)
         num = coords.shape[-1]
         scale = dim / num if self.rescale and num else 1.0
+
+        def grad_y_g(x_values: TensorTuple, y_values: TensorTuple) -> TensorTuple:
+            return loss_grads(
+                inner_loss,
+                "inner_loss",
+                x_names,
+                x_values,
+                y_names,
+                y_values,
+                wrt_x=False,
+                wrt_y=True,
+                lead=lead,
+            )[1]
 
         grad_x_f, grad_y_f = loss_grads(
             outer_loss, "outer_loss", x_names, xs, y_names, ys, wrt_x=True, wrt_y=True, lead=lead
         )
-        system = FiniteDifferenceSystem(
-            inner_loss,
-            dict(zip(x_names, xs, strict=True)),
-            dict(zip(y_names, ys, strict=True)),
-            mu=self.hvp_mu,
-            lead=lead,
-            with_x=False,
-        )
-        base = system.grad_y_g
+        base: TensorTuple = ()
+        hvp = None
+        if not central:
+            system = FiniteDifferenceSystem(
+                inner_loss,
+                dict(zip(x_names, xs, strict=True)),
+                dict(zip(y_names, ys, strict=True)),
+                mu=self.hvp_mu,
+                lead=lead,
+                with_x=False,
+            )
+            base, hvp = system.grad_y_g, system.hvp
+        elif not self.as_printed:
+
+            def central_hvp(u: Sequence[Tensor]) -> TensorTuple:
+                # ε per client: hvp_mu / ||u||, or hvp_mu where u = 0 (whose product is 0)
+                norm = tuple_norm(u, lead)
+                eps: Scalar
+                if lead == 0:
+                    value = float(norm)
+                    eps = self.hvp_mu / value if value > 0.0 else self.hvp_mu
+                else:
+                    eps = torch.where(
+                        norm > 0, self.hvp_mu / norm, torch.full_like(norm, self.hvp_mu)
+                    )
+                plus = grad_y_g(xs, tuple_axpy(eps, u, ys))
+                minus = grad_y_g(xs, tuple_axpy(-eps, u, ys))
+                return tuple(
+                    (p - m) / broadcast(2 * eps, p) for p, m in zip(plus, minus, strict=True)
+                )
+
+            hvp = central_hvp
         calls: int | Tensor = 0
-        if self.as_printed:
+        if self.as_printed or hvp is None:
             w = grad_y_f  # Alg. 2 line 7 as printed
         else:
             v, calls = solve_cg(
-                system.hvp,
+                hvp,
                 grad_y_f,
                 max_iter=self.cg_iters,
                 tol=self.tol,
@@ -254,6 +380,7 @@ class FiniteDifference(Estimator):
         # x as one flat vector per client; a coordinate p is perturbed in a copy of it
         flat = torch.cat([t.reshape(*lead_shape, -1) for t in xs], dim=-1)
         grad = torch.cat([t.reshape(*lead_shape, -1) for t in grad_x_f], dim=-1).clone()
+        mu = self.step(flat.dtype)
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
@@ -265,35 +392,30 @@ class FiniteDifference(Estimator):
         for k in range(num):
             p = coords[..., k : k + 1]
             old = flat.gather(-1, p)
-            new = old + self.mu
-            step = new - old  # the step actually taken in floating point
+            up = old + mu
+            down = old - mu if central else old
+            step = up - down  # the step actually taken in floating point
             if bool((step == 0).any()):
-                j = int(p.reshape(-1)[int((step == 0).reshape(-1).nonzero()[0])])
+                at = int((step == 0).reshape(-1).nonzero()[0])
+                j = int(p.reshape(-1)[at])
                 i = bisect.bisect_right(offsets, j) - 1
-                value = float(old.reshape(-1)[int((step == 0).reshape(-1).nonzero()[0])])
+                value = float(old.reshape(-1)[at])
+                which = "" if self.mu is not None else f" (the default of scheme {self.scheme!r})"
                 raise ValueError(
-                    f"FiniteDifference.mu = {self.mu!r} vanishes next to "
+                    f"FiniteDifference.mu = {mu!r}{which} vanishes next to "
                     f"x[{x_names[i]!r}] = {value!r} in {old.dtype}; raise mu."
                 )
-            _, shifted = loss_grads(
-                inner_loss,
-                "inner_loss",
-                x_names,
-                unflat(flat.scatter(-1, p, new)),
-                y_names,
-                ys,
-                wrt_x=False,
-                wrt_y=True,
-                lead=lead,
-            )
-            diff = tuple(s - b for s, b in zip(shifted, base, strict=True))
+            shifted = grad_y_g(unflat(flat.scatter(-1, p, up)), ys)
+            other = grad_y_g(unflat(flat.scatter(-1, p, down)), ys) if central else base
+            diff = tuple(s - b for s, b in zip(shifted, other, strict=True))
             # in float64, as a plain-float computation would be; then added once in x's dtype
             term = scale * tuple_dot(diff, w, lead).double() / step.reshape(lead_shape).double()
             grad = grad.scatter_add(-1, p, term.to(grad.dtype).reshape(p.shape))
 
+        n_grad = 1 + 2 * calls + 2 * num if central else 2 + calls + num
         return HypergradResult(
             grad=dict(zip(x_names, unflat(grad), strict=True)),
             v={k: -t for k, t in zip(y_names, w, strict=True)},
-            n_grad=2 + calls + num,
+            n_grad=n_grad,
             n_hvp=0,
         )

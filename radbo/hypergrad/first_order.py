@@ -18,6 +18,7 @@ from radbo.hypergrad.base import (
     require_y,
     state_blocks,
 )
+from radbo.limits import Steps, StepSize
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FirstOrder"]
@@ -92,8 +93,15 @@ class FirstOrder(Estimator):
 
     name: Literal["first_order"] = "first_order"
     lam: FiniteFloat = Field(10.0, gt=0, description="penalty lambda")
-    inner_steps: int = Field(10, ge=0, description="steps on y_lambda and z per call")
-    lr: FiniteFloat = Field(0.1, gt=0, description="step size of those steps")
+    inner_steps: Steps = Field(
+        10, ge=0, description="steps on y_lambda and z per call (<= 10,000 without --force)"
+    )
+    lr: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="step size of those steps (<= 1000 without --force)",
+    )
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "penalty"})
     penalty_fields: ClassVar[frozenset[str]] = frozenset({"lam"})

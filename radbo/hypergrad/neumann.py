@@ -12,12 +12,12 @@ from radbo.autodiff import ImplicitSystem, tuple_axpy
 from radbo.hypergrad.base import (
     ESTIMATORS,
     Estimator,
-    FiniteFloat,
     HypergradResult,
     MemoryModel,
     implicit_result,
     require_y,
 )
+from radbo.limits import Steps, StepSize
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["Neumann"]
@@ -67,8 +67,15 @@ class Neumann(Estimator):
     """
 
     name: Literal["neumann"] = "neumann"
-    terms: int = Field(20, ge=1, description="number of series terms K")
-    eta: FiniteFloat = Field(0.1, gt=0, description="series step, 1/L of the inner curvature")
+    terms: Steps = Field(
+        20, ge=1, description="number of series terms K (<= 10,000 without --force)"
+    )
+    eta: StepSize = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="series step, 1/L of the inner curvature (<= 1000 without --force)",
+    )
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
     memory_model: ClassVar[MemoryModel] = "implicit"

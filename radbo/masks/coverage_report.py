@@ -2,7 +2,10 @@
 
 Per round, the server's coverage-weighted mean
 (:func:`radbo.aggregation.coverage_weighted_mean`) gives, for every coordinate, the number of
-clients that held it (``CoverageMean.count``). :class:`CoverageTracker` summarises those counts
+clients that held it (``CoverageMean.count``); a client of aggregation weight 0 holds nothing
+(:func:`radbo.masks.index.coverage_counts`): the server never moves a coordinate only such
+clients hold, so it counts as untrained in C*, ``untrained_fraction`` and
+``never_trained_fraction``. :class:`CoverageTracker` summarises those counts
 over a chosen set of tensors (e.g. the outer variables x) and remembers which coordinates have
 ever been trained, so a run can report honestly how much of the model its masks never touch.
 

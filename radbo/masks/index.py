@@ -150,19 +150,26 @@ def add_at(target: Tensor, index: tuple[Tensor | None, ...], value: Tensor | flo
     time with ``index_add_`` (innermost first, into zero blocks). Every coordinate receives one
     exact ``0 + v`` then one ``t + v``, so the result is bitwise what adding ``value`` to the
     selected Cartesian product gives, without that product's index grids."""
-    kept = [(d, idx.to(torch.long)) for d, idx in enumerate(index) if idx is not None]
+    kept = [
+        (d, idx.to(device=target.device, dtype=torch.long))
+        for d, idx in enumerate(index)
+        if idx is not None
+    ]
     if not kept:
         target += value
         return
     block = (
-        value
+        value.to(target.device)
         if isinstance(value, Tensor)
-        else torch.full(kept_shape(index, target.shape), value, dtype=target.dtype)
+        else torch.full(
+            kept_shape(index, target.shape), value, dtype=target.dtype, device=target.device
+        )
     )
     for d, idx in reversed(kept[1:]):
         shape = list(block.shape)
         shape[d] = target.shape[d]
-        block = torch.zeros(shape, dtype=target.dtype).index_add_(d, idx, block.to(target.dtype))
+        zeros = torch.zeros(shape, dtype=target.dtype, device=target.device)
+        block = zeros.index_add_(d, idx, block.to(target.dtype))
     d, idx = kept[0]
     target.index_add_(d, idx, block.to(target.dtype))
 

@@ -1,6 +1,7 @@
 """The simulation engine and its backends."""
 
 from radbo.simulation.batched import BatchedBackend
+from radbo.simulation.divergence import DivergenceError
 from radbo.simulation.engine import (
     RoundRecord,
     SequentialBackend,
@@ -13,6 +14,7 @@ from radbo.simulation.processes import ClientWorkerError, ProcessBackend
 __all__ = [
     "BatchedBackend",
     "ClientWorkerError",
+    "DivergenceError",
     "ProcessBackend",
     "RoundRecord",
     "SequentialBackend",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
@@ -37,13 +38,24 @@ from radbo.cost import (
     FlopMeter,
     LedgerEntry,
     index_metadata_bytes,
+    phase_energy,
     phase_times,
     totals,
 )
+from radbo.devices.fleet import WindowSchedule
 from radbo.masks.coverage_report import CoverageTracker
 from radbo.masks.index import coverage_counts
 from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seed, task_seed
+from radbo.simulation.divergence import (
+    MAX_ROLLBACKS,
+    BoxedProblem,
+    DivergenceError,
+    DivergenceGuard,
+    project_outer,
+    round_losses,
+    state_rms,
+)
 from radbo.simulation.schedules import draw_local_steps
 from radbo.typing import IndexSet, Params
 
@@ -110,7 +122,8 @@ class RoundRecord:
     """What happened in one round: sampled and unavailable clients, phase metrics, the cost
     ledger (one entry per client and phase), simulated round time and virtual clock, and the
     clients whose update was rejected in each phase (``{phase: [client, ...]}``; see
-    :func:`update_problem`) and those that dropped out in each phase."""
+    :func:`update_problem`) and those that dropped out in each phase. ``divergence`` is set
+    when the divergence guard tripped in this round (:meth:`Simulation.iterate`)."""
 
     round: int
     clients: list[int]
@@ -125,6 +138,7 @@ class RoundRecord:
     rejected: dict[str, list[int]] = field(default_factory=dict)
     dropped: dict[str, list[int]] = field(default_factory=dict)
     late: dict[str, list[int]] = field(default_factory=dict)
+    divergence: dict[str, Any] | None = None
 
     @property
     def cost(self) -> dict[str, float]:
@@ -148,6 +162,8 @@ class RoundRecord:
         }
         if self.evaluation is not None:
             out.update({f"test_{k}": v for k, v in self.evaluation.items()})
+        if self.divergence is not None:
+            out["divergence"] = self.divergence
         return out
 
 
@@ -213,6 +229,15 @@ class Simulation(Generic[State]):
     _availability: tuple[Sequence[DeviceLike], Tensor] | None = field(
         default=None, init=False, repr=False
     )
+    # the clients' availability windows (the `profiles` sequence they were gathered from, the
+    # schedule or None when no profile has windows), on the first availability draw
+    _windows: tuple[Sequence[DeviceLike], WindowSchedule | None] | None = field(
+        default=None, init=False, repr=False
+    )
+    # the divergence guard (from the algorithm's settings, on the first iterate or load) and
+    # the algorithm as configured, before any damping
+    _guard: DivergenceGuard | None = field(default=None, init=False, repr=False)
+    _undamped: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.clients)
@@ -243,7 +268,8 @@ class Simulation(Generic[State]):
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The engine's cross-round state, ``(tensors, JSON data)``, for checkpoints.
 
-        The coverage trackers (never-trained masks, history) and the FLOP meter's cache; all
+        The coverage trackers (never-trained masks, history), the FLOP meter's cache and the
+        divergence guard's running values (its rollbacks give the damped step sizes); all
         other randomness and schedules derive from ``(seed, round)``, so this and the
         algorithm state are all a resumed run needs to continue exactly.
         """
@@ -254,7 +280,11 @@ class Simulation(Generic[State]):
             tensors.update({f"coverage/{block}/{n}": t for n, t in masks.items()})
             coverage[block] = meta
         meter = None if self.flop_meter is None else self.flop_meter.state_dict()
-        return tensors, {"coverage": coverage, "flop_meter": meter}
+        data: dict[str, Any] = {"coverage": coverage, "flop_meter": meter}
+        guard = self._divergence_guard()
+        if guard is not None:
+            data["divergence"] = guard.state_dict()
+        return tensors, data
 
     def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (from a run of the same config)."""
@@ -268,21 +298,70 @@ class Simulation(Generic[State]):
         saved = meta.get("flop_meter")
         if self.flop_meter is not None and saved is not None:
             self.flop_meter.load_state_dict(saved)
+        guard = self._divergence_guard()
+        if guard is not None and meta.get("divergence") is not None:
+            guard.load_state_dict(meta["divergence"])
+            self._damp(guard)
+
+    def _divergence_guard(self) -> DivergenceGuard | None:
+        """The divergence guard of this run (``None`` when off), made from the algorithm's
+        ``divergence*`` settings the first time it is needed."""
+        if self._guard is None:
+            self._guard = DivergenceGuard.of(self.algorithm)
+        return self._guard
+
+    def _damp(self, guard: DivergenceGuard) -> None:
+        """Run the configured algorithm with its step sizes x ``guard.lr_scale``."""
+        if guard.rollbacks == 0:
+            return
+        if self._undamped is None:
+            self._undamped = self.algorithm
+        damped = getattr(self._undamped, "damped", None)
+        if damped is None:
+            raise DivergenceError(
+                f"divergence: {type(self._undamped).__name__} has no step sizes to damp; "
+                'set [algorithm] divergence = "stop" or "off"'
+            )
+        self.algorithm = damped(guard.lr_scale)
 
     def _generator(self, *words: int) -> torch.Generator:
         return torch.Generator().manual_seed(derive_seed(self.seed, *words))
 
-    def available_clients(self, round: int) -> list[int]:
-        """Clients available in ``round``: one Bernoulli(availability) draw per client (client
-        c is available when the c-th of ``n`` float64 uniforms is below its availability),
-        compared for all clients at once."""
+    def available_clients(self, round: int, clock_s: float = 0.0) -> list[int]:
+        """Clients available in ``round``, which starts at ``clock_s`` on the virtual clock:
+        one Bernoulli(availability) draw per client (client c is available when the c-th of
+        ``n`` float64 uniforms is below its availability), compared for all clients at once,
+        and of those only the clients whose availability windows (a profile's ``windows``,
+        :class:`~radbo.devices.fleet.WindowSchedule`) cover ``clock_s``. The draws are the
+        same with and without windows."""
         n = len(self.clients)
         if self.profiles is None:
             return list(range(n))
         draws = torch.rand(
             n, generator=self._generator(round, Stream.AVAILABILITY), dtype=torch.float64
         )
-        return torch.nonzero(draws < self._availabilities()).flatten().tolist()
+        available = draws < self._availabilities()
+        schedule = self._window_schedule()
+        if schedule is not None:
+            available &= schedule.open(clock_s)
+        return torch.nonzero(available).flatten().tolist()
+
+    def _window_schedule(self) -> WindowSchedule | None:
+        """The clients' availability windows (``None``: no profile has any), gathered once per
+        ``profiles`` sequence."""
+        assert self.profiles is not None
+        cached = self._windows
+        if cached is None or cached[0] is not self.profiles:
+            cached = self._windows = (self.profiles, WindowSchedule.of(self.profiles))
+        return cached[1]
+
+    def next_window_opening(self, clock_s: float) -> float:
+        """The earliest virtual time ``>= clock_s`` at which some client's availability window
+        is open: ``clock_s`` itself without profiles or windows, or when one is open."""
+        if self.profiles is None:
+            return clock_s
+        schedule = self._window_schedule()
+        return clock_s if schedule is None else schedule.next_opening(clock_s)
 
     def _availabilities(self) -> Tensor:
         """Every client's availability (float64), gathered once per ``profiles`` sequence."""
@@ -328,11 +407,14 @@ class Simulation(Generic[State]):
         k = self.clients_per_round
         return num_available if k is None else min(k, num_available)
 
-    def sample_clients(self, round: int, available: Sequence[int] | None = None) -> list[int]:
-        """Clients taking part in ``round`` (sorted): the available ones (drawn here unless
-        given), then drawn without replacement down to ``ceil(K (1 + overcommit))``."""
+    def sample_clients(
+        self, round: int, available: Sequence[int] | None = None, clock_s: float = 0.0
+    ) -> list[int]:
+        """Clients taking part in ``round`` (sorted): the available ones (drawn here for a round
+        starting at ``clock_s`` unless given), then drawn without replacement down to
+        ``ceil(K (1 + overcommit))``."""
         if available is None:
-            available = self.available_clients(round)
+            available = self.available_clients(round, clock_s)
         available = list(available)
         k = math.ceil(self.needed_clients(len(available)) * (1.0 + self.overcommit))
         if k >= len(available):
@@ -345,6 +427,7 @@ class Simulation(Generic[State]):
         profile = None if self.profiles is None else self.profiles[result.client]
         bytes_down = c.bytes_down + extra_down
         compute_s, comm_s = phase_times(c.flops, bytes_down, c.bytes_up, profile)
+        compute_j, radio_j = phase_energy(c.flops, bytes_down, c.bytes_up, profile)
         tier = "" if profile is None else (profile.tier or profile.name)
         return LedgerEntry(
             round=round,
@@ -359,6 +442,8 @@ class Simulation(Generic[State]):
             bytes_up=c.bytes_up,
             compute_s=compute_s,
             comm_s=comm_s,
+            energy_compute_j=compute_j,
+            energy_radio_j=radio_j,
         )
 
     def _coverage(self, index_sets: Sequence[IndexSet], weights: Sequence[float]) -> dict[str, Any]:
@@ -378,20 +463,25 @@ class Simulation(Generic[State]):
     def step(self, state: State, round: int, clock_s: float = 0.0) -> tuple[State, RoundRecord]:
         """Run one round from ``state``; returns the new state and the round's record.
 
-        A round where no client is available leaves the state unchanged (and is recorded).
+        A round where no client is available leaves the state unchanged (and is recorded);
+        when that is because no client's availability window covers ``clock_s``, the round
+        lasts until the next window opens (:meth:`next_window_opening`), so the clock moves on.
         Clients drawn by :meth:`dropouts` leave the round in their phase (``record.dropped``).
         In each phase, a client update that fails :func:`update_problem` (NaN/Inf, wrong
         shape, unknown tensor) is left out of the server's aggregation -- as if the client had
         not taken part in that phase -- and listed in ``record.rejected``; its cost stays in
         the ledger. If every update of a phase is left out, the server function still runs,
-        with no results.
+        with no results. After the phases, x is projected onto the task's box when the task
+        has one (:class:`~radbo.simulation.divergence.BoxedProblem`, e.g. ``feature_l2``).
         """
         start = time.perf_counter()
-        available = self.available_clients(round)
+        available = self.available_clients(round, clock_s)
         sampled = self.sample_clients(round, available)
         unavailable = self._unavailable(available)
         phases = self.algorithm.phases()
         if not sampled:
+            # every availability window closed: the server waits for the next one to open
+            opening = self.next_window_opening(clock_s)
             record = RoundRecord(
                 round=round,
                 clients=[],
@@ -399,7 +489,8 @@ class Simulation(Generic[State]):
                 ledger=[],
                 communication_rounds=0,
                 wall_time_s=time.perf_counter() - start,
-                clock_s=clock_s,
+                round_time_s=opening - clock_s,
+                clock_s=opening,
                 unavailable=unavailable,
             )
             return state, record
@@ -480,6 +571,7 @@ class Simulation(Generic[State]):
             )
             metrics.update(phase_metrics)
             still_in = [c for c in still_in if c not in gone_clients and c not in late_clients]
+        state = self._within_box(state)
         metrics["rejected_updates"] = sum(len(c) for c in rejected.values())
         metrics["dropped_clients"] = sum(len(c) for c in dropped.values())
         metrics["late_clients"] = sum(len(c) for c in late.values())
@@ -499,6 +591,15 @@ class Simulation(Generic[State]):
             late=late,
         )
         return state, record
+
+    def _within_box(self, state: State) -> State:
+        """``state`` with x projected onto the task's box for the algorithm's current (maybe
+        damped) ``inner_lr``; unchanged when the task has no box."""
+        problem = self.runtime.problem
+        if not isinstance(problem, BoxedProblem):
+            return state
+        bounds = problem.outer_bounds(getattr(self.algorithm, "inner_lr", None))
+        return project_outer(state, bounds)
 
     def round_budgets(self, round: int, clients: Sequence[int]) -> list[ClientBudget]:
         """The budgets of ``clients`` in ``round``: their own, with the local-steps schedule
@@ -597,11 +698,73 @@ class Simulation(Generic[State]):
         self, state: State, rounds: int, start_round: int = 0, clock_s: float = 0.0
     ) -> Iterator[tuple[State, RoundRecord]]:
         """Yield ``(state, record)`` after each round; evaluates every ``eval_every`` rounds
-        and after the last one. ``clock_s`` is the virtual clock at the start."""
+        and after the last one. ``clock_s`` is the virtual clock at the start; a starting
+        ``state`` outside the task's box (:meth:`step`) is projected onto it first.
+
+        Each round passes the divergence guard of the algorithm's ``[algorithm] divergence``
+        settings (:mod:`radbo.simulation.divergence`): on ``"rollback"`` a diverged round
+        yields the last good state instead (evaluated again when the round is evaluated; the
+        diverged evaluation goes to ``record.divergence``) and the following rounds run with
+        damped step sizes."""
+        state = self._within_box(state)
+        guard = self._divergence_guard()
+        if guard is not None and guard.largest_norm is None:  # not resumed: the start is good
+            guard.start(state_rms(state, self.algorithm.model_state(state)), start_round)
         for q in range(start_round, start_round + rounds):
-            state, record = self.step(state, q, clock_s)
+            new, record = self.step(state, q, clock_s)
             clock_s = record.clock_s
             last = q == start_round + rounds - 1
             if self.evaluate is not None and ((q + 1) % self.eval_every == 0 or last):
-                record.evaluation = self.evaluate(self.algorithm.model_state(state))
+                record.evaluation = self.evaluate(self.algorithm.model_state(new))
+            if guard is not None:
+                new = self._guard_round(guard, state, new, record)
+            state = new
             yield state, record
+
+    def _guard_round(
+        self, guard: DivergenceGuard, before: State, after: State, record: RoundRecord
+    ) -> State:
+        """The state a round leaves under the divergence guard: ``after`` when the round is
+        sound (or the policy only warns), else the last good state ``before``."""
+        losses = round_losses(record.metrics, record.evaluation)
+        norm = state_rms(after, self.algorithm.model_state(after))
+        q = record.round
+        reason = guard.check(losses, norm)
+        if reason is None:
+            guard.accept(losses, norm, q + 1)
+            return after
+        if guard.policy == "stop":
+            raise DivergenceError(
+                f"divergence in round {q}: {reason}; stopped ([algorithm] divergence = "
+                f'"stop"; "rollback" rolls back and damps the step sizes)'
+            )
+        if guard.policy == "warn":
+            record.divergence = {"round": q, "reason": reason, "action": "warn"}
+            if not guard.diverging:
+                warnings.warn(
+                    f"divergence in round {q}: {reason}; continuing ([algorithm] divergence "
+                    '= "warn")',
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            guard.diverging = True
+            return after
+        if guard.rollbacks >= MAX_ROLLBACKS:
+            raise DivergenceError(
+                f"divergence in round {q}: {reason}; still diverging after {MAX_ROLLBACKS} "
+                f"rollbacks (step sizes x {guard.lr_scale:.3g}); lower the step sizes"
+            )
+        guard.rollbacks += 1
+        guard.diverging = True
+        self._damp(guard)
+        record.divergence = {
+            "round": q,
+            "reason": reason,
+            "action": "rollback",
+            "rolled_back_to": guard.good_rounds,
+            "lr_scale": guard.lr_scale,
+        }
+        if record.evaluation is not None and self.evaluate is not None:
+            record.divergence["evaluation"] = record.evaluation
+            record.evaluation = self.evaluate(self.algorithm.model_state(before))
+        return before

@@ -34,6 +34,11 @@ CIFAR-10) is split by class: ``test_classes`` (default: the upper half of the cl
 5-9) are meta-test, the others meta-train, each with all of its examples. A data set whose
 splits hold different classes (Omniglot: background / evaluation alphabets;
 ``disjoint_classes`` of its ``[data]`` kind) is used as it is.
+
+**What keeps g's step stable**: as for :mod:`radbo.tasks.hyper_representation`, a head step
+of size ``inner_lr`` is stable while ``inner_lr (1/2 lambda_max(E[phi phi^T]) + mu) < 2`` over
+the backbone's features phi(x); x moves the bound only through the features' scale, no box
+bounds it, and the ``[algorithm] divergence`` guard catches a run that blows up.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from radbo.data import Dataset
+from radbo.limits import StepSize
 from radbo.problem import (
     Batch,
     ClientData,
@@ -182,7 +188,9 @@ class FewShot(TaskConfig):
     test_episodes: int = Field(600, ge=1, le=100_000, description="evaluation episodes")
     head_l2: float = Field(1e-2, ge=0, allow_inf_nan=False, description="L2 of the fitted heads")
     head_steps: int = Field(200, ge=1, le=100_000, description="gradient steps per head fit")
-    head_lr: float = Field(1.0, gt=0, allow_inf_nan=False, description="step of the head fit")
+    head_lr: StepSize = Field(
+        1.0, gt=0, allow_inf_nan=False, description="step of the head fit (<= 1000 without --force)"
+    )
     head: Literal["classes", "episode"] = Field(
         "classes", description="head rows: one per class, or N relabelled per episode"
     )
@@ -315,7 +323,7 @@ class FewShotEvaluator:
         self.task, self.model, self.test = task, model, test
         self.outer, self.inner = set(outer_names), set(inner_names)
         self.calibration = calibration
-        members = _class_members(test.labels, torch.arange(len(test)))
+        members = _class_members(test.labels.cpu(), torch.arange(len(test)))
         gen = generator(seed, Stream.EVALUATION)
         episodes = [
             draw_episode(members, task.ways, task.shots, task.queries, gen)
@@ -356,8 +364,9 @@ class FewShotEvaluator:
         finally:
             model.train(was_training)
         ways = task.ways
-        s_targets = torch.arange(ways).repeat_interleave(task.shots).expand(len(support), -1)
-        q_targets = torch.arange(ways).repeat_interleave(task.queries).expand(len(query), -1)
+        slots = torch.arange(ways, device=support.device)
+        s_targets = slots.repeat_interleave(task.shots).expand(len(support), -1)
+        q_targets = slots.repeat_interleave(task.queries).expand(len(query), -1)
         weight, bias = fit_heads(
             support, s_targets, ways, task.head_l2, task.head_steps, task.head_lr
         )
@@ -385,8 +394,8 @@ def fit_heads(
     converges for ``l2 <= 0.5``."""
     episodes, n, d = features.shape
     onehot = F.one_hot(targets, ways).to(features.dtype)  # [E, n, N]
-    weight = torch.zeros(episodes, ways, d, dtype=features.dtype)
-    bias = torch.zeros(episodes, ways, dtype=features.dtype)
+    weight = features.new_zeros(episodes, ways, d)
+    bias = features.new_zeros(episodes, ways)
     for _ in range(steps):
         probs = torch.softmax(features @ weight.transpose(1, 2) + bias.unsqueeze(1), dim=-1)
         delta = (probs - onehot) / n  # [E, n, N]

@@ -7,6 +7,13 @@ This is the hyper-representation problem of FedNest/FedMSA (``papers/fedmsa.txt`
 RABO paper's experiments (``papers/rabo_rafbo.txt``, Sec. V-A). The L2 term makes g strongly
 convex in y for a linear head (CE is convex in the head's weights), which the implicit
 hypergradient (RABO eq. (7)) needs.
+
+**What keeps g's step stable.** g's Hessian in the head is at most ``1/2 lambda_max(E[phi
+phi^T]) + mu`` over the backbone's features phi(x) (with the bias's 1; a softmax's Hessian in
+its logits is at most 1/2), so an inner step of size ``inner_lr`` is stable while ``inner_lr
+(1/2 lambda_max(E[phi phi^T]) + mu) < 2``. x moves that curvature only through the scale of
+the features; no box bounds it (the scale is no single coordinate of x). The ``[algorithm]
+divergence`` guard (:mod:`radbo.simulation.divergence`) catches a run that blows up anyway.
 """
 
 from __future__ import annotations

@@ -16,6 +16,14 @@ The model (:class:`radbo.models.vs_mlp.VSMLP`) holds x; x does not enter the for
 g. With a linear network (no hidden layer) g is strongly convex in y (the VS loss is a convex
 function of the logits, which are linear in y, plus ``inner_l2``). With hidden layers g is not
 convex, and the implicit hypergradient (RABO eq. (7)) is then a heuristic, as in the papers.
+
+**What keeps g's step stable.** The VS loss's Hessian in the logits is at most ``1/2 max_c
+w_c D_c^2`` (``w = exp(vs_log_weight)``, ``D = exp(vs_log_scale)``), so g's curvature in y
+grows like ``exp(x)`` as ``feature_l2``'s does, and a fixed ``inner_lr`` is stable only while
+``inner_lr`` times that curvature (times the features' second moment, plus ``mu``) stays below
+2. Nothing bounds x here: all of it starts at 0 (w = D = 1, plain cross-entropy) and the runs
+of the examples stay far from the edge; the ``[algorithm] divergence`` guard
+(:mod:`radbo.simulation.divergence`) catches a run that gets there.
 """
 
 from __future__ import annotations

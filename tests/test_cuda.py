@@ -1,0 +1,154 @@
+"""``[runtime] device``: the config checks run everywhere; the GPU runs only where torch sees a
+CUDA device (skipped otherwise: CI has none, every number-comparing test runs on the CPU).
+
+A GPU run draws what a CPU run draws (minibatches, clients, masks come from CPU generators) and
+differs only by floating-point rounding: in float64, a GPU reduction sums in another order, so
+each result may differ by a few ulps per summed term. Two rounds of the small configs below sum
+at most ~10^6 terms per value, so the states agree to 10^6 * 2^-53 ~ 1.1e-10 relative; the
+tests allow 1e-9 of the state's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radbo.cli import main
+from radbo.config import ConfigError, parse_config
+from radbo.experiment.runner import run
+from tests.configs import demo_dict
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _config(device: str, **overrides: Any):
+    """The demo config for 2 rounds in float64 on ``device``; an override of None removes the
+    section, and ``[mask] policy = "none"`` drops the per-tier capacities."""
+    data = demo_dict()
+    data.update(rounds=2, eval_every=2, baseline={"enabled": False})
+    for key, value in overrides.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    if data.get("mask", {}).get("policy") == "none":
+        data["fleet"].pop("capacities", None)
+    data["runtime"] = {**data.get("runtime", {}), "dtype": "float64", "device": device}
+    return parse_config(data)
+
+
+def test_device_defaults_to_cpu_and_is_left_out_of_dumps():
+    config = parse_config(demo_dict())
+    assert config.runtime.device == "cpu"
+    assert "device" not in config.model_dump()["runtime"]
+    assert parse_config({"runtime": {"device": "cuda:1"}}).runtime.device == "cuda:1"
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "tpu", "CUDA", "cuda:x"])
+def test_a_device_name_radbo_does_not_know_is_a_config_error(device: str):
+    with pytest.raises(ConfigError, match=r"runtime\.device"):
+        parse_config({"runtime": {"device": device}})
+
+
+def test_a_gpu_with_worker_processes_is_refused():
+    with pytest.raises(ConfigError, match='device = "cuda" needs backend = "sequential"'):
+        parse_config({"runtime": {"device": "cuda", "backend": "processes"}})
+
+
+@pytest.mark.skipif(CUDA, reason="checks the machine without a CUDA device")
+def test_cuda_without_a_gpu_is_one_line_and_exit_code_2(tmp_path: Path, capsys):
+    config = tmp_path / "gpu.toml"
+    config.write_text('rounds = 1\n[runtime]\ndevice = "cuda"\n')
+    assert main(["run", str(config), "--quiet", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        'config error: runtime.device = "cuda": no CUDA device is available to torch here '
+        '(torch.cuda.is_available() is False); use "cpu"'
+    )
+
+
+def _states_close(cpu: Any, gpu: Any) -> None:
+    for field in dataclasses.fields(cpu):
+        a, b = getattr(cpu, field.name), getattr(gpu, field.name)
+        if not isinstance(a, dict):
+            continue
+        for name, t in a.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_floating_point():  # flags and counters may stay on the CPU
+                assert b[name].device.type == "cuda", f"{field.name}/{name} left the GPU"
+                tol = 1e-9 * max(1.0, float(t.abs().max()))
+                diff = float((t - b[name].cpu()).abs().max())
+                assert diff <= tol, f"{field.name}/{name}: {diff:.3g} > {tol:.3g}"
+            else:
+                assert torch.equal(t, b[name].cpu()), f"{field.name}/{name}"
+
+
+FEW_SHOT = {
+    "partition": {"kind": "iid"},
+    "model": {"name": "conv4", "width": 8},
+    "task": {"name": "few_shot", "ways": 5, "shots": 1, "queries": 5, "test_episodes": 20},
+    "fleet": {"num_clients": 3, "capacities": [1.0, 0.5, 0.25]},
+    "mask": {"policy": "importance"},
+    "algorithm": {"name": "rabo", "inner_steps": 2},
+}
+FULL = {"mask": {"policy": "none"}}
+CASES = {
+    "rabo-cg": {},
+    "rabo-batched": {"runtime": {"backend": "batched"}},
+    "rafbo-fd": {"algorithm": {"name": "rafbo"}, "estimator": None},
+    "shrofbo-batched": {
+        "algorithm": {"name": "shrofbo"},
+        "estimator": None,
+        "runtime": {"backend": "batched"},
+    },
+    "simfbo": {"algorithm": {"name": "simfbo"}, "estimator": None},
+    "fedavg": {"algorithm": {"name": "fedavg", "lr": 0.1}, "estimator": None},
+    "fedmbo": {"algorithm": {"name": "fedmbo"}, "estimator": None, **FULL},
+    "fedmsa": {"algorithm": {"name": "fedmsa"}, "estimator": None, **FULL},
+    "fednest": {"algorithm": {"name": "fednest"}, "estimator": None, **FULL},
+    "aggitd": {"algorithm": {"name": "aggitd"}, "estimator": None, **FULL},
+    "fedsvrbgd_fo": {"algorithm": {"name": "fedsvrbgd_fo"}, "estimator": None, **FULL},
+    "cnn": {"model": {"name": "cnn"}},
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_gpu_run_equals_the_cpu_run_up_to_rounding(case: str):
+    cpu = run(_config("cpu", **CASES[case]), progress=False, save=False)
+    gpu = run(_config("cuda", **CASES[case]), progress=False, save=False)
+    _states_close(cpu.state, gpu.state)
+    for key in ("flops", "bytes_up", "bytes_down", "sim_time_s"):
+        assert cpu.totals[key] == gpu.totals[key], key
+    assert abs(cpu.final["test_loss"] - gpu.final["test_loss"]) <= 1e-9 * cpu.final["test_loss"]
+
+
+@needs_cuda
+def test_few_shot_conv4_runs_on_the_gpu_like_on_the_cpu():
+    data = {**FEW_SHOT, "rounds": 2, "eval_every": 2, "runtime": {"dtype": "float64"}}
+    cpu = run(parse_config(data), progress=False, save=False)
+    data["runtime"] = {"dtype": "float64", "device": "cuda"}
+    gpu = run(parse_config(data), progress=False, save=False)
+    _states_close(cpu.state, gpu.state)
+    assert cpu.final["test_accuracy"] == pytest.approx(gpu.final["test_accuracy"], abs=1e-9)
+
+
+@needs_cuda
+def test_a_gpu_run_is_reproducible_and_resumes_from_its_checkpoint(tmp_path: Path):
+    config = _config("cuda", rounds=3, eval_every=3)
+    first = run(config, progress=False, save=False)
+    second = run(config, progress=False, save=False)
+    for name, t in first.state.x.items():
+        assert torch.equal(t, second.state.x[name]), name
+    half = _config("cuda", rounds=2, eval_every=3, checkpoint_every=1)
+    run(half, progress=False, output_dir=tmp_path)
+    whole = _config("cuda", rounds=3, eval_every=3, checkpoint_every=1)
+    resumed = run(whole, progress=False, output_dir=tmp_path, resume=True)
+    for name, t in first.state.x.items():
+        assert torch.equal(t, resumed.state.x[name]), name
