@@ -34,23 +34,12 @@ from radbo.config import parse_config
 from radbo.cost import LedgerEntry
 from radbo.experiment import run
 from radbo.masks import RoundCoverage
+from tests import test_checkpoint
 
 # -- unit level: a small state saved and loaded directly -----------------------------------
 
-ROW = {
-    "round": 0,
-    "clients": [0, 1],
-    "unavailable": [],
-    "rejected": {},
-    "dropped": {},
-    "late": {},
-    "communication_rounds": 2,
-    "wall_time_s": 0.1,
-    "sim_round_time_s": 1.5,
-    "sim_clock_s": 1.5,
-    "outer_loss": 0.5,
-    "test_accuracy": 0.75,
-}
+# test_checkpoint's round record with a metric and an evaluation
+ROW = {**test_checkpoint.ROW, "outer_loss": 0.5, "test_accuracy": 0.75}
 LEDGER_ROW = {
     "round": 0,
     "phase": "train.inner",
