@@ -131,7 +131,32 @@ def _parser() -> argparse.ArgumentParser:
         help=f"timed runs per latency figure of a .pte / .onnx (default {LATENCY_RUNS}; 0: none)",
     )
     export.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    flower = sub.add_parser("flower", help="Flower deployments: write each node's own data")
+    flower_sub = flower.add_subparsers(dest="flower_command", required=True)
+    part = flower_sub.add_parser(
+        "partition",
+        help="write each client's examples to DIR/client-<i> for a SuperNode's data-root "
+        '([flower] data = "node")',
+    )
+    part.add_argument("config", help="path to the TOML run configuration")
+    part.add_argument("--out", required=True, metavar="DIR", help="where to write the folders")
+    part.add_argument("--force", action="store_true", help=_FORCE_HELP)
     return parser
+
+
+def _flower(args: argparse.Namespace) -> int:
+    from radbo.config import load_config
+    from radbo.flower.nodedata import write_node_data
+
+    config = load_config(args.config)
+    folders = write_node_data(config, args.out)
+    for folder in folders:
+        print(folder)
+    print(
+        f"wrote the data of {len(folders)} clients; start SuperNode i with --node-config "
+        f"'partition-id=i data-root=\"{Path(args.out).resolve()}/client-i\"'"
+    )
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -329,7 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     :data:`USER_ERRORS` covers (bad configs, files, run or output folders; printed as one
     line per problem on stderr, without a traceback), 1 when ``radbo export``'s check fails."""
     args = _parser().parse_args(argv)
-    commands = {"run": _run, "fleet": _fleet, "report": _report, "export": _export}
+    commands = {
+        "run": _run,
+        "fleet": _fleet,
+        "report": _report,
+        "export": _export,
+        "flower": _flower,
+    }
     shown = warnings.showwarning
     warnings.showwarning = _one_line_warning
     try:

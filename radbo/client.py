@@ -27,7 +27,7 @@ sequential, batched and Flower backends all run the same code.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
@@ -125,6 +125,14 @@ class ClientResult:
     """A client's reply: an update in submodel coordinates, its cost and scalar metrics.
 
     ``slot`` is set by the engine to the task's slot (client functions need not fill it).
+
+    A backend that runs clients elsewhere (Flower) reports a failed client without raising:
+    ``lost`` (why) when the reply never arrived -- the engine treats the client as a dropout
+    of that phase (``RoundRecord.dropped``; ``cost`` is what was spent: the bytes sent down,
+    no compute, nothing up) -- and ``rejected`` (why) when a reply arrived but failed the
+    backend's checks: left out of aggregation and counted like an update failing
+    :func:`~radbo.simulation.engine.update_problem` (``RoundRecord.rejected``), ``cost``
+    charged. Either reason is listed in ``RoundRecord.failures``.
     """
 
     client: int
@@ -132,6 +140,8 @@ class ClientResult:
     cost: CostRecord
     metrics: Mapping[str, float] = field(default_factory=dict)
     slot: int = 0
+    lost: str | None = None
+    rejected: str | None = None
 
 
 def _shape_key(index_set: IndexSet) -> tuple:
@@ -401,10 +411,15 @@ class ClientWork:
     """A phase's client work: ``prepare`` draws, ``run`` computes (see the module docstring).
 
     Calling it runs one client: ``work(runtime, task) -> ClientResult``.
+
+    ``update_keys(task) -> names`` (optional) is the exact set of update keys of a client's
+    result to ``task``: a backend that receives replies from elsewhere (Flower) rejects a
+    reply with any other key set before the server function sees it.
     """
 
     run: Callable[[ClientRuntime, Cohort], list[ClientResult]]
     prepare: Callable[[ClientRuntime, ClientTask], Prepared] = no_draws
+    update_keys: Callable[[ClientTask], Collection[str]] | None = None
 
     def __call__(self, runtime: ClientRuntime, task: ClientTask) -> ClientResult:
         (result,) = self.run(runtime, Cohort.single(task, self.prepare(runtime, task)))

@@ -258,6 +258,32 @@ class RuntimeConfig(Section):
         return self
 
 
+class FlowerConfig(Section):
+    """How a run behaves on Flower (:mod:`radbo.flower`); ignored by ``radbo run``.
+
+    ``data``: ``"server"`` (the default; Flower's simulation runtime) partitions the training
+    set on the server and sends each task its client's example indices, as the in-process
+    engine does; ``"node"`` sends no data at all: each SuperNode loads its own client's
+    examples from its ``data-root`` node config (written by ``radbo flower partition``).
+    ``reply_timeout_s``: how long the server waits for a phase's replies; a node that has not
+    replied by then (or is gone) is a dropped client for that phase. ``discovery_timeout_s``:
+    how long the server waits before round 0 for a node to serve every client.
+    ``max_update_ratio``: when set, a reply whose update has a larger L2 norm than this
+    multiple of the broadcast tensors' norm is rejected (a bound against wild updates).
+    """
+
+    data: Literal["server", "node"] = "server"
+    reply_timeout_s: float = Field(
+        300.0, gt=0, le=86_400, allow_inf_nan=False, description="seconds to wait for replies"
+    )
+    discovery_timeout_s: float = Field(
+        120.0, gt=0, le=86_400, allow_inf_nan=False, description="seconds to wait for nodes"
+    )
+    max_update_ratio: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="reject updates larger than this x model"
+    )
+
+
 class RunConfig(Section):
     """A whole run: what ``radbo run CONFIG.toml`` reads."""
 
@@ -280,6 +306,8 @@ class RunConfig(Section):
     estimator: Annotated[Estimator, ESTIMATORS] | None = None
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    flower: FlowerConfig = Field(default_factory=FlowerConfig)
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("flower",)
 
     @model_validator(mode="before")
     @classmethod

@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -132,9 +133,13 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def first_line(err: BaseException) -> str:
-    """``"TypeName: first line of the message"``: an exception as one line."""
-    text = str(err).strip().splitlines()
+    """``"TypeName: first line of the message"``: an exception as one line (terminal colour
+    codes, which the ONNX exporter puts in its messages, removed)."""
+    text = _ANSI.sub("", str(err)).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 

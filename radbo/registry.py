@@ -65,7 +65,7 @@ class Section(BaseModel):
         if isinstance(data, dict):
             fields = type(self).model_fields
             for name in self.dump_omits_defaults:
-                if getattr(self, name) == fields[name].default:
+                if getattr(self, name) == fields[name].get_default(call_default_factory=True):
                     data.pop(name, None)
         return data
 

@@ -43,7 +43,7 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: The layers of radbo, lowest first. A module may import its own package and any package of a
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
-    {"typing", "randomness", "registry", "version", "flops", "limits", "edge"},
+    {"typing", "randomness", "registry", "version", "flops", "limits", "edge", "lazy"},
     {"autodiff", "problem", "cost", "checkpoint"},
     {"client", "data"},
     {"masks", "models", "tasks", "hypergrad"},
@@ -52,7 +52,8 @@ LAYERS: list[set[str]] = [
     {"config", "report"},
     {"experiment"},
     {"export"},
-    {"cli", "flower"},
+    {"flower"},
+    {"cli"},  # `radbo flower partition` writes node data
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -99,6 +99,7 @@ from radbo.algorithms.base import (
     Wiring,
     clone,
     draw_clients,
+    prefixed,
 )
 from radbo.autodiff import (
     Linearization,
@@ -247,9 +248,12 @@ class AggITD(AggITDConfig, AlgorithmBase):
         return AggITDState(x=clone(x), y=clone(y), buffers=clone(buffers), tape=tape)
 
     def phases(self) -> Sequence[Phase[AggITDState]]:
-        local = ClientWork(self.run_local, self.prepare_local)
-        outer = ClientWork(self.run_outer, self.prepare_outer)
-        backward = ClientWork(self.run_backward, self.prepare_local)
+        both = self.reply_keys(self.outer_names, prefixed(V, self.inner_names))
+        local = ClientWork(
+            self.run_local, self.prepare_local, self.reply_keys(self.inner_names, buffers=True)
+        )
+        outer = ClientWork(self.run_outer, self.prepare_outer, both)
+        backward = ClientWork(self.run_backward, self.prepare_local, both)
         forward = [
             Phase(f"inner.{r}", self.broadcast, local, self.server_inner(r), self.sample)
             for r in range(self.inner_rounds)

@@ -16,7 +16,7 @@ Python API constructs the algorithm class directly with the same keyword argumen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar, cast
 
@@ -254,6 +254,14 @@ class AlgorithmBase(Section):
         """All model tensors (x, y and buffers) in full-model coordinates."""
         return {**state.x, **state.y, **state.buffers}
 
+    def reply_keys(self, *groups: Iterable[str], buffers: bool = False) -> UpdateKeys:
+        """A client work's ``update_keys``: the names in ``groups``, and the buffer names when
+        ``buffers`` and the algorithm aggregates them (``aggregate_buffers``)."""
+        names = [n for group in groups for n in group]
+        if buffers and self.aggregate_buffers:
+            names += self.buffer_names
+        return UpdateKeys(frozenset(names))
+
     def client_tensors(self, runtime: Any, cohort: Any) -> tuple[Any, Params, Params, Params]:
         """A cohort's module, x, y and (cloned, so local BatchNorm updates stay local)
         buffers."""
@@ -262,6 +270,22 @@ class AlgorithmBase(Section):
         y = cohort.params(self.inner_names)
         buffers = cohort.params(self.buffer_names, clone=True)
         return module, x, y, buffers
+
+
+@dataclass(frozen=True)
+class UpdateKeys:
+    """The exact update keys of a client work whose replies do not depend on the task
+    (:attr:`radbo.client.ClientWork.update_keys`)."""
+
+    keys: frozenset[str]
+
+    def __call__(self, task: Any) -> frozenset[str]:
+        return self.keys
+
+
+def prefixed(prefix: str, names: Iterable[str]) -> list[str]:
+    """``"prefix:name"`` for every name (:func:`radbo.masks.index.alias`'s keys)."""
+    return [f"{prefix}:{n}" for n in names]
 
 
 def clone(tensors: Params) -> Params:

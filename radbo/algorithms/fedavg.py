@@ -122,7 +122,8 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         return FedAvgState(x=clone(x), y=clone(y), buffers=clone(buffers))
 
     def phases(self) -> Sequence[Phase[FedAvgState]]:
-        work = ClientWork(self.run_client, self.prepare_client)
+        keys = self.reply_keys(self.outer_names, self.inner_names, buffers=True)
+        work = ClientWork(self.run_client, self.prepare_client, keys)
         return (Phase("train", self.broadcast, work, self.server),)
 
     def broadcast(self, state: FedAvgState, index_set: IndexSet, slot: int = 0) -> Params:

@@ -52,6 +52,7 @@ from radbo.algorithms.base import (
     Wiring,
     clone,
     draw_clients,
+    prefixed,
 )
 from radbo.autodiff import axpy, loss_grads, params_norm, project_ball, scalar
 from radbo.client import (
@@ -159,10 +160,17 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         return FedMBOState(x=clone(x), y=clone(y), buffers=clone(buffers))
 
     def phases(self) -> Sequence[Phase[FedMBOState]]:
-        gradient = ClientWork(self.run_gradient, self.prepare_inner)
-        neumann_step = ClientWork(self.run_neumann_step, self.prepare_inner)
-        mixed = ClientWork(self.run_mixed, self.prepare_inner)
-        phe_init = ClientWork(self.run_phe_init, self.prepare_phe_init)
+        p_keys = prefixed(P, self.inner_names)
+        gradient = ClientWork(
+            self.run_gradient, self.prepare_inner, self.reply_keys(self.inner_names, buffers=True)
+        )
+        neumann_step = ClientWork(
+            self.run_neumann_step, self.prepare_inner, self.reply_keys(p_keys)
+        )
+        mixed = ClientWork(self.run_mixed, self.prepare_inner, self.reply_keys(self.outer_names))
+        phe_init = ClientWork(
+            self.run_phe_init, self.prepare_phe_init, self.reply_keys(self.outer_names, p_keys)
+        )
         inner = [
             Phase(f"inner.{t}", self.broadcast, gradient, self.server_inner, self.sample)
             for t in range(self.inner_steps)

@@ -48,6 +48,7 @@ from radbo.algorithms.base import (
     AlgorithmConfig,
     Wiring,
     clone,
+    prefixed,
 )
 from radbo.autodiff import axpy, bilevel_directions, params_where
 from radbo.client import (
@@ -163,13 +164,30 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
             Phase(
                 "train.momentum",
                 self.broadcast_momentum,
-                ClientWork(self.run_momentum, self.prepare_momentum),
+                ClientWork(
+                    self.run_momentum,
+                    self.prepare_momentum,
+                    self.reply_keys(
+                        prefixed(H, self.outer_names),
+                        prefixed(QW, self.inner_names),
+                        prefixed(QV, self.inner_names),
+                    ),
+                ),
                 self.server_momentum,
             ),
             Phase(
                 "train.local",
                 self.broadcast_local,
-                ClientWork(self.run_local, self.prepare_local),
+                ClientWork(
+                    self.run_local,
+                    self.prepare_local,
+                    self.reply_keys(
+                        self.outer_names,
+                        self.inner_names,
+                        prefixed(V, self.inner_names),
+                        buffers=True,
+                    ),
+                ),
                 self.server_local,
                 self.choose_one,
             ),

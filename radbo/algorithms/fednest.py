@@ -93,6 +93,7 @@ from radbo.algorithms.base import (
     Wiring,
     clone,
     draw_clients,
+    prefixed,
 )
 from radbo.autodiff import (
     axpy,
@@ -247,12 +248,16 @@ class FedNest(FedNestConfig, AlgorithmBase):
         return FedNestState(x=clone(x), y=clone(y), buffers=clone(buffers))
 
     def phases(self) -> Sequence[Phase[FedNestState]]:
-        anchor = ClientWork(self.run_inner_gradient, self.prepare_inner)
-        local_y = ClientWork(self.run_local_y, self.prepare_local_y)
-        grad_f_y = ClientWork(self.run_outer_gradient_y, self.prepare_outer)
-        neumann_step = ClientWork(self.run_neumann_step, self.prepare_inner)
-        hypergrad = ClientWork(self.run_hypergradient, self.prepare_pair)
-        local_x = ClientWork(self.run_local_x, self.prepare_local_x)
+        y_keys, x_keys = self.reply_keys(self.inner_names), self.reply_keys(self.outer_names)
+        p_keys = self.reply_keys(prefixed(P, self.inner_names))
+        anchor = ClientWork(self.run_inner_gradient, self.prepare_inner, y_keys)
+        local_y = ClientWork(
+            self.run_local_y, self.prepare_local_y, self.reply_keys(self.inner_names, buffers=True)
+        )
+        grad_f_y = ClientWork(self.run_outer_gradient_y, self.prepare_outer, p_keys)
+        neumann_step = ClientWork(self.run_neumann_step, self.prepare_inner, p_keys)
+        hypergrad = ClientWork(self.run_hypergradient, self.prepare_pair, x_keys)
+        local_x = ClientWork(self.run_local_x, self.prepare_local_x, x_keys)
         inner: list[Phase[FedNestState]] = []
         for t in range(self.inner_steps):
             inner += [
@@ -637,8 +642,14 @@ class LFedNest(FedNest):
     name: Literal["fednest", "lfednest"] = "lfednest"
 
     def phases(self) -> Sequence[Phase[FedNestState]]:
-        local_y = ClientWork(self.run_local_y, self.prepare_local_y)
-        local_hyper = ClientWork(self.run_local_hypergradient, self.prepare_local_hypergradient)
+        local_y = ClientWork(
+            self.run_local_y, self.prepare_local_y, self.reply_keys(self.inner_names, buffers=True)
+        )
+        local_hyper = ClientWork(
+            self.run_local_hypergradient,
+            self.prepare_local_hypergradient,
+            self.reply_keys(self.outer_names),
+        )
         inner = [
             Phase(f"inner.{t}", self.broadcast, local_y, self.server_local_y, self.sample)
             for t in range(self.inner_steps)

@@ -99,6 +99,7 @@ from radbo.algorithms.base import (
     AlgorithmConfig,
     Wiring,
     clone,
+    prefixed,
 )
 from radbo.autodiff import axpy, params_where, penalty_gradients
 from radbo.client import (
@@ -274,7 +275,14 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         return {**state.x, **state.z, **state.buffers}
 
     def phases(self) -> Sequence[Phase[FedSVRBGDState]]:
-        work = ClientWork(self.run_client, self.prepare_client)
+        keys = self.reply_keys(
+            self.outer_names,
+            self.inner_names,
+            prefixed(Z, self.inner_names),
+            self._estimator_keys(),
+            buffers=True,
+        )
+        work = ClientWork(self.run_client, self.prepare_client, keys)
         return (Phase("train", self.broadcast, work, self.server),)
 
     @staticmethod

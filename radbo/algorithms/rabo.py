@@ -45,6 +45,7 @@ from radbo.algorithms.base import (
     AlgorithmConfig,
     Wiring,
     clone,
+    prefixed,
 )
 from radbo.autodiff import params_norm, params_where, project_ball, scalar
 from radbo.client import (
@@ -148,13 +149,24 @@ class RABO(RABOConfig, AlgorithmBase):
             Phase(
                 "train.inner",
                 self.broadcast_inner,
-                ClientWork(self.run_inner, self.prepare_inner),
+                ClientWork(
+                    self.run_inner,
+                    self.prepare_inner,
+                    self.reply_keys(self.inner_names, buffers=True),
+                ),
                 self.server_inner,
             ),
             Phase(
                 "train.outer",
                 self.broadcast_outer,
-                ClientWork(self.run_outer, self.prepare_outer),
+                ClientWork(
+                    self.run_outer,
+                    self.prepare_outer,
+                    self.reply_keys(
+                        self.outer_names,
+                        *(prefixed(k, self.inner_names) for k in self.estimator.state_keys),
+                    ),
+                ),
                 self.server_outer,
             ),
         )
@@ -278,11 +290,13 @@ class RABO(RABOConfig, AlgorithmBase):
             outer_value = outer(x, y)
         update = {**grad, **result.state}
         samples = inner_idx.shape[-1] + outer_idx.shape[-1]
-        # x and buffers are already on the client from the inner phase
+        # x is already on the client from the inner phase; so are the buffers unless the
+        # inner phase re-averaged them (then the client needs the server's new ones)
+        fresh = list(self.buffer_names) if self.aggregate_buffers else []
         return cohort.replies(
             update,
             {"outer_loss": outer_value, "hypergrad_norm": norm},
-            received=[*self.inner_names, *aux_names],
+            received=[*self.inner_names, *fresh, *aux_names],
             n_grad=result.n_grad,
             n_hvp=result.n_hvp,
             samples=samples,

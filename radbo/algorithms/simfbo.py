@@ -57,6 +57,7 @@ from radbo.algorithms.base import (
     AlgorithmConfig,
     Wiring,
     clone,
+    prefixed,
 )
 from radbo.autodiff import (
     axpy,
@@ -222,7 +223,10 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         return SimFBOState(x=clone(x), y=clone(y), v=v, buffers=clone(buffers))
 
     def phases(self) -> Sequence[Phase[SimFBOState]]:
-        work = ClientWork(self.run_client, self.prepare_client)
+        keys = self.reply_keys(
+            self.outer_names, self.inner_names, prefixed(V, self.inner_names), buffers=True
+        )
+        work = ClientWork(self.run_client, self.prepare_client, keys)
         return (Phase("train", self.broadcast, work, self.server),)
 
     def _wire_index(self, index_set: IndexSet) -> IndexSet:

@@ -69,6 +69,9 @@ class Experiment:
     fleet: Fleet | None = None
     device_budgets: list[Budget] | None = None
     planner: BudgetPlanner | None = None
+    #: ``sum_j p_j tau_j`` over the fleet, as wired into the algorithm (a node that builds its
+    #: own client side, :mod:`radbo.flower.nodedata`, needs it to wire the same algorithm)
+    population_steps: float | None = None
 
 
 def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
@@ -441,7 +444,17 @@ def build(config: RunConfig) -> Experiment:
         {n: state[n] for n in buffer_names},
     )
     return Experiment(
-        config, model, simulation, initial, train, test, clients, fleet, device_budgets, planner
+        config,
+        model,
+        simulation,
+        initial,
+        train,
+        test,
+        clients,
+        fleet,
+        device_budgets,
+        planner,
+        population_steps,
     )
 
 

@@ -14,18 +14,29 @@ registered with ``@app.train("<action>")`` (``"train"`` alone to ``@app.train()`
 
 Every message also carries the exact phase name (and the run config), and the ClientApp runs
 the phase of that name, so the mapping only routes; it never changes what is computed.
+
+Failures. One client's failure never ends the run: a task whose node is unknown, gives no
+reply within ``timeout`` seconds, or answers with an error (node unavailable, ClientApp
+exception) becomes a *lost* :class:`~radbo.client.ClientResult` -- a dropped client for that
+phase, charged the bytes sent down -- and a reply failing :func:`radbo.flower.checks.
+check_reply` a *rejected* one (left out of aggregation, counted, its cost charged as
+:func:`~radbo.flower.checks.reported_cost` makes it safe). ``RoundRecord.failures`` says why.
+With ``rediscover``, a client without a node or whose node failed is looked for again before
+each phase it takes part in, so a restarted node rejoins.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import torch
 from flwr.app import Message
 
 from radbo.algorithms import ALGORITHMS
-from radbo.client import ClientResult, ClientRuntime, ClientTask
-from radbo.cost import FlopMeter
+from radbo.client import ClientResult, ClientRuntime, ClientTask, CostRecord
+from radbo.cost import FlopMeter, tensor_bytes
+from radbo.flower.checks import check_reply, reported_cost
 from radbo.flower.codec import decode_result, encode_task
 
 #: The action of phases whose name is not itself a registered message type.
@@ -50,18 +61,36 @@ def message_type(phase: str) -> str:
 
 
 class FlowerTaskError(RuntimeError):
-    """A Flower node did not return a usable result for a task."""
+    """Flower cannot run the tasks at all (an infrastructure failure, not one client's)."""
+
+
+def lost_result(task: ClientTask, reason: str) -> ClientResult:
+    """The result of a task whose reply never arrived: the client is a dropout of the phase,
+    charged the bytes sent down (the task's tensors, :func:`radbo.cost.tensor_bytes`) and no
+    compute."""
+    cost = CostRecord(bytes_down=tensor_bytes(task.params))
+    return ClientResult(client=task.client, update={}, cost=cost, slot=task.slot, lost=reason)
 
 
 class FlowerBackend:
     """Runs each task on the Flower node serving its client, through ``grid``.
 
     ``node_ids[c]`` is the Flower node id serving radbo client ``c`` (a sequence indexed by
-    client id or a mapping). ``extra`` scalars (e.g. the run config as JSON) are added to
-    every message's ``"config"`` record. ``run`` sends one message per task in one
-    ``grid.send_and_receive`` call and returns the decoded results in task order. The client
-    work is not run here: the node runs the same work (the phase's client work under
-    :func:`~radbo.client.run_measured`) itself, FLOPs included.
+    client id or a mapping). Task messages are encoded by ``sender`` (a
+    :class:`~radbo.flower.codec.TaskSender`: ``sender.encode(task, node)``) or, without one,
+    by :func:`~radbo.flower.codec.encode_task` with the ``extra`` scalars (e.g. the run config
+    as JSON) added to every message's ``"config"`` record. ``run`` sends one message per task
+    in one ``grid.send_and_receive(..., timeout=timeout)`` call and returns one result per
+    task, in task order; the node runs the client work (under
+    :func:`~radbo.client.run_measured`, FLOPs included) itself.
+
+    Every reply passes :func:`~radbo.flower.checks.check_reply` (exact key set where the
+    client work declares ``update_keys``; ``max_update_ratio`` bounds the update's norm)
+    before it is decoded. What fails is reported in the results, never raised (see the
+    module docstring); ``rediscover(clients) -> {client: node}`` is asked, before a phase,
+    for the clients of that phase without a node or whose node failed earlier, and its
+    answer replaces their nodes (a client it does not find keeps a node that failed, and is
+    tried there again; one with no node at all is a lost result).
     """
 
     def __init__(
@@ -70,21 +99,46 @@ class FlowerBackend:
         node_ids: Sequence[int] | Mapping[int, int],
         *,
         extra: Mapping[str, Any] | None = None,
+        sender: Any = None,
         timeout: float | None = None,
+        rediscover: Callable[[Sequence[int]], Mapping[int, int]] | None = None,
+        max_update_ratio: float | None = None,
     ) -> None:
         self.grid = grid
-        self.node_ids = dict(enumerate(node_ids)) if isinstance(node_ids, Sequence) else node_ids
+        pairs = enumerate(node_ids) if isinstance(node_ids, Sequence) else node_ids.items()
+        self.node_ids: dict[int, int] = {int(c): int(n) for c, n in pairs}
         self.extra = dict(extra or {})
+        self.sender = sender
         self.timeout = timeout
+        self.rediscover = rediscover
+        self.max_update_ratio = max_update_ratio
+        self.failed: set[int] = set()  # clients whose node failed and has not been found again
 
-    def node_for(self, client: int) -> int:
-        try:
-            return int(self.node_ids[client])
-        except (KeyError, IndexError):
-            raise FlowerTaskError(
-                f"no Flower node serves radbo client {client} (known clients: "
-                f"{sorted(self.node_ids)})"
-            ) from None
+    def node_for(self, client: int) -> int | None:
+        """The node serving ``client``, or ``None`` when none is known."""
+        return self.node_ids.get(client)
+
+    def _refresh(self, clients: Sequence[int]) -> None:
+        """Ask ``rediscover`` for the nodes of those of ``clients`` that need one."""
+        if self.rediscover is None:
+            return
+        wanted = [c for c in clients if c in self.failed or c not in self.node_ids]
+        if not wanted:
+            return
+        for client, node in dict(self.rediscover(wanted)).items():
+            self.node_ids[int(client)] = int(node)
+            self.failed.discard(int(client))
+
+    def _encode(self, task: ClientTask, node: int) -> Any:
+        if self.sender is not None:
+            return self.sender.encode(task, node)
+        return encode_task(task, self.extra)
+
+    def _fail(self, task: ClientTask, node: int, reason: str) -> ClientResult:
+        self.failed.add(task.client)
+        if self.sender is not None and hasattr(self.sender, "forget"):
+            self.sender.forget(task.client, node)  # the node may not hold what it was sent
+        return lost_result(task, reason)
 
     def run(
         self,
@@ -95,33 +149,81 @@ class FlowerBackend:
     ) -> list[ClientResult]:
         if not tasks:
             return []
-        messages = [
-            Message(
-                content=encode_task(task, self.extra),
-                dst_node_id=self.node_for(task.client),
-                message_type=message_type(task.phase),
-            )
-            for task in tasks
-        ]
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        self._refresh([t.client for t in tasks])
+        state = runtime.model.state_dict()
+        shapes = {n: t.shape for n, t in state.items()}
+        dtypes: dict[str, torch.dtype] = {n: t.dtype for n, t in state.items()}
+        keys_of: Callable[[ClientTask], Collection[str]] | None = getattr(work, "update_keys", None)
+        nodes = [self.node_for(t.client) for t in tasks]
+        # a failed node that has left the grid (Flower dropped it after missed heartbeats) is
+        # not waited for again: its client is lost at once until the node is found again
+        gone: set[int] = set()
+        if any(t.client in self.failed for t in tasks) and hasattr(self.grid, "get_node_ids"):
+            connected = set(self.grid.get_node_ids())
+            gone = {
+                n
+                for t, n in zip(tasks, nodes, strict=True)
+                if n is not None and t.client in self.failed and n not in connected
+            }
+        messages: dict[int, Message] = {}  # task position -> its message
+        for j, (task, node) in enumerate(zip(tasks, nodes, strict=True)):
+            if node is not None and node not in gone:
+                messages[j] = Message(
+                    content=self._encode(task, node),
+                    dst_node_id=node,
+                    message_type=message_type(task.phase),
+                )
+        replies = (
+            list(self.grid.send_and_receive(list(messages.values()), timeout=self.timeout))
+            if messages
+            else []
+        )
         # the grid sets each message's id when it pushes it; replies name the id they answer
-        ids = [m.metadata.message_id for m in messages]
         by_id: dict[str, Message] = {}
         for reply in replies:
-            by_id[reply.metadata.reply_to_message_id] = reply
+            by_id.setdefault(reply.metadata.reply_to_message_id, reply)
         results = []
-        for task, mid in zip(tasks, ids, strict=True):
-            where = f"client {task.client}, round {task.round}, phase {task.phase!r}"
-            reply = by_id.get(mid)
+        for j, (task, node) in enumerate(zip(tasks, nodes, strict=True)):
+            if node is None:
+                results.append(
+                    lost_result(task, f"no Flower node serves radbo client {task.client}")
+                )
+                continue
+            if node in gone:
+                results.append(self._fail(task, node, f"Flower node {node} is not connected"))
+                continue
+            reply = by_id.get(messages[j].metadata.message_id)
             if reply is None:
-                raise FlowerTaskError(f"no reply from Flower node for {where}")
+                within = "" if self.timeout is None else f" within {self.timeout:g} s"
+                results.append(self._fail(task, node, f"no reply from Flower node {node}{within}"))
+                continue
             if reply.has_error():
                 err = reply.error
-                raise FlowerTaskError(
-                    f"Flower node failed on {where}: code {err.code}: {err.reason}"
+                failed = f"Flower node {node} failed: code {err.code}: {err.reason}"
+                results.append(self._fail(task, node, " ".join(failed.split())))
+                continue
+            self.failed.discard(task.client)
+            reason: str | None = check_reply(
+                reply.content,
+                task,
+                shapes,
+                max_update_ratio=self.max_update_ratio,
+                update_keys=None if keys_of is None else keys_of(task),
+                dtypes=dtypes,
+            )
+            if reason is None:
+                try:
+                    results.append(decode_result(reply.content))
+                    continue
+                except Exception as err:  # noqa: BLE001 -- the checks should have caught it
+                    reason = f"cannot be decoded ({type(err).__name__}: {err})"
+            results.append(
+                ClientResult(
+                    client=task.client,
+                    update={},
+                    cost=reported_cost(reply.content, task),
+                    slot=task.slot,
+                    rejected=f"reply rejected: {' '.join(reason.split())}",
                 )
-            result = decode_result(reply.content)
-            if result.client != task.client:
-                raise FlowerTaskError(f"reply for {where} is from radbo client {result.client}")
-            results.append(result)
+            )
         return results

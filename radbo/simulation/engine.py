@@ -122,8 +122,11 @@ class RoundRecord:
     """What happened in one round: sampled and unavailable clients, phase metrics, the cost
     ledger (one entry per client and phase), simulated round time and virtual clock, and the
     clients whose update was rejected in each phase (``{phase: [client, ...]}``; see
-    :func:`update_problem`) and those that dropped out in each phase. ``divergence`` is set
-    when the divergence guard tripped in this round (:meth:`Simulation.iterate`)."""
+    :func:`update_problem`) and those that dropped out in each phase. ``failures`` gives the
+    reasons a backend reported for the clients it marked lost or rejected
+    (``{phase: {client: reason}}``; :attr:`ClientResult.lost` / ``rejected``), written to
+    :meth:`as_dict` only when there are any. ``divergence`` is set when the divergence guard
+    tripped in this round (:meth:`Simulation.iterate`)."""
 
     round: int
     clients: list[int]
@@ -139,6 +142,7 @@ class RoundRecord:
     dropped: dict[str, list[int]] = field(default_factory=dict)
     late: dict[str, list[int]] = field(default_factory=dict)
     divergence: dict[str, Any] | None = None
+    failures: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
     def cost(self) -> dict[str, float]:
@@ -164,6 +168,8 @@ class RoundRecord:
             out.update({f"test_{k}": v for k, v in self.evaluation.items()})
         if self.divergence is not None:
             out["divergence"] = self.divergence
+        if self.failures:  # only when a backend reported one: other results stay unchanged
+            out["failures"] = self.failures
         return out
 
 
@@ -466,13 +472,15 @@ class Simulation(Generic[State]):
         A round where no client is available leaves the state unchanged (and is recorded);
         when that is because no client's availability window covers ``clock_s``, the round
         lasts until the next window opens (:meth:`next_window_opening`), so the clock moves on.
-        Clients drawn by :meth:`dropouts` leave the round in their phase (``record.dropped``).
-        In each phase, a client update that fails :func:`update_problem` (NaN/Inf, wrong
-        shape, unknown tensor) is left out of the server's aggregation -- as if the client had
-        not taken part in that phase -- and listed in ``record.rejected``; its cost stays in
-        the ledger. If every update of a phase is left out, the server function still runs,
-        with no results. After the phases, x is projected onto the task's box when the task
-        has one (:class:`~radbo.simulation.divergence.BoxedProblem`, e.g. ``feature_l2``).
+        Clients drawn by :meth:`dropouts` leave the round in their phase (``record.dropped``),
+        and so do clients whose result the backend marks ``lost``. In each phase, a client
+        update that the backend marks ``rejected`` or that fails :func:`update_problem`
+        (NaN/Inf, wrong shape, unknown tensor) is left out of the server's aggregation -- as
+        if the client had not taken part in that phase -- and listed in ``record.rejected``;
+        its cost stays in the ledger. A backend's reasons go to ``record.failures``. If every
+        update of a phase is left out, the server function still runs, with no results. After
+        the phases, x is projected onto the task's box when the task has one
+        (:class:`~radbo.simulation.divergence.BoxedProblem`, e.g. ``feature_l2``).
         """
         start = time.perf_counter()
         available = self.available_clients(round, clock_s)
@@ -504,6 +512,7 @@ class Simulation(Generic[State]):
         dropped: dict[str, list[int]] = {}
         briefed: set[int] = set()  # clients that already received their index metadata
         late: dict[str, list[int]] = {}
+        failures: dict[str, dict[int, str]] = {}
         durations: list[float] = []
         needed = self.needed_clients(len(available))
         drops = self.dropouts(round, sampled, len(phases))
@@ -536,7 +545,8 @@ class Simulation(Generic[State]):
                     self.backend.run(phase.client, self.runtime, self.flop_meter, tasks)
                 )
             ]
-            lost = [drops.get(r.client) == p for r in results]
+            # a client drawn to drop out in this phase, or whose reply the backend lost
+            lost = [drops.get(r.client) == p or r.lost is not None for r in results]
             # the work was done and the bytes were sent, sound or not: all of it is charged;
             # a client that drops out computed but its upload never arrived. Index metadata
             # travels with a client's first phase of the round.
@@ -560,6 +570,9 @@ class Simulation(Generic[State]):
                 dropped[phase.name] = gone_clients
             if bad_clients:
                 rejected[phase.name] = bad_clients
+            reasons = {r.client: r.lost or r.rejected for r in results if r.lost or r.rejected}
+            if reasons:
+                failures[phase.name] = {c: str(why) for c, why in reasons.items()}
             late_clients = [r.client for r, s_ in zip(results, slow, strict=True) if s_]
             if late_clients:
                 late[phase.name] = late_clients
@@ -589,6 +602,7 @@ class Simulation(Generic[State]):
             rejected=rejected,
             dropped=dropped,
             late=late,
+            failures=failures,
         )
         return state, record
 
@@ -681,14 +695,15 @@ class Simulation(Generic[State]):
         slow: list[bool],
     ) -> tuple[list[int], list[int], list[int]]:
         """Split a phase's results into (positions to aggregate, clients that dropped out,
-        clients whose update fails :func:`update_problem`); late results are left out."""
+        clients whose update the backend rejected or that fails :func:`update_problem`); late
+        results are left out."""
         keep, gone, bad = [], [], []
         for j, (r, idx, dropped) in enumerate(zip(results, index_sets, lost, strict=True)):
             if dropped:
                 gone.append(r.client)
             elif slow[j]:
                 continue
-            elif update_problem(r.update, idx, self.shapes) is not None:
+            elif r.rejected is not None or update_problem(r.update, idx, self.shapes) is not None:
                 bad.append(r.client)
             else:
                 keep.append(j)

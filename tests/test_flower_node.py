@@ -1,0 +1,405 @@
+"""Flower node side: node-local data, the node handler, node set-up checks before round 0,
+radbo-config parsing, and the deployment ClientApp's torch-free import."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="flwr is not installed (pip install 'radbo[flower]')")
+
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+
+from radbo.cli import main  # noqa: E402
+from radbo.config import load_config  # noqa: E402
+from radbo.experiment import build  # noqa: E402
+from radbo.flower.apps import (  # noqa: E402
+    FlowerSetupError,
+    discover_nodes,
+    load_radbo_config,
+)
+from radbo.flower.codec import CONFIG  # noqa: E402
+from radbo.flower.node import DISCOVERY, NodeHandler  # noqa: E402
+from radbo.flower.nodedata import (  # noqa: E402
+    DATA_FILE,
+    META_FILE,
+    NodeDataError,
+    load_node_data,
+    node_side,
+    write_node_data,
+)
+from tests.configs import small_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    config = small_config(rounds=1, baseline={"enabled": False})
+    exp = build(config)
+    out = tmp_path_factory.mktemp("nodes")
+    return config, exp, write_node_data(config, out, exp)
+
+
+def test_node_data_holds_each_client_s_examples_in_order(written):
+    config, exp, folders = written
+    assert [f.name for f in folders] == [f"client-{c}" for c in range(config.fleet.num_clients)]
+    for c, folder in enumerate(folders):
+        node = load_node_data(folder)
+        data = exp.clients[c]
+        assert node.client == c and node.num_clients == config.fleet.num_clients
+        # the positions pick exactly the server's examples, in the server's order
+        assert torch.equal(node.features[node.data.inner], exp.train.features[data.inner])
+        assert torch.equal(node.features[node.data.outer], exp.train.features[data.outer])
+        assert torch.equal(node.labels[node.data.inner], exp.train.labels[data.inner])
+        assert torch.equal(node.labels[node.data.outer], exp.train.labels[data.outer])
+        # no example twice
+        assert node.features.shape[0] == len(set(data.inner.tolist()) | set(data.outer.tolist()))
+
+
+def test_damaged_or_foreign_node_data_is_refused(written, tmp_path):
+    config, _, folders = written
+    with pytest.raises(NodeDataError, match="write it with `radbo flower partition"):
+        load_node_data(tmp_path / "nowhere")
+    copy = tmp_path / "client-0"
+    copy.mkdir()
+    raw = bytearray((folders[0] / DATA_FILE).read_bytes())
+    raw[-1] ^= 1
+    (copy / DATA_FILE).write_bytes(bytes(raw))
+    (copy / META_FILE).write_bytes((folders[0] / META_FILE).read_bytes())
+    with pytest.raises(NodeDataError, match="does not match the SHA-256"):
+        load_node_data(copy)
+    (copy / META_FILE).write_text('{"format": "x"}')
+    with pytest.raises(NodeDataError, match="is not radbo node data"):
+        load_node_data(copy)
+    other = small_config(rounds=1, seed=7)
+    with pytest.raises(NodeDataError, match="written for another config"):
+        node_side(other, load_node_data(folders[0]))
+
+
+def test_cli_partition_writes_every_client(tmp_path, capsys):
+    config = load_config("examples/demo.toml")
+    path = "examples/demo.toml"
+    assert main(["flower", "partition", str(path), "--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "partition-id=i data-root=" in out
+    for c in range(config.fleet.num_clients):
+        assert load_node_data(tmp_path / "d" / f"client-{c}").client == c
+
+
+# ----------------------------------------------------------------------------- set-up checks
+
+
+class SetupGrid:
+    """Nodes answering the discovery query through radbo's handler (``partitions`` maps node
+    id -> node config), or with an error (``errors``: node id -> reason)."""
+
+    def __init__(self, partitions, errors=None, silent=()):
+        self.partitions, self.errors, self.silent = partitions, errors or {}, set(silent)
+        self.handlers = {n: NodeHandler(stateful=True) for n in partitions}
+        self.asked = []
+
+    def get_node_ids(self):
+        return list(self.partitions)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            self.asked.append(node)
+            assert msg.metadata.message_type == DISCOVERY
+            if node in self.silent:
+                continue
+            try:
+                if node in self.errors:
+                    raise ValueError(self.errors[node])
+                content = self.handlers[node].handle(msg.content, self.partitions[node], DISCOVERY)
+                reply = Message(content=content, reply_to=msg)
+            except ValueError as err:  # a ClientApp's exception becomes an error reply
+                reply = Message(Error(code=3, reason=str(err)), reply_to=msg)
+            reply.metadata.__dict__["_src_node_id"] = node
+            replies.append(reply)
+        return replies
+
+
+@pytest.fixture
+def flower_identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+def test_discovery_maps_clients_and_records_stateful_nodes(flower_identity):
+    grid = SetupGrid({10: {"partition-id": 1}, 11: {"partition-id": 0}, 12: {"partition-id": 2}})
+    stateful = set()
+    assert discover_nodes(grid, 3, wait_s=5, stateful=stateful) == {0: 11, 1: 10, 2: 12}
+    assert stateful == {10, 11, 12}
+
+
+@pytest.mark.parametrize(
+    ("partitions", "errors", "message"),
+    [
+        (
+            {10: {"partition-id": 0}, 11: {"partition-id": 0}, 12: {"partition-id": 1}},
+            None,
+            r"Flower nodes \[10, 11\] all serve radbo client 0: give each SuperNode its own",
+        ),
+        (
+            {10: {"partition-id": 0}, 11: {"partition-id": 5}},
+            None,
+            r"Flower node 11 has partition-id 5, but the run's clients are 0..1",
+        ),
+        (
+            {10: {"partition-id": 0}, 11: {}},
+            None,
+            r"Flower node 11 has no partition-id, but the run's clients are 0..1",
+        ),
+        (
+            {10: {"partition-id": 0}, 11: {"partition-id": 1}},
+            {11: "bad data-root"},
+            r"Flower node 11 failed the radbo set-up: code 3: bad data-root",
+        ),
+    ],
+)
+def test_bad_node_setups_stop_before_round_0(partitions, errors, message, flower_identity):
+    grid = SetupGrid(partitions, errors)
+    with pytest.raises(FlowerSetupError, match=message):
+        discover_nodes(grid, 2, wait_s=5)
+
+
+def test_a_missing_partition_waits_then_names_it(flower_identity):
+    grid = SetupGrid({10: {"partition-id": 0}, 11: {"partition-id": 2}, 12: {"partition-id": 1}})
+    grid.silent = {12}
+    with pytest.raises(
+        FlowerSetupError, match=r"client\(s\) \[1\] after 0.2 s .* node\(s\) \[12\]"
+    ):
+        discover_nodes(grid, 3, wait_s=0.2)
+
+
+def test_discovery_with_the_run_config_checks_each_node_s_data(written, flower_identity):
+    config, _, folders = written
+    from radbo.flower.codec import CONFIG_KEY, CONFIG_SHA_KEY, TaskSender
+
+    text = config.model_dump_json()
+    query = {CONFIG_KEY: text, CONFIG_SHA_KEY: TaskSender(text).config_sha, "node_data": True}
+    ok = {
+        100 + c: {"partition-id": c, "data-root": str(folders[c])}
+        for c in range(config.fleet.num_clients)
+    }
+    assert discover_nodes(SetupGrid(ok), config.fleet.num_clients, wait_s=5, query=query) == {
+        c: 100 + c for c in range(config.fleet.num_clients)
+    }
+    # node 101 points at client 0's data: caught before round 0
+    swapped = {**ok, 101: {"partition-id": 1, "data-root": str(folders[0])}}
+    grid = SetupGrid(swapped)
+    with pytest.raises(FlowerSetupError, match="node 101 .* serves radbo client 1, but its data"):
+        discover_nodes(grid, config.fleet.num_clients, wait_s=5, query=query)
+
+
+# ----------------------------------------------------------------------------- radbo-config
+
+
+def test_radbo_config_spec_errors_are_one_line(tmp_path):
+    with pytest.raises(ValueError, match="radbo-config is empty"):
+        load_radbo_config("  ")
+    with pytest.raises(ValueError, match=r"'cfg.toml': no such file \(relative to .*absolute"):
+        load_radbo_config("cfg.toml")
+    path = tmp_path / "c.toml"
+    path.write_text("rounds = 3\n")
+    assert load_radbo_config(str(path)).rounds == 3
+    assert load_radbo_config("rounds = 4").rounds == 4
+    assert load_radbo_config(json.dumps({"rounds": 5})).rounds == 5
+
+
+def test_deployment_clientapp_imports_without_torch():
+    code = (
+        "import sys; import radbo.flower.clientapp as c; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(len(c.ACTIONS))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    from radbo.flower.backend import actions
+    from radbo.flower.clientapp import ACTIONS
+
+    assert set(ACTIONS) == set(actions())
+
+
+def test_discovery_reply_without_a_query_config():
+    handler = NodeHandler(stateful=False)
+    content = RecordDict({CONFIG: ConfigRecord({"radbo": 1})})
+    reply = handler.handle(content, {"partition-id": "3"}, DISCOVERY)
+    assert dict(reply.config_records[CONFIG]) == {"partition-id": 3, "stateful": False}
+    with pytest.raises(ValueError, match="partition-id = 'x' is not an integer"):
+        handler.handle(content, {"partition-id": "x"}, DISCOVERY)
+    assert Context  # imported for the fake grids of other tests
+
+
+# ----------------------------------------------------------------------------- node-local runs
+
+
+class NodeGrid:
+    """An in-process Grid of stateful nodes (as deployed, with radbo's worker), each with its
+    own node config; records every task's payload bytes and its reply's."""
+
+    def __init__(self, node_configs):
+        self.node_configs = node_configs  # node id -> node config
+        self.handlers = {n: NodeHandler(stateful=True) for n in node_configs}
+        self.sent = []  # (message type, client, round, task payload, reply payload)
+
+    def get_node_ids(self):
+        return list(self.node_configs)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from radbo.flower.codec import payload_bytes
+
+        replies = []
+        for n, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}-{n}"
+            node = msg.metadata.dst_node_id
+            kind = msg.metadata.message_type
+            content = self.handlers[node].handle(msg.content, self.node_configs[node], kind)
+            reply = Message(content=content, reply_to=msg)
+            reply.metadata.__dict__["_src_node_id"] = node
+            replies.append(reply)
+            if kind != DISCOVERY:
+                config = msg.content.config_records[CONFIG]
+                self.sent.append(
+                    (
+                        kind,
+                        int(config["client"]),
+                        int(config["round"]),
+                        payload_bytes(msg.content),
+                        payload_bytes(content),
+                    )
+                )
+        return replies
+
+
+def test_node_local_run_equals_the_engine_and_wire_bytes_equal_the_ledger(written, flower_identity):
+    from radbo.flower import FlowerBackend
+    from radbo.flower.codec import TaskSender
+    from tests.test_flower import assert_same_state
+
+    config, _, folders = written
+    config = config.model_copy(update={"flower": config.flower.model_copy(update={"data": "node"})})
+    ref = build(config)
+    ref_states = list(ref.simulation.iterate(ref.initial_state, 2))
+
+    exp = build(config)
+    nodes = {c: 500 + c for c in range(config.fleet.num_clients)}
+    grid = NodeGrid(
+        {n: {"partition-id": c, "data-root": str(folders[c])} for c, n in nodes.items()}
+    )
+    sender = TaskSender(config.model_dump_json(), send_data=False)
+    sender.stateful = set(nodes.values())
+    exp.simulation.backend = FlowerBackend(grid, nodes, sender=sender)
+    states = list(exp.simulation.iterate(exp.initial_state, 2))
+    for (s, r), (rs, rr) in zip(states, ref_states, strict=True):
+        assert_same_state(s, rs)
+        assert r.ledger == rr.ledger
+        assert r.metrics == rr.metrics
+
+    # per message: tensors sent = the ledger's bytes down (its index metadata included),
+    # tensors replied = its bytes up; no data indices travel
+    ledger = {(e.round, e.client, e.phase): e for _, r in states for e in r.ledger}
+    assert len(grid.sent) == len(ledger)
+    phases = {"train.inner": "train.inner", "train.outer": "train.outer"}
+    for kind, client, rnd, down, up in grid.sent:
+        entry = ledger[(rnd, client, phases[kind])]
+        assert "data" not in down
+        assert down.get("params", 0) + down.get("index", 0) == entry.bytes_down, (kind, client)
+        assert up.get("update", 0) == entry.bytes_up, (kind, client)
+    # RABO's outer phase sends y (and the estimator state), not x again
+    outer = [d for k, *_, d, _ in grid.sent if k == "train.outer"]
+    inner = [d for k, *_, d, _ in grid.sent if k == "train.inner"]
+    assert all("index" not in d for d in outer) and any("index" in d for d in inner)
+
+
+# ----------------------------------------------------------------------------- the ServerApp
+
+
+def _serve(config, grid, out, **run_config):
+    from radbo.flower.apps import make_server_app
+
+    sink = {}
+    app = make_server_app(config, sink=sink)
+    context = Context(0, 0, {}, RecordDict(), {"output-dir": str(out), **run_config})
+    try:
+        app._main(grid, context)  # the ServerApp's main, as flwr-serverapp calls it
+    except Exception as err:  # noqa: BLE001 -- the test reads the sink and status file
+        sink.setdefault("error", err)
+    return sink
+
+
+def test_server_app_resumes_from_checkpoints_and_writes_its_status(
+    written, flower_identity, tmp_path
+):
+    from radbo.experiment import run
+
+    config, _, folders = written
+    config = config.model_copy(
+        update={
+            "flower": config.flower.model_copy(update={"data": "node"}),
+            "checkpoint_every": 1,
+            "eval_every": 1,
+        }
+    )
+
+    def grid():
+        return NodeGrid(
+            {
+                700 + c: {"partition-id": c, "data-root": str(folders[c])}
+                for c in range(config.fleet.num_clients)
+            }
+        )
+
+    whole = run(config.model_copy(update={"rounds": 3}), progress=False, save=False)
+    first = _serve(config.model_copy(update={"rounds": 2}), grid(), tmp_path)
+    assert "error" not in first
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "completed" and status["rounds"] == 2
+    second = _serve(config.model_copy(update={"rounds": 3}), grid(), tmp_path, resume=True)
+    assert "error" not in second, second.get("error")
+    resumed = second["result"]
+    assert resumed.final == whole.final
+    # FLOPs are measured on the nodes, so the server's meter made no measurements
+    strip = lambda t: {k: v for k, v in t.items() if k != "flop_measurements"}  # noqa: E731
+    assert strip(resumed.totals) == strip(whole.totals)
+
+    # a fatal error: the status says why, and the error reaches Flower
+    failed = _serve(
+        config.model_copy(update={"rounds": 1}), SetupGrid({1: {"partition-id": 0}}), tmp_path
+    )
+    assert isinstance(failed["error"], FlowerSetupError)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "failed" and "FlowerSetupError" in status["error"]
+
+
+def _conformance_cases():
+    from tests.test_algorithm_conformance import CASES
+
+    return list(CASES)
+
+
+@pytest.mark.parametrize("case", _conformance_cases())
+def test_every_algorithm_on_stateful_nodes_with_their_own_data_equals_the_engine(
+    case, flower_identity, tmp_path
+):
+    """As deployed: nodes hold their own data and keep the round's tensors (the sender
+    leaves out what they hold); every algorithm's trajectory equals the engine's."""
+    from radbo.flower import FlowerBackend
+    from radbo.flower.codec import TaskSender
+    from tests.test_algorithm_conformance import assert_bitwise, config, trajectory
+
+    cfg = config(case, flower={"data": "node"})
+    folders = write_node_data(cfg, tmp_path)
+    nodes = {c: 900 + c for c in range(cfg.fleet.num_clients)}
+    grid = NodeGrid(
+        {n: {"partition-id": c, "data-root": str(folders[c])} for c, n in nodes.items()}
+    )
+    sender = TaskSender(cfg.model_dump_json(), send_data=False)
+    sender.stateful = set(nodes.values())
+    backend = FlowerBackend(grid, nodes, sender=sender)
+    assert_bitwise(trajectory(cfg), trajectory(cfg, backend=backend))
+    assert grid.sent
