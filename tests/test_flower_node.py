@@ -90,35 +90,52 @@ def test_cli_partition_writes_every_client(tmp_path, capsys):
 # ----------------------------------------------------------------------------- set-up checks
 
 
-class SetupGrid:
-    """Nodes answering the discovery query through radbo's handler (``partitions`` maps node
-    id -> node config), or with an error (``errors``: node id -> reason)."""
+class NodeGrid:
+    """An in-process Grid of stateful nodes (as deployed, with radbo's worker), each with its
+    own node config (``node_configs``: node id -> node config). A node in ``errors`` answers
+    with that error (as a ClientApp's exception becomes an error reply), one in ``silent``
+    never answers. Records every task's payload bytes and its reply's."""
 
-    def __init__(self, partitions, errors=None, silent=()):
-        self.partitions, self.errors, self.silent = partitions, errors or {}, set(silent)
-        self.handlers = {n: NodeHandler(stateful=True) for n in partitions}
-        self.asked = []
+    def __init__(self, node_configs, errors=None, silent=()):
+        self.node_configs, self.errors, self.silent = node_configs, errors or {}, set(silent)
+        self.handlers = {n: NodeHandler(stateful=True) for n in node_configs}
+        self.sent = []  # (message type, client, round, task payload, reply payload)
+        self.kinds = []  # the type of every message received
 
     def get_node_ids(self):
-        return list(self.partitions)
+        return list(self.node_configs)
 
     def send_and_receive(self, messages, *, timeout=None):
+        from radbo.flower.codec import payload_bytes
+
         replies = []
-        for msg in messages:
+        for n, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}-{n}"
             node = msg.metadata.dst_node_id
-            self.asked.append(node)
-            assert msg.metadata.message_type == DISCOVERY
+            kind = msg.metadata.message_type
+            self.kinds.append(kind)
             if node in self.silent:
                 continue
             try:
                 if node in self.errors:
                     raise ValueError(self.errors[node])
-                content = self.handlers[node].handle(msg.content, self.partitions[node], DISCOVERY)
+                content = self.handlers[node].handle(msg.content, self.node_configs[node], kind)
                 reply = Message(content=content, reply_to=msg)
-            except ValueError as err:  # a ClientApp's exception becomes an error reply
+            except ValueError as err:
                 reply = Message(Error(code=3, reason=str(err)), reply_to=msg)
             reply.metadata.__dict__["_src_node_id"] = node
             replies.append(reply)
+            if kind != DISCOVERY and not reply.has_error():
+                config = msg.content.config_records[CONFIG]
+                self.sent.append(
+                    (
+                        kind,
+                        int(config["client"]),
+                        int(config["round"]),
+                        payload_bytes(msg.content),
+                        payload_bytes(content),
+                    )
+                )
         return replies
 
 
@@ -131,10 +148,11 @@ def flower_identity(monkeypatch):
 
 
 def test_discovery_maps_clients_and_records_stateful_nodes(flower_identity):
-    grid = SetupGrid({10: {"partition-id": 1}, 11: {"partition-id": 0}, 12: {"partition-id": 2}})
+    grid = NodeGrid({10: {"partition-id": 1}, 11: {"partition-id": 0}, 12: {"partition-id": 2}})
     stateful = set()
     assert discover_nodes(grid, 3, wait_s=5, stateful=stateful) == {0: 11, 1: 10, 2: 12}
     assert stateful == {10, 11, 12}
+    assert grid.kinds == [DISCOVERY] * 3
 
 
 @pytest.mark.parametrize(
@@ -163,14 +181,16 @@ def test_discovery_maps_clients_and_records_stateful_nodes(flower_identity):
     ],
 )
 def test_bad_node_setups_stop_before_round_0(partitions, errors, message, flower_identity):
-    grid = SetupGrid(partitions, errors)
+    grid = NodeGrid(partitions, errors)
     with pytest.raises(FlowerSetupError, match=message):
         discover_nodes(grid, 2, wait_s=5)
+    assert set(grid.kinds) == {DISCOVERY}
 
 
 def test_a_missing_partition_waits_then_names_it(flower_identity):
-    grid = SetupGrid({10: {"partition-id": 0}, 11: {"partition-id": 2}, 12: {"partition-id": 1}})
-    grid.silent = {12}
+    grid = NodeGrid(
+        {10: {"partition-id": 0}, 11: {"partition-id": 2}, 12: {"partition-id": 1}}, silent={12}
+    )
     with pytest.raises(
         FlowerSetupError, match=r"client\(s\) \[1\] after 0.2 s .* node\(s\) \[12\]"
     ):
@@ -179,20 +199,20 @@ def test_a_missing_partition_waits_then_names_it(flower_identity):
 
 def test_discovery_with_the_run_config_checks_each_node_s_data(written, flower_identity):
     config, _, folders = written
-    from radbo.flower.codec import CONFIG_KEY, CONFIG_SHA_KEY, TaskSender
+    from radbo.flower.codec import CONFIG_KEY, CONFIG_SHA_KEY, config_sha256
 
     text = config.model_dump_json()
-    query = {CONFIG_KEY: text, CONFIG_SHA_KEY: TaskSender(text).config_sha, "node_data": True}
+    query = {CONFIG_KEY: text, CONFIG_SHA_KEY: config_sha256(text), "node_data": True}
     ok = {
         100 + c: {"partition-id": c, "data-root": str(folders[c])}
         for c in range(config.fleet.num_clients)
     }
-    assert discover_nodes(SetupGrid(ok), config.fleet.num_clients, wait_s=5, query=query) == {
+    assert discover_nodes(NodeGrid(ok), config.fleet.num_clients, wait_s=5, query=query) == {
         c: 100 + c for c in range(config.fleet.num_clients)
     }
     # node 101 points at client 0's data: caught before round 0
     swapped = {**ok, 101: {"partition-id": 1, "data-root": str(folders[0])}}
-    grid = SetupGrid(swapped)
+    grid = NodeGrid(swapped)
     with pytest.raises(FlowerSetupError, match="node 101 .* serves radbo client 1, but its data"):
         discover_nodes(grid, config.fleet.num_clients, wait_s=5, query=query)
 
@@ -236,44 +256,6 @@ def test_discovery_reply_without_a_query_config():
 
 
 # ----------------------------------------------------------------------------- node-local runs
-
-
-class NodeGrid:
-    """An in-process Grid of stateful nodes (as deployed, with radbo's worker), each with its
-    own node config; records every task's payload bytes and its reply's."""
-
-    def __init__(self, node_configs):
-        self.node_configs = node_configs  # node id -> node config
-        self.handlers = {n: NodeHandler(stateful=True) for n in node_configs}
-        self.sent = []  # (message type, client, round, task payload, reply payload)
-
-    def get_node_ids(self):
-        return list(self.node_configs)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        from radbo.flower.codec import payload_bytes
-
-        replies = []
-        for n, msg in enumerate(messages):
-            msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}-{n}"
-            node = msg.metadata.dst_node_id
-            kind = msg.metadata.message_type
-            content = self.handlers[node].handle(msg.content, self.node_configs[node], kind)
-            reply = Message(content=content, reply_to=msg)
-            reply.metadata.__dict__["_src_node_id"] = node
-            replies.append(reply)
-            if kind != DISCOVERY:
-                config = msg.content.config_records[CONFIG]
-                self.sent.append(
-                    (
-                        kind,
-                        int(config["client"]),
-                        int(config["round"]),
-                        payload_bytes(msg.content),
-                        payload_bytes(content),
-                    )
-                )
-        return replies
 
 
 def test_node_local_run_equals_the_engine_and_wire_bytes_equal_the_ledger(written, flower_identity):
@@ -369,7 +351,7 @@ def test_server_app_resumes_from_checkpoints_and_writes_its_status(
 
     # a fatal error: the status says why, and the error reaches Flower
     failed = _serve(
-        config.model_copy(update={"rounds": 1}), SetupGrid({1: {"partition-id": 0}}), tmp_path
+        config.model_copy(update={"rounds": 1}), NodeGrid({1: {"partition-id": 0}}), tmp_path
     )
     assert isinstance(failed["error"], FlowerSetupError)
     status = json.loads((tmp_path / "status.json").read_text())

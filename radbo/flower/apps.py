@@ -43,7 +43,15 @@ from radbo.checkpoint import atomic_write_text
 from radbo.config import RunConfig, load_config, parse_config
 from radbo.experiment import RunResult, run
 from radbo.flower.backend import FlowerBackend, FlowerTaskError, actions
-from radbo.flower.codec import CONFIG, CONFIG_KEY, CONFIG_SHA_KEY, TaskSender, config_number
+from radbo.flower.clientapp import make_app
+from radbo.flower.codec import (
+    CONFIG,
+    CONFIG_KEY,
+    CONFIG_SHA_KEY,
+    TaskSender,
+    config_number,
+    config_sha256,
+)
 from radbo.flower.node import DISCOVERY, PARTITION, NodeHandler
 
 __all__ = [
@@ -105,15 +113,25 @@ def client_work(message: Message, context: Context) -> Message:
 def make_client_app() -> ClientApp:
     """radbo's ClientApp for Flower's simulation runtime: ``train`` (default) and
     ``train.<action>`` for every routed action, plus the node-discovery query."""
-    app = ClientApp()
-    app.train()(client_work)
-    for action in actions():
-        app.train(action)(client_work)
-    app.query(DISCOVERY.split(".", 1)[1])(client_work)
-    return app
+    return make_app(client_work, actions())
 
 
 # ----------------------------------------------------------------------------- server side
+
+
+def _query(config_json: str, node_data: bool) -> dict[str, Any]:
+    """The discovery question that carries a run config: nodes check their data and build
+    their client side for it when they answer."""
+    return {
+        CONFIG_KEY: config_json,
+        CONFIG_SHA_KEY: config_sha256(config_json),
+        "node_data": node_data,
+    }
+
+
+def _served(record: ConfigRecord) -> tuple[int, bool]:
+    """A discovery reply's ``(partition id, whether the node keeps state)``; -1: none."""
+    return int(config_number(record, PARTITION)), bool(record.get("stateful", False))
 
 
 def _ask(
@@ -171,9 +189,7 @@ def discover_nodes(
         if not missing:
             if stateful is not None:
                 stateful.update(
-                    n
-                    for n, r in asked.items()
-                    if isinstance(r, ConfigRecord) and bool(r.get("stateful", False))
+                    n for n, r in asked.items() if isinstance(r, ConfigRecord) and _served(r)[1]
                 )
             return {c: served[c] for c in range(num_clients)}
         if time.monotonic() >= deadline:
@@ -201,7 +217,7 @@ def _check_setup(asked: Mapping[int, ConfigRecord | str], num_clients: int) -> d
     for node, record in asked.items():
         if not isinstance(record, ConfigRecord):
             continue
-        partition = int(config_number(record, PARTITION))
+        partition = _served(record)[0]
         if not 0 <= partition < num_clients:
             what = "has no partition-id" if partition == -1 else f"has partition-id {partition}"
             raise FlowerSetupError(
@@ -234,10 +250,10 @@ def _rediscover(
         for node, record in _ask(grid, new, query, timeout).items():
             if not isinstance(record, ConfigRecord):
                 continue
-            partition = int(config_number(record, PARTITION))
+            partition, keeps_state = _served(record)
             if partition in clients and partition not in found:
                 found[partition] = node
-                if bool(record.get("stateful", False)):
+                if keeps_state:
                     stateful.add(node)
         known.update(found)
         return found
@@ -310,11 +326,7 @@ def make_server_app(
             fc = cfg.flower
             node_data = fc.data == "node"
             stateful: set[int] = set()
-            query = {
-                CONFIG_KEY: cfg.model_dump_json(),
-                CONFIG_SHA_KEY: TaskSender(cfg.model_dump_json()).config_sha,
-                "node_data": node_data,
-            }
+            query = _query(cfg.model_dump_json(), node_data)
             nodes = discover_nodes(
                 grid,
                 cfg.fleet.num_clients,
@@ -330,7 +342,7 @@ def make_server_app(
                 sender.stateful = stateful
                 if text == query[CONFIG_KEY]:  # discovery already sent it
                     sender.configured.update(n for n in nodes.values() if n in stateful)
-                ask = {CONFIG_KEY: text, CONFIG_SHA_KEY: sender.config_sha, "node_data": node_data}
+                ask = _query(text, node_data)
                 return FlowerBackend(
                     grid,
                     dict(nodes),

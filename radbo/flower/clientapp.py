@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -58,14 +59,14 @@ def forward(message: Message, context: Context) -> Message:
     return Message(content=recorddict_from_proto(proto), reply_to=message)
 
 
-def make_forwarding_app(actions: tuple[str, ...]) -> ClientApp:
-    """A ClientApp forwarding ``train``, ``train.<action>`` for ``actions`` and the
-    discovery query to the node's worker."""
+def make_app(handler: Callable[[Message, Context], Message], actions: Sequence[str]) -> ClientApp:
+    """A ClientApp answering ``train``, ``train.<action>`` for ``actions`` and radbo's
+    node-discovery query (``query.radbo_partition``) with ``handler``."""
     app = ClientApp()
-    app.train()(forward)
+    app.train()(handler)
     for action in actions:
-        app.train(action)(forward)
-    app.query("radbo_partition")(forward)
+        app.train(action)(handler)
+    app.query("radbo_partition")(handler)
     return app
 
 
@@ -74,4 +75,4 @@ def make_forwarding_app(actions: tuple[str, ...]) -> ClientApp:
 ACTIONS = ("inner", "outer", "momentum", "local", GENERIC_ACTION)
 
 #: The ClientApp of a deployment.
-client_app = make_forwarding_app(ACTIONS)
+client_app = make_app(forward, ACTIONS)

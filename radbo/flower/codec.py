@@ -230,6 +230,11 @@ CONFIG_KEY = "radbo.config"
 CONFIG_SHA_KEY = "radbo.config-sha256"
 
 
+def config_sha256(config_json: str) -> str:
+    """The name a run config travels by once a node holds it: the SHA-256 of its JSON."""
+    return hashlib.sha256(config_json.encode()).hexdigest()
+
+
 class TaskSender:
     """Encodes a run's tasks for the nodes, leaving out what a node already holds.
 
@@ -244,7 +249,7 @@ class TaskSender:
 
     def __init__(self, config_json: str, *, send_data: bool = True) -> None:
         self.config_json = config_json
-        self.config_sha = hashlib.sha256(config_json.encode()).hexdigest()
+        self.config_sha = config_sha256(config_json)
         self.send_data = send_data
         self.stateful: set[int] = set()
         self.configured: set[int] = set()

@@ -15,7 +15,6 @@ the serialized reply content.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from radbo.flower.codec import (
     CONFIG,
     CONFIG_KEY,
     CONFIG_SHA_KEY,
+    config_sha256,
     decode_task,
     encode_result,
 )
@@ -84,7 +84,7 @@ class NodeHandler:
     # -- run configs and client sides ----------------------------------------------------
     def _config(self, config: ConfigRecord) -> tuple[str, str]:
         text = config.get(CONFIG_KEY)
-        digest = None if text is None else hashlib.sha256(str(text).encode()).hexdigest()
+        digest = None if text is None else config_sha256(str(text))
         sha = str(config.get(CONFIG_SHA_KEY, digest))
         if text is not None:
             if digest != sha:
