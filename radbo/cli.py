@@ -7,19 +7,13 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from radbo.checkpoint import CheckpointError
-from radbo.config import ConfigError, load_config
-from radbo.data.partition import FleetTooLargeError
-from radbo.devices.budget import DeviceTooSmallError
-from radbo.devices.profile import ProfileError
-from radbo.edge import LATENCY_RUNS
-from radbo.export import ExportCheckError, ExportError
-from radbo.limits import caps_lifted
-from radbo.report import ReportError
-from radbo.simulation.divergence import DivergenceError
-from radbo.simulation.processes import ClientWorkerError
+from radbo.limits import LATENCY_RUNS, caps_lifted
+from radbo.tomlfile import read_toml
+
+if TYPE_CHECKING:
+    from radbo.config import RunConfig
 
 EXIT_CONFIG = 2
 EXIT_CHECK = 1
@@ -27,18 +21,39 @@ EXIT_CHECK = 1
 #: What ``main`` reports as one line on stderr with exit code 2: a config, fleet file, trace,
 #: device profile, data, checkpoint, run folder or output folder radbo refuses, a run stopped
 #: by its divergence guard, a dead worker process. Any other exception is a bug in radbo and
-#: keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (
-    ConfigError,
-    ProfileError,
-    DeviceTooSmallError,
-    FleetTooLargeError,
-    CheckpointError,
-    ReportError,
-    ExportError,
-    DivergenceError,
-    ClientWorkerError,
+#: keeps its traceback. Named by module, and looked up only among the modules already
+#: imported (an error is raised by an imported module): this module imports no torch, so a
+#: config file that cannot be read or parsed is reported before torch is loaded.
+USER_ERRORS: tuple[tuple[str, str], ...] = (
+    ("radbo.registry", "ConfigError"),
+    ("radbo.devices.profile", "ProfileError"),
+    ("radbo.devices.budget", "DeviceTooSmallError"),
+    ("radbo.data.partition", "FleetTooLargeError"),
+    ("radbo.checkpoint", "CheckpointError"),
+    ("radbo.report", "ReportError"),
+    ("radbo.export", "ExportError"),
+    ("radbo.simulation.divergence", "DivergenceError"),
+    ("radbo.simulation.processes", "ClientWorkerError"),
 )
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Whether ``err`` is one of :data:`USER_ERRORS` (reported as one line, exit code 2)."""
+    return any(
+        isinstance(err, getattr(sys.modules[module], name))
+        for module, name in USER_ERRORS
+        if module in sys.modules
+    )
+
+
+def _load(args: argparse.Namespace) -> RunConfig:
+    """``args.config`` read (torch-free: a missing or malformed file fails fast) and then
+    validated, which needs the config classes and so imports torch."""
+    data = read_toml(args.config)
+    from radbo.config import parse_config
+
+    return parse_config(data)
+
 
 _FORCE_HELP = (
     "accept values above the caps that guard against a run that would not end (rounds > "
@@ -145,10 +160,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _flower(args: argparse.Namespace) -> int:
-    from radbo.config import load_config
+    config = _load(args)
     from radbo.flower.nodedata import write_node_data
 
-    config = load_config(args.config)
     folders = write_node_data(config, args.out)
     for folder in folders:
         print(folder)
@@ -160,10 +174,10 @@ def _flower(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    config = _load(args)
     from radbo.config import parse_config
     from radbo.experiment import run
 
-    config = load_config(args.config)
     overrides = {
         k: v
         for k, v in (
@@ -214,11 +228,12 @@ def _run(args: argparse.Namespace) -> int:
 def _fleet(args: argparse.Namespace) -> int:
     import json
 
-    from radbo.experiment import fleet_table
-
     if args.calibrate:
         return _calibrate(args)
-    rows = fleet_table(load_config(args.config))
+    config = _load(args)
+    from radbo.experiment import fleet_table
+
+    rows = fleet_table(config)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -267,9 +282,10 @@ def _fleet(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     import json
 
+    config = _load(args)
     from radbo.export import calibrate
 
-    result = calibrate(load_config(args.config), runs=args.runs)
+    result = calibrate(config, runs=args.runs)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     return 0
 
@@ -286,9 +302,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from radbo.export import export_submodels
+    config = _load(args)
+    from radbo.export import ExportCheckError, export_submodels
 
-    config = load_config(args.config)
     try:
         result = export_submodels(
             config,
@@ -351,7 +367,7 @@ def _print_export(manifest: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``radbo`` command; returns the exit code: 2 for what
-    :data:`USER_ERRORS` covers (bad configs, files, run or output folders; printed as one
+    :data:`USER_ERRORS` names (bad configs, files, run or output folders; printed as one
     line per problem on stderr, without a traceback), 1 when ``radbo export``'s check fails."""
     args = _parser().parse_args(argv)
     commands = {
@@ -368,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # makes when it is built (local steps a device budget gives)
         with caps_lifted(getattr(args, "force", False)):
             return commands[args.command](args)
-    except USER_ERRORS as err:
+    except Exception as err:
+        if not is_user_error(err):
+            raise
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG
     finally:

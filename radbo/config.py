@@ -15,7 +15,6 @@ errors are turned into one line per problem by :func:`format_validation_error`:
 from __future__ import annotations
 
 import reprlib
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -34,6 +33,7 @@ from radbo.masks.policies import POLICIES
 from radbo.models import MODELS, MLPConfig, ModelConfig
 from radbo.registry import ConfigError, Section, all_tags
 from radbo.tasks import TASKS, HyperRepresentation, TaskConfig
+from radbo.tomlfile import read_toml
 
 __all__ = [
     "BaselineConfig",
@@ -500,17 +500,4 @@ def parse_config(data: dict[str, Any], *, force: bool = False) -> RunConfig:
 
 def load_config(path: str | Path, *, force: bool = False) -> RunConfig:
     """Read and validate a TOML run configuration (``force``: see :func:`parse_config`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config error: {path} does not exist or is not a file")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:  # TOMLDecodeError, UnicodeDecodeError, an integer of 4300+ digits
-        raise ConfigError(f"config error: {path} is not valid TOML: {err}") from None
-    except RecursionError:  # tomllib recurses once per level of nested arrays or tables
-        raise ConfigError(
-            f"config error: {path} is not valid TOML: arrays or tables nested too deeply"
-        ) from None
-    except OSError as err:
-        raise ConfigError(f"config error: {path} cannot be read: {err.strerror or err}") from None
-    return parse_config(data, force=force)
+    return parse_config(read_toml(path), force=force)

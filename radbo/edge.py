@@ -52,6 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from radbo.limits import LATENCY_RUNS
+
 __all__ = [
     "EDGE_FORMATS",
     "FORMATS",
@@ -75,8 +77,6 @@ EDGE_FORMATS: tuple[str, ...] = ("pte", "onnx")
 FORMATS: tuple[str, ...] = ("safetensors", *EDGE_FORMATS)
 #: Quantizations :func:`lower` offers for ``.pte``.
 QUANTIZATIONS: tuple[str, ...] = ("int8",)
-#: Timed runs per latency figure by default (after two untimed warm-up runs).
-LATENCY_RUNS = 20
 #: Seconds a child process may take to load and run a file once (see :func:`load_program`).
 PROBE_TIMEOUT_S = 300
 

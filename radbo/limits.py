@@ -46,6 +46,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 __all__ = [
+    "LATENCY_RUNS",
     "MAX_BATCH_SIZE",
     "MAX_BUDGET_STEPS",
     "MAX_CLIENTS",
@@ -127,3 +128,9 @@ StepSize = Annotated[
 MAX_BATCH_SIZE = 1_000_000_000
 #: A batch size, at most :data:`MAX_BATCH_SIZE` (always; ``--force`` does not lift it).
 BatchSize = Annotated[int, Field(le=MAX_BATCH_SIZE)]
+
+
+#: Timed runs per latency figure of an exported program by default, after two untimed warm-up
+#: runs (:func:`radbo.edge.measure_latency`; here, beside the other numeric defaults the
+#: command line shows, so that building its parser imports no torch).
+LATENCY_RUNS = 20

@@ -43,7 +43,8 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: The layers of radbo, lowest first. A module may import its own package and any package of a
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
-    {"typing", "randomness", "registry", "version", "flops", "limits", "edge", "lazy"},
+    {"typing", "randomness", "registry", "version", "limits", "lazy"},
+    {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
     {"client", "data"},
     {"masks", "models", "tasks", "hypergrad"},

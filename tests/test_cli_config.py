@@ -216,3 +216,30 @@ def test_radbo_warnings_print_as_one_line_and_others_as_python_prints_them(capsy
     warn(UserWarning("elsewhere"), UserWarning, "/site/other.py", 7)
     assert capsys.readouterr().err == "warning: resuming from round 2\n"
     assert [(str(a[0]), a[2], a[3]) for a in others] == [("elsewhere", "/site/other.py", 7)]
+
+
+@pytest.mark.parametrize("command", ["run", "fleet", "export"])
+def test_unreadable_config_is_reported_before_torch_is_imported(tmp_path, command):
+    """A config file that is missing or not TOML is refused by the torch-free part of the
+    command line (radbo.tomlfile), before radbo imports torch for the config classes: the
+    error reaches the user in a fresh interpreter without importing torch (issue 15, item 1)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3")
+    code = (
+        "import sys; from radbo.cli import main; "
+        f"codes = [main([{command!r}, sys.argv[1]]), main([{command!r}, sys.argv[2]])]; "
+        "print(codes, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "nope.toml"), str(bad)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[2, 2] False"
+    assert proc.stderr.splitlines() == [
+        f"config error: {tmp_path / 'nope.toml'} does not exist or is not a file",
+        f"config error: {bad} is not valid TOML: Invalid value (at line 1, column 10)",
+    ]
