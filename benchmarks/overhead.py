@@ -31,9 +31,22 @@ ledger's; the gap is radbo's extra ``f(x, y)`` forward for its ``outer_loss`` me
 is counted separately (``metric fwd``). ``--profile`` adds a cProfile of one radbo steady round
 per config (top 15 by cumulative and by own time). ``--backend batched`` times radbo with
 :class:`~radbo.simulation.BatchedBackend` instead of the config's backend (sequential).
+``--compare-module-call`` also times the radbo round with every loss evaluated through
+``torch.func.functional_call`` (:func:`radbo.problem.module_calls_only`, the path before the
+models' functional forms), alternated with the other two (column ``module call``).
+
+``--compile-probe`` asks whether ``torch.compile`` (inductor, CPU) of the client step would pay:
+it runs the round's inner phase (every client's T SGD steps on its recorded minibatches, the
+loss written directly with the model's functional form: the best case for the compiler) eager
+and compiled, reports the compile time (wall seconds of the first compiled pass, recompiles
+for every submodel shape and batch size included, minus an eager pass), the steady CPU time of
+each, and what the compile costs over runs of 20 and 200 rounds. It also tries the outer
+phase's second-order products (``create_graph=True``) through the compiled loss.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --configs demo --repeats 9 --profile
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --repeats 7 --compare-module-call
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --repeats 7 --compile-probe
 
 Writes the tables and the command to ``--out`` (default ``runs/bench/overhead.md``).
 """
@@ -69,7 +82,8 @@ from radbo.cost import FlopMeter, LedgerEntry
 from radbo.experiment import build
 from radbo.experiment.runner import torch_threads
 from radbo.hypergrad import ImplicitCG
-from radbo.problem import MinibatchSampler
+from radbo.models import BilevelModel
+from radbo.problem import MinibatchSampler, l2_penalty, module_calls_only
 from radbo.simulation import RoundRecord, Simulation
 from radbo.tasks.hyper_representation import HyperRepresentation
 
@@ -346,6 +360,103 @@ def plain_loop(
     )
 
 
+# ------------------------------------------------------------------------ compile probe
+@dataclass
+class CompileProbe:
+    """Eager against ``torch.compile`` on one round's inner phase (see the module docstring)."""
+
+    compile_s: float
+    eager_cpu: list[float]
+    compiled_cpu: list[float]
+    max_rel_diff: float
+    double_backward: str
+
+    def amortised(self, round_cpu: float, rounds: int) -> float:
+        """A run of ``rounds`` steady rounds with the inner phase compiled, over the eager run
+        (compile time included; < 1 means compiling pays)."""
+        saved = statistics.median(self.eager_cpu) - statistics.median(self.compiled_cpu)
+        return (rounds * (round_cpu - saved) + self.compile_s) / (rounds * round_cpu)
+
+
+def compile_probe(sim: Simulation[Any], tasks: Sequence[ClientTask], repeats: int) -> CompileProbe:
+    """The inner phase of ``tasks`` (RABO's T SGD steps per client) eager and compiled."""
+    import torch._dynamo
+
+    algorithm, runtime = sim.algorithm, sim.runtime
+    assert isinstance(algorithm, RABO)
+    task_problem = runtime.problem
+    assert isinstance(task_problem, HyperRepresentation)
+    l2, lr = task_problem.inner_l2, algorithm.inner_lr
+    x_names, y_names = list(algorithm.outer_names), list(algorithm.inner_names)
+    jobs = []
+    for t in tasks:
+        module = runtime.module_for(t.index_set)
+        assert isinstance(module, BilevelModel)
+        steps = algorithm.prepare_inner(runtime, t).steps["inner"]
+        x = {n: t.params[n].detach() for n in x_names}
+        y = {n: t.params[n].detach() for n in y_names}
+        jobs.append((module, x, y, [runtime.batch(i) for i in steps]))
+
+    def loss_of(module: BilevelModel) -> Callable[..., Tensor]:
+        def loss(x: dict[str, Tensor], y: dict[str, Tensor], inputs: Tensor, targets: Tensor):
+            logits = module._functional_forward({**x, **y}, inputs)
+            return F.cross_entropy(logits, targets) + l2_penalty(y, l2)
+
+        return loss
+
+    modules = {id(m): m for m, *_ in jobs}
+    eager = {k: loss_of(m) for k, m in modules.items()}
+    torch._dynamo.config.recompile_limit = 64  # one entry per submodel shape and batch size
+    compiled = {k: torch.compile(loss_of(m)) for k, m in modules.items()}
+
+    def phase(losses: dict[int, Callable[..., Tensor]]) -> list[dict[str, Tensor]]:
+        out = []
+        for module, x, y0, batches in jobs:
+            y = {n: v.clone().requires_grad_() for n, v in y0.items()}
+            for batch in batches:
+                grads = torch.autograd.grad(
+                    losses[id(module)](x, y, batch.inputs, batch.targets), list(y.values())
+                )
+                y = {
+                    n: (v - lr * g).detach().requires_grad_()
+                    for (n, v), g in zip(y.items(), grads, strict=True)
+                }
+            out.append(y)
+        return out
+
+    phase(eager)
+    eager_wall = timed(lambda: phase(eager))[1]
+    first_wall = timed(lambda: phase(compiled))[1]
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(repeats):
+        times["eager"].append(timed(lambda: phase(eager))[0])
+        times["compiled"].append(timed(lambda: phase(compiled))[0])
+    diff = 0.0
+    for a, b in zip(phase(eager), phase(compiled), strict=True):
+        for n in a:
+            scale = float(a[n].abs().max())
+            diff = max(diff, float((a[n] - b[n]).abs().max()) / max(scale, 1e-30))
+    module, x, y0, batches = jobs[0]
+    y = {n: v.clone().requires_grad_() for n, v in y0.items()}
+    try:  # the outer phase's Hessian-vector products differentiate the gradient again
+        g = torch.autograd.grad(
+            compiled[id(module)](x, y, batches[0].inputs, batches[0].targets),
+            list(y.values()),
+            create_graph=True,
+        )
+        torch.autograd.grad(sum((t * t).sum() for t in g), list(y.values()))
+        double = "works"
+    except RuntimeError as error:
+        double = f"fails: {str(error).splitlines()[0][:120]}"
+    return CompileProbe(
+        compile_s=first_wall - eager_wall,
+        eager_cpu=times["eager"],
+        compiled_cpu=times["compiled"],
+        max_rel_diff=diff,
+        double_backward=double,
+    )
+
+
 # ----------------------------------------------------------------------------- measuring
 @dataclass
 class Measurement:
@@ -366,6 +477,9 @@ class Measurement:
     remeasured: int
     same_work: bool
     profile: str = ""
+    module_call_cpu: list[float] = field(default_factory=list)
+    module_call_wall: list[float] = field(default_factory=list)
+    compiled: CompileProbe | None = None
 
     @property
     def ledger_total(self) -> int:
@@ -403,7 +517,15 @@ def profile_round(fn: Callable[[], object], top: int = 15) -> str:
     return out.getvalue()
 
 
-def measure(key: str, repeats: int, warmup_rounds: int, backend: str, profile: bool) -> Measurement:
+def measure(
+    key: str,
+    repeats: int,
+    warmup_rounds: int,
+    backend: str,
+    profile: bool,
+    compare_module_call: bool = False,
+    probe_compile: bool = False,
+) -> Measurement:
     label, make = CONFIGS[key]
     data = make()
     data["rounds"] = warmup_rounds + 1
@@ -439,7 +561,12 @@ def measure(key: str, repeats: int, warmup_rounds: int, backend: str, profile: b
         "radbo_wall": [],
         "plain_cpu": [],
         "plain_wall": [],
+        "module_call_cpu": [],
+        "module_call_wall": [],
     }
+    if compare_module_call:
+        with module_calls_only():
+            sim.step(state, q)  # warm-up of the reference path
     for _ in range(repeats):
         cpu, wall, (_, again) = timed(lambda: sim.step(state, q))
         times["radbo_cpu"].append(cpu)
@@ -448,8 +575,15 @@ def measure(key: str, repeats: int, warmup_rounds: int, backend: str, profile: b
         cpu, wall, _ = timed(plain.run)
         times["plain_cpu"].append(cpu)
         times["plain_wall"].append(wall)
+        if compare_module_call:
+            with module_calls_only():
+                cpu, wall, (_, again) = timed(lambda: sim.step(state, q))
+            times["module_call_cpu"].append(cpu)
+            times["module_call_wall"].append(wall)
+            same = same and ledger_signature(again.ledger) == expected
     remeasured = 0 if meter is None else meter.measurements - before
     text = profile_round(lambda: sim.step(state, q)) if profile else ""
+    probe = compile_probe(sim, recorder.tasks[INNER], repeats) if probe_compile else None
     return Measurement(
         key=key,
         label=label,
@@ -462,6 +596,7 @@ def measure(key: str, repeats: int, warmup_rounds: int, backend: str, profile: b
         remeasured=remeasured,
         same_work=same,
         profile=text,
+        compiled=probe,
         **times,
     )
 
@@ -484,6 +619,47 @@ def table(results: Sequence[Measurement]) -> list[str]:
             f"| {m.ledger_total / rc / 1e9:.2f} | {m.plain_total / pc / 1e9:.2f} |"
         )
     return lines
+
+
+def module_call_table(results: Sequence[Measurement]) -> list[str]:
+    """radbo's round with the models' functional forms against the same round through
+    ``functional_call`` (only the configs measured with ``--compare-module-call``)."""
+    lines = [
+        "| config | backend | functional form CPU ms | module call CPU ms | plain CPU ms "
+        "| ratio (functional form) | ratio (module call) | functional form / module call |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in results:
+        if not m.module_call_cpu:
+            continue
+        rc, mc, pc = m.median("radbo_cpu"), m.median("module_call_cpu"), m.median("plain_cpu")
+        lines.append(
+            f"| {m.key} | {m.backend} | {1e3 * rc:.1f} | {1e3 * mc:.1f} | {1e3 * pc:.1f} "
+            f"| {rc / pc:.2f}x | {mc / pc:.2f}x | {rc / mc:.3f} |"
+        )
+    return lines if len(lines) > 2 else []
+
+
+def compile_table(results: Sequence[Measurement]) -> list[str]:
+    """The ``--compile-probe`` results (only configs measured with it)."""
+    lines = [
+        "| config | compile s (wall) | inner phase eager CPU ms | compiled CPU ms "
+        "| round CPU ms | 20 rounds compiled / eager | 200 rounds compiled / eager "
+        "| max rel. diff | double backward |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for m in results:
+        p = m.compiled
+        if p is None:
+            continue
+        rc = m.median("radbo_cpu")
+        lines.append(
+            f"| {m.key} | {p.compile_s:.1f} | {1e3 * statistics.median(p.eager_cpu):.1f} "
+            f"| {1e3 * statistics.median(p.compiled_cpu):.1f} | {1e3 * rc:.1f} "
+            f"| {p.amortised(rc, 20):.2f} | {p.amortised(rc, 200):.2f} "
+            f"| {p.max_rel_diff:.1e} | {p.double_backward} |"
+        )
+    return lines if len(lines) > 2 else []
 
 
 def flop_table(results: Sequence[Measurement]) -> list[str]:
@@ -525,6 +701,10 @@ def report(results: Sequence[Measurement], command: str, repeats: int) -> str:
         "Ratio = radbo / plain (issue 12 target: <= 1.5x). GFLOP/CPU-s = each side's own "
         "FLOPs per CPU second.",
         "",
+        *module_call_table(results),
+        "",
+        *compile_table(results),
+        "",
         "FLOP check: the plain loop's FLOPs (FlopCounterMode, once) next to the ledger's. "
         "`metric fwd` is radbo's extra no-grad forward of f on the outer batch "
         "(`RABO.run_outer`'s `outer_loss` metric), which the plain loop does not do.",
@@ -564,6 +744,17 @@ def main(argv: Sequence[str] | None = None) -> list[Measurement]:
         help="radbo's backend (default: the config's, sequential)",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile one steady round")
+    parser.add_argument(
+        "--compare-module-call",
+        action="store_true",
+        help="also time radbo's round through functional_call (the path before the models' "
+        "functional forms), alternated",
+    )
+    parser.add_argument(
+        "--compile-probe",
+        action="store_true",
+        help="also time the inner phase eager and under torch.compile (compile time counted)",
+    )
     parser.add_argument("--out", default="runs/bench/overhead.md")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -580,7 +771,15 @@ def main(argv: Sequence[str] | None = None) -> list[Measurement]:
     with torch_threads(1):
         for key in args.configs:
             results.append(
-                measure(key, args.repeats, args.warmup_rounds, args.backend, args.profile)
+                measure(
+                    key,
+                    args.repeats,
+                    args.warmup_rounds,
+                    args.backend,
+                    args.profile,
+                    args.compare_module_call,
+                    args.compile_probe,
+                )
             )
         text = report(results, command.rstrip(), args.repeats)
     out = Path(args.out)

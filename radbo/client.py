@@ -241,6 +241,11 @@ class Cohort:
     tasks: tuple[ClientTask, ...]
     prepared: tuple[Prepared, ...]
     stacked: bool = False
+    #: per-step tensors of a stacked cohort whose clients run equally many steps, stacked
+    #: once (``[steps, clients, ...]``) on first use
+    _all_steps: dict[str, Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def single(cls, task: ClientTask, prepared: Prepared) -> Cohort:
@@ -308,6 +313,13 @@ class Cohort:
     def step_data(self, key: str, step: int) -> Tensor:
         """The per-step tensor ``key`` at ``step`` (clients past their last step see their last
         entry again; :meth:`active` masks what they compute)."""
+        whole = self._all_steps.get(key)
+        if whole is None and self.stacked:
+            per_client = [p.steps[key] for p in self.prepared]
+            if len({t.shape[0] for t in per_client}) == 1:
+                whole = self._all_steps[key] = torch.stack(per_client, dim=1)
+        if whole is not None:
+            return whole[min(step, whole.shape[0] - 1)]
         entries = []
         for p in self.prepared:
             t = p.steps[key]

@@ -1,14 +1,17 @@
 """Bilevel problems: per-client inner loss g_i and outer loss f_i over parameter dicts.
 
-A problem is evaluated functionally (``torch.func.functional_call``) on a module whose
-parameters are split into outer variables x and inner variables y (see
-:class:`radbo.models.BilevelModel`). The module may be the full model or a physically smaller
-submodel: only tensor shapes must match.
+A problem is evaluated functionally on a module whose parameters are split into outer
+variables x and inner variables y (see :class:`radbo.models.BilevelModel`): through the
+module's own functional form (``functional_forward``, the zoo's models) where it has one, else
+``torch.func.functional_call`` (see :func:`forward`). The module may be the full model or a
+physically smaller submodel: only tensor shapes must match.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,7 +53,9 @@ def draw_indices(indices: Tensor, batch_size: int, generator: torch.Generator) -
     """``min(batch_size, len(indices))`` of ``indices`` drawn without replacement."""
     n = indices.numel()
     pick = torch.randperm(n, generator=generator)[: min(batch_size, n)]
-    return indices[pick]
+    # the elements of indices[pick], with less dispatch work per call (one call per client
+    # and local step)
+    return indices.index_select(0, pick.to(indices.device))
 
 
 class Sampler(Protocol):
@@ -116,10 +121,56 @@ class BilevelProblem(Protocol):
     ) -> Tensor: ...
 
 
+#: Whether :func:`forward` may use a module's ``functional_forward`` (see
+#: :func:`module_calls_only`).
+_functional_forms = True
+
+#: Parameter and buffer names of each module :func:`forward` has seen (weakly held).
+_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def module_calls_only() -> Iterator[None]:
+    """Within the block, :func:`forward` always evaluates through
+    ``torch.func.functional_call`` (the reference path the functional forms are checked and
+    measured against); results are bitwise the same either way."""
+    global _functional_forms
+    before = _functional_forms
+    _functional_forms = False
+    try:
+        yield
+    finally:
+        _functional_forms = before
+
+
+def _state_names(module: nn.Module) -> frozenset[str]:
+    names = _names.get(module)
+    if names is None:
+        names = frozenset(
+            [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+        )
+        _names[module] = names
+    return names
+
+
 def forward(module: nn.Module, x: Params, y: Params, buffers: Params, inputs: Tensor) -> Tensor:
     """Evaluate ``module`` with parameters ``x | y`` and ``buffers`` (functional, no mutation
-    of the module; buffers are updated in place when the module is in training mode)."""
-    return functional_call(module, {**x, **y, **buffers}, (inputs,), strict=True)
+    of the module; buffers are updated in place when the module is in training mode).
+
+    A module with a ``functional_forward(state, inputs)`` (radbo's model zoo, see
+    :meth:`radbo.models.BilevelModel.functional_forward`) is evaluated through it when ``x | y
+    | buffers`` names exactly its parameters and buffers: bitwise the result of
+    ``torch.func.functional_call``, without swapping the tensors into the module. Otherwise,
+    or when it answers ``None``, through ``functional_call`` (``strict``).
+    """
+    state = {**x, **y, **buffers}
+    if _functional_forms:
+        fast = getattr(module, "functional_forward", None)
+        if fast is not None and state.keys() == _state_names(module):
+            out = fast(state, inputs)
+            if out is not None:
+                return out
+    return functional_call(module, state, (inputs,), strict=True)
 
 
 def l2_penalty(y: Params, weight: float) -> Tensor | float:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 from torch import Tensor, nn
 
+from radbo.models.functional import has_functional_form
 from radbo.registry import Registry, Section
 
 
@@ -18,6 +20,10 @@ class BilevelModel(nn.Module):
     output channels must never be pruned, e.g. the classifier) and :attr:`input_shape` (shape of
     one example, without the batch dimension), and list in :attr:`loss_only_parameters` any
     parameter only a loss reads.
+
+    A subclass may also give its forward pass a functional form, :meth:`_functional_forward`,
+    which :meth:`functional_forward` (and so :func:`radbo.problem.forward`) uses instead of
+    ``torch.func.functional_call``.
     """
 
     inner_modules: tuple[str, ...] = ()
@@ -38,6 +44,27 @@ class BilevelModel(nn.Module):
     def _is_inner(self, name: str) -> bool:
         return any(name == m or name.startswith(m + ".") for m in self.inner_modules)
 
+    def functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor | None:
+        """``self(inputs)`` computed from the tensors of ``state`` (every parameter and buffer,
+        keyed like ``state_dict``) without re-parametrising the module: bitwise what
+        ``torch.func.functional_call(self, state, (inputs,))`` returns, BatchNorm buffers of
+        ``state`` updated in place the same way. Shapes come from ``state``, so a pruned
+        skeleton of the same class computes with the submodel's shapes.
+
+        ``None`` when there is no functional form: the class (or the subclass that last
+        overrode ``forward``) defines no :meth:`_functional_forward`, a submodule is of a type
+        :mod:`radbo.models.functional` has no rule for, or a module hook is installed.
+        """
+        if not _has_own_form(type(self)) or not has_functional_form(self):
+            return None
+        return self._functional_forward(state, inputs)
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        """The functional form of ``forward`` (see :meth:`functional_forward`); subclasses
+        write it with the layer rules of :mod:`radbo.models.functional`, the same ops in the
+        same order as their ``forward``."""
+        raise NotImplementedError
+
     def example_input(self, batch_size: int = 1) -> Tensor:
         """A zero input batch of the right shape and the model's dtype (used to trace the
         dependency graph)."""
@@ -46,6 +73,23 @@ class BilevelModel(nn.Module):
         first = next(self.parameters(), None)
         dtype = torch.get_default_dtype() if first is None else first.dtype
         return torch.zeros(batch_size, *self.input_shape, dtype=dtype)
+
+
+_OWN_FORM: dict[type, bool] = {}
+
+
+def _has_own_form(cls: type[BilevelModel]) -> bool:
+    """Whether ``cls``'s ``_functional_forward`` is defined where its ``forward`` is or below
+    (a subclass that overrides ``forward`` alone loses the functional form it inherited)."""
+    known = _OWN_FORM.get(cls)
+    if known is None:
+
+        def owner(name: str) -> type:
+            return next(c for c in cls.__mro__ if name in vars(c))
+
+        form = owner("_functional_forward")
+        known = _OWN_FORM[cls] = form is not BilevelModel and issubclass(form, owner("forward"))
+    return known
 
 
 #: The registered ``[model]`` kinds.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -10,6 +10,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, Width
+from radbo.models.functional import apply_layer
 
 
 class SmallCNN(BilevelModel):
@@ -46,6 +47,10 @@ class SmallCNN(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(torch.flatten(self.body(x), 1))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        pooled = apply_layer(self.body, "body.", state, inputs)
+        return apply_layer(self.head, "head.", state, torch.flatten(pooled, 1))
 
 
 @MODELS.register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -10,6 +10,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
+from radbo.models.functional import apply_layer
 
 
 class CNN7(BilevelModel):
@@ -86,6 +87,11 @@ class CNN7(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.body(torch.flatten(self.features(x), 1)))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        maps = apply_layer(self.features, "features.", state, inputs)
+        hidden = apply_layer(self.body, "body.", state, torch.flatten(maps, 1))
+        return apply_layer(self.head, "head.", state, hidden)
 
 
 @MODELS.register

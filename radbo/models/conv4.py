@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, Width
+from radbo.models.functional import apply_layer
 
 __all__ = ["Conv4", "Conv4Config"]
 
@@ -61,6 +63,10 @@ class Conv4(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.body(x))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        features = apply_layer(self.body, "body.", state, inputs)
+        return apply_layer(self.head, "head.", state, features)
 
 
 @MODELS.register

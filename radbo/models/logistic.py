@@ -4,6 +4,7 @@ model (x = the log regularization weights, y = the classifier)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
@@ -11,6 +12,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BilevelModel, ModelConfig
+from radbo.models.functional import apply_layer
 from radbo.typing import Params
 
 
@@ -45,6 +47,9 @@ class FeatureL2Logistic(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear(x.flatten(1))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        return apply_layer(self.linear, "linear.", state, inputs.flatten(1))
 
     @staticmethod
     def regularizer(x: Params, y: Params) -> Tensor:

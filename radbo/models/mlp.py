@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -11,6 +11,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BilevelModel, ModelConfig, Width
+from radbo.models.functional import apply_layer
 
 
 class MLP(BilevelModel):
@@ -42,6 +43,10 @@ class MLP(BilevelModel):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.body(torch.flatten(x, 1)))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        hidden = apply_layer(self.body, "body.", state, torch.flatten(inputs, 1))
+        return apply_layer(self.head, "head.", state, hidden)
 
 
 @MODELS.register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -10,6 +10,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, Width
+from radbo.models.functional import apply_layer, layer_rule
 
 
 class BasicBlock(nn.Module):
@@ -32,6 +33,21 @@ class BasicBlock(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return self.relu(out + self.shortcut(x))
+
+
+@layer_rule(BasicBlock)
+def _basic_block(block: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    # BasicBlock.forward on the tensors of ``state``
+    assert isinstance(block, BasicBlock)
+
+    def conv_bn(i: str, h: Tensor) -> Tensor:
+        h = apply_layer(getattr(block, "conv" + i), f"{prefix}conv{i}.", state, h)
+        return apply_layer(getattr(block, "bn" + i), f"{prefix}bn{i}.", state, h)
+
+    out = apply_layer(block.relu, "", state, conv_bn("1", x))
+    out = conv_bn("2", out)
+    out = out + apply_layer(block.shortcut, prefix + "shortcut.", state, x)
+    return apply_layer(block.relu, "", state, out)
 
 
 class ResNet18(BilevelModel):
@@ -75,6 +91,12 @@ class ResNet18(BilevelModel):
     def forward(self, x: Tensor) -> Tensor:
         out = self.pool(self.layers(self.stem(x)))
         return self.head(torch.flatten(out, 1))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        out = apply_layer(self.stem, "stem.", state, inputs)
+        out = apply_layer(self.layers, "layers.", state, out)
+        out = apply_layer(self.pool, "pool.", state, out)
+        return apply_layer(self.head, "head.", state, torch.flatten(out, 1))
 
 
 @MODELS.register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -10,6 +10,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from radbo.models.base import MODELS, BatchNormConfig, BilevelModel, Width
+from radbo.models.functional import apply_layer, layer_rule
 
 #: Stage widths of ResNet-12 in MetaOptNet (Lee et al., CVPR 2019) and RFS (Tian et al., 2020).
 RESNET12_WIDTHS: tuple[int, int, int, int] = (64, 160, 320, 640)
@@ -44,6 +45,25 @@ class ResNet12Block(nn.Module):
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
         return self.pool(self.relu(out + self.shortcut(x)))
+
+
+@layer_rule(ResNet12Block)
+def _resnet12_block(
+    block: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor
+) -> Tensor:
+    # ResNet12Block.forward on the tensors of ``state``
+    assert isinstance(block, ResNet12Block)
+
+    def conv_bn(i: str, h: Tensor) -> Tensor:
+        h = apply_layer(getattr(block, "conv" + i), f"{prefix}conv{i}.", state, h)
+        return apply_layer(getattr(block, "bn" + i), f"{prefix}bn{i}.", state, h)
+
+    relu = block.relu
+    out = apply_layer(relu, "", state, conv_bn("1", x))
+    out = apply_layer(relu, "", state, conv_bn("2", out))
+    out = conv_bn("3", out)
+    out = out + apply_layer(block.shortcut, prefix + "shortcut.", state, x)
+    return apply_layer(block.pool, "", state, apply_layer(relu, "", state, out))
 
 
 class ResNet12(BilevelModel):
@@ -125,6 +145,11 @@ class ResNet12(BilevelModel):
     def forward(self, x: Tensor) -> Tensor:
         out = self.pool(self.layers(x))
         return self.head(torch.flatten(out, 1))
+
+    def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
+        out = apply_layer(self.layers, "layers.", state, inputs)
+        out = apply_layer(self.pool, "pool.", state, out)
+        return apply_layer(self.head, "head.", state, torch.flatten(out, 1))
 
 
 @MODELS.register

@@ -1,0 +1,189 @@
+"""Functional forward passes of the zoo's layers, without re-parametrisation.
+
+``torch.func.functional_call`` evaluates a module on given tensors by swapping them into the
+module, calling it and swapping them back: a Python ``setattr`` per tensor, twice, plus the
+module-call machinery, on every loss evaluation. The functions here compute each layer of the
+zoo straight from a state dict (keyed like ``state_dict``) with the ``torch.nn.functional`` op
+and arguments that the layer's own ``forward`` uses, in the same order, so the result, its
+gradients and its higher-order products are bitwise those of ``functional_call``. Shapes come
+from the tensors, never from the module, so a pruned submodel skeleton of the same class (even
+one on the ``meta`` device) computes with the submodel's shapes; the module supplies only its
+hyperparameters (stride, padding, eps, momentum) and its mode (``training``).
+
+BatchNorm updates the running statistics of ``state`` in place, exactly as
+``nn.BatchNorm2d.forward`` does under ``functional_call`` (``num_batches_tracked`` incremented,
+cumulative average when ``momentum`` is ``None``, batch statistics in training mode).
+
+:meth:`radbo.models.BilevelModel.functional_forward` uses these layers only when every
+submodule is of a type registered here and no module hook is installed (a hook, e.g. the
+``ModuleTracker`` of ``FlopCounterMode`` or a feature-capturing hook, needs the module call).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+
+__all__ = ["apply_layer", "has_functional_form", "layer_rule"]
+
+#: ``rule(layer, prefix, state, inputs)``: the layer's output on ``inputs`` with its tensors
+#: read from ``state`` under ``prefix`` (e.g. ``"body.0."``).
+LayerRule = Callable[[nn.Module, str, Mapping[str, Tensor], Tensor], Tensor]
+
+_RULES: dict[type[nn.Module], LayerRule] = {}
+
+#: The submodules of each model :func:`has_functional_form` has seen, when all have a rule
+#: (``None``: some has none). Models are not rebuilt after their first evaluation.
+_SUBMODULES: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def layer_rule(kind: type[nn.Module]) -> Callable[[LayerRule], LayerRule]:
+    """Register ``rule`` as the functional form of layers of exactly type ``kind``."""
+
+    def register(rule: LayerRule) -> LayerRule:
+        _RULES[kind] = rule
+        return rule
+
+    return register
+
+
+def apply_layer(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    """``layer(x)`` with the layer's tensors taken from ``state`` under ``prefix``."""
+    return _RULES[type(layer)](layer, prefix, state, x)
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    )
+
+
+def has_functional_form(model: nn.Module) -> bool:
+    """Whether every submodule of ``model`` (not ``model`` itself, whose functional form
+    stands for its ``forward``) has a registered rule and no module hook, global or local, is
+    installed. The submodules are listed once per model (their types do not change)."""
+    if (
+        _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+        or _hooked(model)
+    ):
+        return False
+    try:
+        modules = _SUBMODULES[model]
+    except KeyError:
+        subs = tuple(model.modules())[1:]
+        modules = _SUBMODULES[model] = subs if all(type(m) in _RULES for m in subs) else None
+    return modules is not None and not any(_hooked(m) for m in modules)
+
+
+def _bias(layer: nn.Module, prefix: str, state: Mapping[str, Tensor]) -> Tensor | None:
+    return None if layer.bias is None else state[prefix + "bias"]
+
+
+@layer_rule(nn.Sequential)
+def _sequential(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    for name, child in layer._modules.items():
+        assert child is not None
+        x = _RULES[type(child)](child, f"{prefix}{name}.", state, x)
+    return x
+
+
+@layer_rule(nn.Linear)
+def _linear(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    return F.linear(x, state[prefix + "weight"], _bias(layer, prefix, state))
+
+
+@layer_rule(nn.Conv2d)
+def _conv2d(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    assert isinstance(layer, nn.Conv2d)
+    weight, bias = state[prefix + "weight"], _bias(layer, prefix, state)
+    if layer.padding_mode != "zeros":
+        padded = F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
+        return F.conv2d(padded, weight, bias, layer.stride, (0, 0), layer.dilation, layer.groups)
+    return F.conv2d(x, weight, bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+
+
+@layer_rule(nn.BatchNorm2d)
+def _batch_norm2d(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    # nn.modules.batchnorm._BatchNorm.forward, line by line, on the tensors of ``state``
+    assert isinstance(layer, nn.BatchNorm2d)
+    layer._check_input_dim(x)
+    momentum = layer.momentum
+    factor = 0.0 if momentum is None else momentum
+    training, tracked = layer.training, layer.track_running_stats
+    mean: Tensor | None
+    var: Tensor | None
+    if tracked:
+        mean, var = state[prefix + "running_mean"], state[prefix + "running_var"]
+        if training:
+            count = state[prefix + "num_batches_tracked"]
+            count.add_(1)
+            factor = 1.0 / float(count) if momentum is None else momentum
+    else:
+        mean = var = None
+    bn_training = training or (mean is None and var is None)
+    weight: Tensor | None
+    bias: Tensor | None
+    if layer.affine:
+        weight, bias = state[prefix + "weight"], state[prefix + "bias"]
+    else:
+        weight = bias = None
+    use_stats = not training or tracked
+    return F.batch_norm(
+        x,
+        mean if use_stats else None,
+        var if use_stats else None,
+        weight,
+        bias,
+        bn_training,
+        factor,
+        layer.eps,
+    )
+
+
+@layer_rule(nn.ReLU)
+def _relu(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    assert isinstance(layer, nn.ReLU)
+    return F.relu(x, inplace=layer.inplace)
+
+
+@layer_rule(nn.LeakyReLU)
+def _leaky_relu(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    assert isinstance(layer, nn.LeakyReLU)
+    return F.leaky_relu(x, layer.negative_slope, layer.inplace)
+
+
+@layer_rule(nn.MaxPool2d)
+def _max_pool2d(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    assert isinstance(layer, nn.MaxPool2d)
+    return F.max_pool2d(  # type: ignore[call-overload]  # return_indices is a plain bool
+        x,
+        layer.kernel_size,
+        layer.stride,
+        layer.padding,
+        layer.dilation,
+        ceil_mode=layer.ceil_mode,
+        return_indices=layer.return_indices,
+    )
+
+
+@layer_rule(nn.AdaptiveAvgPool2d)
+def _adaptive_avg_pool2d(
+    layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor
+) -> Tensor:
+    assert isinstance(layer, nn.AdaptiveAvgPool2d)
+    return F.adaptive_avg_pool2d(x, layer.output_size)
+
+
+@layer_rule(nn.Flatten)
+def _flatten(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    assert isinstance(layer, nn.Flatten)
+    return x.flatten(layer.start_dim, layer.end_dim)
