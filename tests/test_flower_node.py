@@ -94,49 +94,89 @@ class NodeGrid:
     """An in-process Grid of stateful nodes (as deployed, with radbo's worker), each with its
     own node config (``node_configs``: node id -> node config). A node in ``errors`` answers
     with that error (as a ClientApp's exception becomes an error reply), one in ``silent``
-    never answers. Records every task's payload bytes and its reply's."""
+    never answers. Records every task's payload bytes and its reply's.
 
-    def __init__(self, node_configs, errors=None, silent=()):
+    Both ways Flower's grids answer: ``send_and_receive`` returns every reply at once, and
+    ``push_messages`` / ``pull_messages`` as a deployment does: node ``n``'s reply to a pushed
+    message is missed by the first ``late.get(n, 0)`` pulls that ask for it and returned by
+    the next one. ``pulls`` counts the pulls, ``pushed`` the messages pushed."""
+
+    def __init__(self, node_configs, errors=None, silent=(), late=None):
         self.node_configs, self.errors, self.silent = node_configs, errors or {}, set(silent)
+        self.late = dict(late or {})
         self.handlers = {n: NodeHandler(stateful=True) for n in node_configs}
         self.sent = []  # (message type, client, round, task payload, reply payload)
         self.kinds = []  # the type of every message received
+        self.pulls = 0
+        self.pushed = 0
+        self._waiting = {}  # pushed message id -> [pulls it still misses, reply]
 
     def get_node_ids(self):
         return list(self.node_configs)
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def _answer(self, msg):
+        """The reply of ``msg``'s node, or ``None`` from a silent node."""
         from radbo.flower.codec import payload_bytes
 
+        node = msg.metadata.dst_node_id
+        kind = msg.metadata.message_type
+        self.kinds.append(kind)
+        if node in self.silent:
+            return None
+        try:
+            if node in self.errors:
+                raise ValueError(self.errors[node])
+            content = self.handlers[node].handle(msg.content, self.node_configs[node], kind)
+            reply = Message(content=content, reply_to=msg)
+        except ValueError as err:
+            reply = Message(Error(code=3, reason=str(err)), reply_to=msg)
+        reply.metadata.__dict__["_src_node_id"] = node
+        if kind != DISCOVERY and not reply.has_error():
+            config = msg.content.config_records[CONFIG]
+            self.sent.append(
+                (
+                    kind,
+                    int(config["client"]),
+                    int(config["round"]),
+                    payload_bytes(msg.content),
+                    payload_bytes(content),
+                )
+            )
+        return reply
+
+    def send_and_receive(self, messages, *, timeout=None):
         replies = []
         for n, msg in enumerate(messages):
             msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}-{n}"
-            node = msg.metadata.dst_node_id
-            kind = msg.metadata.message_type
-            self.kinds.append(kind)
-            if node in self.silent:
-                continue
-            try:
-                if node in self.errors:
-                    raise ValueError(self.errors[node])
-                content = self.handlers[node].handle(msg.content, self.node_configs[node], kind)
-                reply = Message(content=content, reply_to=msg)
-            except ValueError as err:
-                reply = Message(Error(code=3, reason=str(err)), reply_to=msg)
-            reply.metadata.__dict__["_src_node_id"] = node
-            replies.append(reply)
-            if kind != DISCOVERY and not reply.has_error():
-                config = msg.content.config_records[CONFIG]
-                self.sent.append(
-                    (
-                        kind,
-                        int(config["client"]),
-                        int(config["round"]),
-                        payload_bytes(msg.content),
-                        payload_bytes(content),
-                    )
-                )
+            reply = self._answer(msg)
+            if reply is not None:
+                replies.append(reply)
         return replies
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            self.pushed += 1
+            msg_id = f"p{self.pushed}"
+            msg.metadata.__dict__["_message_id"] = msg_id
+            reply = self._answer(msg)
+            if reply is not None:
+                self._waiting[msg_id] = [self.late.get(msg.metadata.dst_node_id, 0), reply]
+            ids.append(msg_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        out = []
+        for msg_id in message_ids:
+            entry = self._waiting.get(msg_id)
+            if entry is None:
+                continue
+            if entry[0] > 0:
+                entry[0] -= 1
+                continue
+            out.append(self._waiting.pop(msg_id)[1])
+        return out
 
 
 @pytest.fixture

@@ -349,6 +349,7 @@ def make_server_app(
                     sender=sender,
                     timeout=reply_timeout,
                     max_update_ratio=fc.max_update_ratio,
+                    poll_interval=fc.poll_interval_s,
                     rediscover=_rediscover(grid, nodes, ask, stateful, reply_timeout),
                 )
 

@@ -23,11 +23,18 @@ check_reply` a *rejected* one (left out of aggregation, counted, its cost charge
 :func:`~radbo.flower.checks.reported_cost` makes it safe). ``RoundRecord.failures`` says why.
 With ``rediscover``, a client without a node or whose node failed is looked for again before
 each phase it takes part in, so a restarted node rejoins.
+
+Waiting. A phase's messages are pushed at once (``grid.push_messages``) and its replies pulled
+(``grid.pull_messages``) every ``poll_interval`` seconds until all are in or ``timeout`` has
+passed (:func:`exchange`); Flower's own ``send_and_receive`` pulls a deployment's replies only
+every 3 s, which made every phase wait for the next 3-s tick. A grid without push and pull is
+asked through its ``send_and_receive``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,12 +42,16 @@ from flwr.app import Message
 
 from radbo.algorithms import ALGORITHMS
 from radbo.client import ClientResult, ClientRuntime, ClientTask, CostRecord
+from radbo.config import FlowerConfig
 from radbo.cost import FlopMeter, tensor_bytes
 from radbo.flower.checks import check_reply, reported_cost
 from radbo.flower.codec import decode_result, encode_task
 
 #: The action of phases whose name is not itself a registered message type.
 GENERIC_ACTION = "radbo"
+
+#: Seconds between reply pulls when none is given: ``[flower] poll_interval_s``'s default.
+POLL_INTERVAL_S: float = FlowerConfig.model_fields["poll_interval_s"].default
 
 
 def actions() -> tuple[str, ...]:
@@ -58,6 +69,56 @@ def message_type(phase: str) -> str:
     if category == "train" and action in actions() and action != GENERIC_ACTION:
         return phase
     return f"train.{GENERIC_ACTION}"
+
+
+def exchange(
+    grid: Any,
+    messages: Sequence[Message],
+    *,
+    timeout: float | None,
+    poll_interval: float = POLL_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Message]:
+    """Send ``messages`` through ``grid`` and return the replies that arrive in time.
+
+    With a grid that has ``push_messages`` and ``pull_messages`` (Flower's deployment and
+    in-memory grids), the messages are pushed at once and the replies pulled right away, then
+    every ``poll_interval`` seconds (the last wait cut to end at the deadline), until every
+    pushed message has its reply or ``timeout`` seconds have passed since the push (``None``:
+    wait for all); a message the grid could not push (its id ``None``) gets no reply. Another
+    grid is asked through ``grid.send_and_receive(messages, timeout=timeout)``. ``clock`` and
+    ``sleep`` measure and spend the time between pulls (a test injects fake ones). Each
+    reply names the message it answers in ``metadata.reply_to_message_id``.
+    """
+    if not messages:
+        return []
+    push: Callable[[Iterable[Message]], Iterable[str | None]] | None = getattr(
+        grid, "push_messages", None
+    )
+    pull: Callable[[Iterable[str]], Iterable[Message]] | None = getattr(grid, "pull_messages", None)
+    if push is None or pull is None:
+        return list(grid.send_and_receive(list(messages), timeout=timeout))
+    if not poll_interval > 0:
+        raise ValueError(f"exchange: poll_interval = {poll_interval!r}; give seconds > 0")
+    pending = [i for i in push(list(messages)) if i]
+    deadline = None if timeout is None else clock() + timeout
+    replies: list[Message] = []
+    while pending:
+        got = list(pull(list(pending)))
+        replies.extend(got)
+        answered = {reply.metadata.reply_to_message_id for reply in got}
+        pending = [i for i in pending if i not in answered]
+        if not pending:
+            break
+        wait = poll_interval
+        if deadline is not None:
+            left = deadline - clock()
+            if left <= 0:
+                break
+            wait = min(wait, left)
+        sleep(wait)
+    return replies
 
 
 class FlowerTaskError(RuntimeError):
@@ -80,9 +141,10 @@ class FlowerBackend:
     :class:`~radbo.flower.codec.TaskSender`: ``sender.encode(task, node)``) or, without one,
     by :func:`~radbo.flower.codec.encode_task` with the ``extra`` scalars (e.g. the run config
     as JSON) added to every message's ``"config"`` record. ``run`` sends one message per task
-    in one ``grid.send_and_receive(..., timeout=timeout)`` call and returns one result per
-    task, in task order; the node runs the client work (under
-    :func:`~radbo.client.run_measured`, FLOPs included) itself.
+    and collects the replies with :func:`exchange` (pushed at once, pulled every
+    ``poll_interval`` seconds for up to ``timeout`` seconds; ``clock`` and ``sleep`` are
+    :func:`exchange`'s) and returns one result per task, in task order; the node runs the
+    client work (under :func:`~radbo.client.run_measured`, FLOPs included) itself.
 
     Every reply passes :func:`~radbo.flower.checks.check_reply` (exact key set where the
     client work declares ``update_keys``; ``max_update_ratio`` bounds the update's norm)
@@ -103,7 +165,14 @@ class FlowerBackend:
         timeout: float | None = None,
         rediscover: Callable[[Sequence[int]], Mapping[int, int]] | None = None,
         max_update_ratio: float | None = None,
+        poll_interval: float = POLL_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        if not poll_interval > 0:
+            raise ValueError(
+                f"FlowerBackend: poll_interval = {poll_interval!r}; give a number of seconds > 0"
+            )
         self.grid = grid
         pairs = enumerate(node_ids) if isinstance(node_ids, Sequence) else node_ids.items()
         self.node_ids: dict[int, int] = {int(c): int(n) for c, n in pairs}
@@ -112,6 +181,9 @@ class FlowerBackend:
         self.timeout = timeout
         self.rediscover = rediscover
         self.max_update_ratio = max_update_ratio
+        self.poll_interval = poll_interval
+        self.clock = clock
+        self.sleep = sleep
         self.failed: set[int] = set()  # clients whose node failed and has not been found again
 
     def node_for(self, client: int) -> int | None:
@@ -173,15 +245,18 @@ class FlowerBackend:
                     dst_node_id=node,
                     message_type=message_type(task.phase),
                 )
-        replies = (
-            list(self.grid.send_and_receive(list(messages.values()), timeout=self.timeout))
-            if messages
-            else []
+        replies = exchange(
+            self.grid,
+            list(messages.values()),
+            timeout=self.timeout,
+            poll_interval=self.poll_interval,
+            clock=self.clock,
+            sleep=self.sleep,
         )
         # the grid sets each message's id when it pushes it; replies name the id they answer
         by_id: dict[str, Message] = {}
-        for reply in replies:
-            by_id.setdefault(reply.metadata.reply_to_message_id, reply)
+        for answer in replies:
+            by_id.setdefault(answer.metadata.reply_to_message_id, answer)
         results = []
         for j, (task, node) in enumerate(zip(tasks, nodes, strict=True)):
             if node is None:
