@@ -38,6 +38,9 @@ from radbo.experiment import build, run
 
 CAPACITIES = [1.0, 0.5, 0.25, 0.125, 0.0625]
 UNTRAINED = "untrained backbone"
+FULL_FEDAVG = "FedAvg (full model)"
+#: methods run only when named with --methods
+OPT_IN = (FULL_FEDAVG,)
 
 
 def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -77,6 +80,13 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         },
         "Static (HeteroFL)": {"mask": {"policy": "leading"}, "algorithm": fedavg},
         "FedRolex": {"mask": {"policy": "rolling"}, "algorithm": fedavg},
+        # opt-in (--methods): what meta-training on the clients' classes does to the backbone
+        # at all, with no submodels in the way
+        FULL_FEDAVG: {
+            "mask": {"policy": "none"},
+            "fleet": {"num_clients": len(CAPACITIES), "capacities": [1.0] * len(CAPACITIES)},
+            "algorithm": fedavg,
+        },
     }
 
 
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     args.eval_every = max(1, args.rounds // 6)
 
     table = methods(args)
-    chosen = args.methods or list(table)
+    chosen = args.methods or [name for name in table if name not in OPT_IN]
     unknown = set(chosen) - set(table)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {list(table)}")
@@ -179,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
             curve = [(r["round"] + 1, r["test_accuracy"]) for r in evaluated]
             curves.setdefault(name, []).append(curve)
             elapsed = time.perf_counter() - start
-            print(f"{name:22s} seed {seed}: {acc:.3f} ± {ci:.3f}  ({elapsed:.0f} s)", flush=True)
+            path = ", ".join(f"r{r}: {a:.3f}" for r, a in curve)
+            line = f"{name:22s} seed {seed}: {acc:.3f} ± {ci:.3f}  ({elapsed:.0f} s; {path})"
+            print(line, flush=True)
 
     data = "Omniglot" if args.omniglot else f"digits {args.image_size}x{args.image_size}"
     lines = [
