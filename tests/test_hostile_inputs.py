@@ -1099,3 +1099,16 @@ def test_lying_safetensors_in_a_checkpoint_resume_or_are_refused_many(checkpoint
             _resume(folder)
 
     check()
+
+
+def test_an_outer_fraction_that_rounds_away_is_one_line(tmp_path):
+    """Found by the slow battery: ``outer_fraction = 1e-17`` passed ``gt=0`` and then
+    ``1 - outer_fraction == 1.0`` raised inside the partition split with a traceback."""
+    path = tmp_path / "c.toml"
+    path.write_text("[data]\nouter_fraction = 1e-17\n")
+    code, out, err = run_cli(["run", str(path)])
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "config error: data.outer_fraction = 1e-17: 1e-17 is too small: "
+        "1 - outer_fraction rounds to 1; use >= 1e-9"
+    )

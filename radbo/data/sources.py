@@ -12,7 +12,7 @@ from typing import Annotated, ClassVar, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from radbo.data.datasets import (
     Dataset,
@@ -44,8 +44,19 @@ __all__ = [
 #: The registered ``[data]`` kinds.
 DATA: Registry[DataConfig] = Registry("data", "name")
 
+
+def _splittable(fraction: float) -> float:
+    """Refuse an outer fraction so small that ``1 - fraction`` rounds to 1 (the inner share
+    the partition splits by would be the whole client)."""
+    if 1.0 - fraction >= 1.0:
+        raise ValueError(f"{fraction!r} is too small: 1 - outer_fraction rounds to 1; use >= 1e-9")
+    return fraction
+
+
 _OuterFraction = Annotated[
-    float, Field(gt=0, lt=1, description="share of each client's data used by the outer loss f_i")
+    float,
+    Field(gt=0, lt=1, description="share of each client's data used by the outer loss f_i"),
+    AfterValidator(_splittable),
 ]
 _Limit = Annotated[int, Field(ge=1, description="keep at most this many examples of the split")]
 _Imbalance = Annotated[
