@@ -1,6 +1,8 @@
 """The FLOP meter's cost: round 0 (where every workload is new and measured) against a steady
-round, with the meter as it is (lean counter, CG workloads composed from a verified line), with
-``FlopCounterMode`` itself and nothing composed (radbo before issue 12), and without a meter;
+round, with the meter as it is (lean counter, CG workloads composed from a verified line,
+repeated blocks -- inner steps, CG iterations -- counted once per measurement), counting every
+operation, with ``FlopCounterMode`` itself and nothing composed (radbo before issue 12), and
+without a meter;
 plus the measurements each one made. Process CPU seconds, one thread, the three variants
 alternated, median over ``--repeats`` runs of each.
 
@@ -43,7 +45,7 @@ def configs() -> dict[str, Callable[[], RunConfig]]:
     }
 
 
-def reference_count(fn: Callable[[], Any]) -> int:
+def reference_count(fn: Callable[[], Any], reuse: bool = False) -> int:
     """radbo's count before issue 12: FlopCounterMode with its per-module bookkeeping."""
     with FlopCounterMode(display=False) as counter:
         fn()
@@ -66,7 +68,9 @@ def rounds(make: Callable[[], RunConfig], kind: str, n: int) -> tuple[list[float
     exp = build(make())
     sim = exp.simulation
     sim.flop_meter = (
-        None if kind == "no meter" else FlopMeter(compose=kind == "lean counter, composed")
+        None
+        if kind == "no meter"
+        else FlopMeter(compose=kind.startswith("lean"), reuse=kind == KINDS[0])
     )
     state, times = exp.initial_state, []
     with counter(kind):
@@ -77,7 +81,12 @@ def rounds(make: Callable[[], RunConfig], kind: str, n: int) -> tuple[list[float
     return times, 0 if sim.flop_meter is None else sim.flop_meter.measurements
 
 
-KINDS = ("lean counter, composed", "FlopCounterMode, no composition", "no meter")
+KINDS = (
+    "lean counter, composed, repeated blocks counted once",
+    "lean counter, composed, every operation counted",
+    "FlopCounterMode, no composition",
+    "no meter",
+)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
 from torch import Tensor
 
+from radbo.flops import new_scope, repeated
 from radbo.typing import BilevelLoss, Params
 
 __all__ = [
@@ -530,6 +532,9 @@ def _quotient(diff: Tensor, eps: Scalar) -> Tensor:
 
 
 # ------------------------------------------------------------------------------ linear solve
+_NO_BLOCK = nullcontext()
+
+
 def solve_cg(
     matvec: Callable[[TensorTuple], TensorTuple],
     b: Sequence[Tensor],
@@ -539,6 +544,7 @@ def solve_cg(
     damping: float = 0.0,
     x0: Sequence[Tensor] | None = None,
     lead: int = 0,
+    uniform: bool = False,
 ) -> tuple[TensorTuple, int | Tensor]:
     """Solve ``(A + damping·I) v = b`` by conjugate gradient on tuples of tensors.
 
@@ -561,6 +567,10 @@ def solve_cg(
         lead: 1 for a cohort (clients stacked on dim 0, ``A`` block diagonal over clients):
             every client has its own step sizes and stops on its own; a client that stopped
             keeps its solution while the others go on.
+        uniform: ``matvec`` runs the same matrix products on every call (radbo's
+            Hessian-vector products do); a FLOP count (:func:`radbo.flops.count_flops`) then
+            counts one iteration and reuses its count for the others
+            (:func:`radbo.flops.repeated`). Default ``False``: every iteration is counted.
 
     Returns:
         ``(v, n_matvec)``: the solution and the number of ``matvec`` calls made (the CG
@@ -615,25 +625,31 @@ def solve_cg(
     active = rs.double() > threshold  # per client: still iterating
     counts = torch.full(active.shape, calls, dtype=torch.int64, device=active.device)
     iterations = 0
-    while bool(active.any()) and iterations < max_iter:
-        ap = apply(p)
+    scope = new_scope() if uniform else None
+    going = bool(active.any())
+    while going and iterations < max_iter:
+        with repeated("solve_cg", scope, "product") if uniform else _NO_BLOCK:
+            ap = apply(p)
+            counts = counts + active.long()
+            curvature = tuple_dot(p, ap, lead)
+            active = active & (curvature > 0.0)  # non-positive curvature (or NaN): truncate
+            truncated = lead == 0 and not bool(active)
         iterations += 1
-        counts = counts + active.long()
-        curvature = tuple_dot(p, ap, lead)
-        active = active & (curvature > 0.0)  # non-positive curvature (or NaN): truncate
-        if lead == 0 and not bool(active):
+        if truncated:
             break
-        alpha = rs / curvature
-        new_sol = tuple_axpy(alpha, p, sol)
-        new_r = tuple_axpy(-alpha, ap, r)
-        rs_new = tuple_dot(new_r, new_r, lead)
-        new_p = tuple_axpy(rs_new / rs, p, new_r)
-        mask = None if lead == 0 else active
-        sol = tuple_where(mask, new_sol, sol)
-        r = tuple_where(mask, new_r, r)
-        p = tuple_where(mask, new_p, p)
-        rs = rs_new if mask is None else torch.where(mask, rs_new, rs)
-        active = active & (rs.double() > threshold)
+        with repeated("solve_cg", scope, "step") if uniform else _NO_BLOCK:
+            alpha = rs / curvature
+            new_sol = tuple_axpy(alpha, p, sol)
+            new_r = tuple_axpy(-alpha, ap, r)
+            rs_new = tuple_dot(new_r, new_r, lead)
+            new_p = tuple_axpy(rs_new / rs, p, new_r)
+            mask = None if lead == 0 else active
+            sol = tuple_where(mask, new_sol, sol)
+            r = tuple_where(mask, new_r, r)
+            p = tuple_where(mask, new_p, p)
+            rs = rs_new if mask is None else torch.where(mask, rs_new, rs)
+            active = active & (rs.double() > threshold)
+            going = bool(active.any())
     return sol, (int(counts) if lead == 0 else counts)
 
 

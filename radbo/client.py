@@ -477,21 +477,38 @@ def run_measured(
     The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
     local steps): FLOPs of these models are linear in the batch, so equal counts on equal
     shapes mean equal work; workloads differing only in the Hessian-vector count are composed
-    from a verified line (:class:`~radbo.cost.FlopMeter`). A workload not seen before is
-    measured by running the work for this one client again under the FLOP counter, so every
-    backend charges what the client alone would execute.
+    from a verified line (:class:`~radbo.cost.FlopMeter`). The first client of a (phase,
+    submodel shapes, local steps) is counted while it runs (its counts are known only once it
+    has run); a later workload not seen before is measured by running the work for this one
+    client again under the FLOP counter, so every backend charges what the client alone would
+    execute. Counting does not change the result: the counter runs the same kernels.
     """
     from radbo.cost import shape_signature
+    from radbo.flops import count_flops
 
-    if result is None:
-        result = work(runtime, task)
     if meter is None:
-        return result
+        return work(runtime, task) if result is None else result
+    shapes = shape_signature(task.params)
+    family = (task.phase, shapes, task.budget.local_steps)
+    flops: int | None = None
+    if result is None and meter.in_place and family not in meter.families:
+        # a new kind of workload: count this very run instead of running it twice
+        box: list[ClientResult] = []
+        flops = int(count_flops(lambda: box.append(work(runtime, task)), reuse=meter.reuse))
+        result = box[-1]
+    elif result is None:
+        result = work(runtime, task)
     c = result.cost
-    key = (task.phase, shape_signature(task.params), c.n_grad, c.samples, task.budget.local_steps)
+    key = (task.phase, shapes, c.n_grad, c.samples, task.budget.local_steps)
     # FLOPs are affine in the Hessian-vector count (a CG iteration is one more product of the
     # same shapes): the meter composes new counts from a verified line (FlopMeter)
-    flops = meter.flops(key, lambda: work(runtime, task), linear=c.n_hvp)
+    if flops is None:
+        flops = meter.flops(key, lambda: work(runtime, task), linear=c.n_hvp)
+        meter.families.add(family)
+    elif meter.lookup(key, linear=c.n_hvp) is None:  # (known unless resumed from a checkpoint)
+        meter.store(key, flops, linear=c.n_hvp, family=family)
+    else:
+        meter.families.add(family)
     return replace(result, cost=replace(c, flops=flops))
 
 

@@ -128,11 +128,27 @@ class FlopMeter:
     measuring; a family whose measurements are not collinear is measured for each count, as
     without composition. So a CG that stops after a new number of iterations costs no new
     measurement, and the totals are exactly what measuring each workload gives.
+
+    **Repeated work counted once.** A measurement counts a block the client marks
+    :func:`radbo.flops.repeated` (one inner step of a local loop, one CG iteration) the first
+    time only, and runs its repetitions outside the counter at full speed, adding the first
+    count (``reuse``; ``False`` counts every operation: the same integers, slower).
+
+    **The first of a kind counted while it runs** (``in_place``; :func:`radbo.client.run_measured`):
+    the first client of a (phase, submodel shapes, local steps) family runs under the counter
+    instead of running plainly and then again under it; the counter runs the same kernels, so
+    its result is the same.
     """
 
     cache: dict[tuple, int] = field(default_factory=dict)
     measurements: int = 0
     compose: bool = True
+    reuse: bool = True
+    #: count the first workload of each family while it runs (``False``: run it, then
+    #: measure it by running it again; the same integers)
+    in_place: bool = True
+    #: the kinds of workload met so far (``run_measured``: phase, submodel shapes, local steps)
+    families: set[tuple] = field(default_factory=set)
     _points: dict[tuple, dict[int, int]] = field(default_factory=dict, repr=False)
     _lines: dict[tuple, tuple[int, int, int] | None] = field(default_factory=dict, repr=False)
 
@@ -140,6 +156,16 @@ class FlopMeter:
         """Cached FLOPs for ``key`` (and ``linear``, the count the workload's FLOPs are affine
         in); on a miss, composed from its family's line or measured by running ``run()`` under
         the FLOP counter."""
+        found = self.lookup(key, linear)
+        if found is not None:
+            return found
+        from radbo.flops import count_flops
+
+        return self.store(key, int(count_flops(run, reuse=self.reuse)), linear)
+
+    def lookup(self, key: tuple, linear: int | None = None) -> int | None:
+        """The FLOPs of a workload known without measuring it: cached, or composed from its
+        family's verified line (and then cached); ``None`` when it must be measured."""
         full = key if linear is None else (*key, linear)
         found = self.cache.get(full)
         if found is not None:
@@ -150,9 +176,18 @@ class FlopMeter:
                 k0, f0, unit = line
                 value = self.cache[full] = f0 + unit * (linear - k0)
                 return value
-        from radbo.flops import count_flops
+        return None
 
-        value = self.cache[full] = int(count_flops(run))
+    def store(
+        self, key: tuple, value: int, linear: int | None = None, family: tuple | None = None
+    ) -> int:
+        """Record a measurement of a workload (made by :meth:`flops`, or by the caller counting
+        the workload's own run with :func:`radbo.flops.count_flops`), and its ``family`` in
+        :attr:`families`; returns ``value``."""
+        if family is not None:
+            self.families.add(family)
+        full = key if linear is None else (*key, linear)
+        self.cache[full] = value
         self.measurements += 1
         if linear is not None and self.compose and key not in self._lines:
             points = self._points.setdefault(key, {})
@@ -170,11 +205,13 @@ class FlopMeter:
             "cache": [[list(k), v] for k, v in self.cache.items()],
             "points": [[list(k), [[c, f] for c, f in p.items()]] for k, p in self._points.items()],
             "lines": [[list(k), None if v is None else list(v)] for k, v in self._lines.items()],
+            "families": [list(f) for f in self.families],
         }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (checkpoints without points and lines, written
-        before composition existed, restore the cache only)."""
+        before composition existed, restore the cache only; without families, their first
+        workloads are counted while they run, which gives the same cache)."""
         self.cache = {_as_tuple(k): int(v) for k, v in saved["cache"]}
         self.measurements = int(saved["measurements"])
         self._points = {
@@ -184,6 +221,7 @@ class FlopMeter:
             _as_tuple(k): None if v is None else (int(v[0]), int(v[1]), int(v[2]))
             for k, v in saved.get("lines", [])
         }
+        self.families = {_as_tuple(f) for f in saved.get("families", [])}
 
 
 def _as_tuple(value: Any) -> Any:

@@ -10,11 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from radbo.autodiff import solve_cg
 from radbo.config import load_config, parse_config
 from radbo.cost import FlopMeter, _exact_line
 from radbo.experiment import build
-from radbo.flops import count_flops
+from radbo.flops import count_flops, new_scope, repeated
 from radbo.models import CNN7, Conv4
+from tests.test_algorithm_conformance import CASES, tensors
+from tests.test_algorithm_conformance import config as conformance_config
 
 
 def reference(fn) -> int:
@@ -146,3 +149,82 @@ def test_the_meter_state_round_trips_through_json():
     restored.load_state_dict(json.loads(json.dumps(meter.state_dict())))
     assert restored.cache == meter.cache and restored.measurements == meter.measurements
     assert restored._lines == meter._lines and restored._points == meter._points
+
+
+# ------------------------------------------------ repeated blocks and counting in place (issue 12)
+def test_repeated_blocks_are_counted_once_and_sum_to_the_full_count():
+    """Five identical steps, a nested block, and a double backward through graphs built in
+    reused blocks: the total equals counting every operation, and FlopCounterMode's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    inputs, targets = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    params = list(model.parameters())
+
+    def work() -> None:
+        scope = new_scope()
+        grads = []
+        for _ in range(5):
+            with repeated("step", scope):
+                loss = F.cross_entropy(model(inputs), targets)
+                with repeated("inner", scope):
+                    inputs @ inputs.T
+                grads.append(torch.autograd.grad(loss, params, create_graph=True))
+        # the second-order pass runs outside every block: counted operation by operation
+        torch.autograd.grad(sum((g * g).sum() for gs in grads for g in gs), params)
+
+    full = count_flops(work, reuse=False)
+    assert count_flops(work) == full == reference(work)
+    assert full > 0
+
+
+def test_a_repeated_block_is_inert_outside_a_count_and_the_mode_survives_an_error():
+    a = torch.ones(3, 4)
+    with repeated("x", new_scope()):  # no count running: nothing happens
+        a @ a.T
+    scope = new_scope()
+
+    def failing() -> None:
+        with repeated("x", scope):
+            a @ a.T
+        with pytest.raises(RuntimeError, match="boom"):
+            with repeated("x", scope):  # known: runs outside the counter, then raises
+                raise RuntimeError("boom")
+        a @ a.T  # counted again once the block has ended
+
+    assert count_flops(failing) == 2 * (2 * 3 * 4 * 3)
+
+
+def test_solve_cg_counts_the_same_flops_with_uniform_products():
+    torch.manual_seed(1)
+    m = torch.randn(6, 6, dtype=torch.float64)
+    a = m @ m.T + 6 * torch.eye(6, dtype=torch.float64)
+    b = (torch.randn(6, 2, dtype=torch.float64),)  # a matrix: a @ u is a counted mm
+
+    def solve(uniform: bool):
+        return lambda: solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, uniform=uniform)
+
+    assert count_flops(solve(True)) == count_flops(solve(False), reuse=False)
+    assert count_flops(solve(True)) == 5 * 2 * 6 * 6 * 2
+    (v,), n = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, uniform=True)
+    (w,), m = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0)
+    assert n == m == 5 and torch.equal(v, w)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_algorithm_s_ledger_is_today_s_and_counting_changes_no_result(case):
+    """Counting repeated blocks once and the first workload of a kind while it runs gives the
+    ledger of the meter that re-runs every new workload and counts every operation, and the
+    same states (bitwise) as a run without a meter."""
+
+    def trajectory(meter):
+        exp = build(conformance_config(case))
+        exp.simulation.flop_meter = meter
+        return list(exp.simulation.iterate(exp.initial_state, 2))
+
+    fast = trajectory(FlopMeter())
+    slow = trajectory(FlopMeter(reuse=False, in_place=False, compose=False))
+    bare = trajectory(None)
+    assert [r.ledger for _, r in fast] == [r.ledger for _, r in slow]
+    for (sa, _), (sb, _) in zip(fast, bare, strict=True):
+        ta, tb = tensors(sa), tensors(sb)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

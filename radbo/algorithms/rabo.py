@@ -58,6 +58,7 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
+from radbo.flops import new_scope, repeated
 from radbo.hypergrad import Estimator, ImplicitCG, init_state
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias, extract
@@ -192,29 +193,32 @@ class RABO(RABOConfig, AlgorithmBase):
         buffers = cohort.params(self.buffer_names, clone=True)
         total = {n: torch.zeros_like(t) for n, t in y.items()}
         loss_value: torch.Tensor | float = float("nan")
+        scope = new_scope()
         for step in range(cohort.max_steps):
-            batch = runtime.batch(cohort.step_data("inner", step))
             active = cohort.active(step)
-            before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
-            y_var = {n: t.requires_grad_(True) for n, t in y.items()}
-            loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
-            grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
-            stepped = {
-                n: (t - self.inner_lr * g).detach()
-                for (n, t), g in zip(y_var.items(), grads, strict=True)
-            }
-            if active is None:
-                y = stepped
-                for n, g in zip(y_var, grads, strict=True):
-                    total[n] += g
-                loss_value = loss.detach()
-            else:  # clients past their last step keep what they had
-                y = params_where(active, stepped, {n: t.detach() for n, t in y_var.items()})
-                zeros = {n: torch.zeros_like(g) for n, g in zip(y_var, grads, strict=True)}
-                done = params_where(active, dict(zip(y_var, grads, strict=True)), zeros)
-                total = {n: t + done[n] for n, t in total.items()}
-                loss_value = torch.where(active, loss.detach(), loss_value)
-                buffers = params_where(active, buffers, before)
+            # every step does the same work (on a slice of the stacked minibatches)
+            with repeated("rabo.inner", scope, active is None):
+                batch = runtime.batch(cohort.step_data("inner", step))
+                before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
+                y_var = {n: t.requires_grad_(True) for n, t in y.items()}
+                loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
+                grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
+                stepped = {
+                    n: (t - self.inner_lr * g).detach()
+                    for (n, t), g in zip(y_var.items(), grads, strict=True)
+                }
+                if active is None:
+                    y = stepped
+                    for n, g in zip(y_var, grads, strict=True):
+                        total[n] += g
+                    loss_value = loss.detach()
+                else:  # clients past their last step keep what they had
+                    y = params_where(active, stepped, {n: t.detach() for n, t in y_var.items()})
+                    zeros = {n: torch.zeros_like(g) for n, g in zip(y_var, grads, strict=True)}
+                    done = params_where(active, dict(zip(y_var, grads, strict=True)), zeros)
+                    total = {n: t + done[n] for n, t in total.items()}
+                    loss_value = torch.where(active, loss.detach(), loss_value)
+                    buffers = params_where(active, buffers, before)
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
         samples = [n * b for n, b in zip(cohort.num_steps, batch_sizes, strict=True)]

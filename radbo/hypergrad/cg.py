@@ -91,6 +91,7 @@ class ImplicitCG(Estimator):
             tol=self.tol,
             damping=self.damping,
             lead=lead,
+            uniform=True,
         )
         correction = system.mixed(v)
         return implicit_result(

@@ -374,6 +374,7 @@ class FiniteDifference(Estimator):
                 tol=self.tol,
                 damping=self.damping,
                 lead=lead,
+                uniform=True,
             )
             w = tuple(-t for t in v)
 

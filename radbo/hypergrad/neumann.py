@@ -9,6 +9,7 @@ from pydantic import Field
 from torch import Tensor
 
 from radbo.autodiff import ImplicitSystem, tuple_axpy
+from radbo.flops import new_scope, repeated
 from radbo.hypergrad.base import (
     ESTIMATORS,
     Estimator,
@@ -98,9 +99,11 @@ class Neumann(Estimator):
         system = ImplicitSystem(outer_loss, inner_loss, x, y, lead=lead)
         power = system.grad_y_f  # (I − eta H)^k ∇_y f, k = 0
         total = power
+        scope = new_scope()
         for _ in range(self.terms - 1):
-            power = tuple_axpy(-self.eta, system.hvp(power), power)
-            total = tuple_axpy(1.0, power, total)
+            with repeated("neumann", scope):  # the same product every term
+                power = tuple_axpy(-self.eta, system.hvp(power), power)
+                total = tuple_axpy(1.0, power, total)
         v = tuple(self.eta * t for t in total)
         correction = system.mixed(v)
         return implicit_result(
