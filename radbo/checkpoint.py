@@ -343,6 +343,7 @@ class FlopMeterState(_Model):
     cache: list[tuple[Any, StrictInt]]
     points: list[tuple[Any, list[tuple[StrictInt, StrictInt]]]] = []
     lines: list[tuple[Any, tuple[StrictInt, StrictInt, StrictInt] | None]] = []
+    families: list[Any] = []
 
 
 class SimulationState(BaseModel):

@@ -2,11 +2,13 @@
 
 Every client and phase of a round produces one :class:`LedgerEntry`:
 
-- **FLOPs** are measured, not modelled: :class:`FlopMeter` re-runs a client function once
+- **FLOPs** are measured, not modelled: :class:`FlopMeter` counts a client function once
   under ``torch.utils.flop_counter.FlopCounterMode``'s rules for every distinct workload (phase,
   submodel shapes, gradient / Hessian-vector counts, samples, local steps) and caches the count,
-  so a run pays the counting overhead once per workload; workloads that differ only in their
-  Hessian-vector count (CG iterations) are composed from a verified line instead of measured.
+  so a run pays the counting overhead once per workload (the first of a kind is counted while it
+  runs, later new ones by running them again; blocks the client marks as repeated are counted
+  once per measurement); workloads that differ only in their Hessian-vector count (CG
+  iterations) are composed from a verified line instead of measured.
   The counter includes backward and double-backward (Hessian-vector products) and skips
   elementwise ops, BatchNorm and pooling.
 - **Bytes** are the tensors that cross the (simulated) wire: the submodel tensors received and
@@ -205,7 +207,7 @@ class FlopMeter:
             "cache": [[list(k), v] for k, v in self.cache.items()],
             "points": [[list(k), [[c, f] for c, f in p.items()]] for k, p in self._points.items()],
             "lines": [[list(k), None if v is None else list(v)] for k, v in self._lines.items()],
-            "families": [list(f) for f in self.families],
+            "families": sorted((list(f) for f in self.families), key=repr),
         }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
