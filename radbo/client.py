@@ -474,14 +474,17 @@ def run_measured(
     """Run one client's work (or take its ``result`` computed elsewhere, e.g. in a batched
     cohort) and attach its measured FLOPs, cached per distinct workload.
 
+    A :class:`ClientWork` is run as ``run(prepare(task))``, which is what calling it does.
+
     The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
     local steps): FLOPs of these models are linear in the batch, so equal counts on equal
     shapes mean equal work; workloads differing only in the Hessian-vector count are composed
-    from a verified line (:class:`~radbo.cost.FlopMeter`). The first client of a (phase,
-    submodel shapes, local steps) is counted while it runs (its counts are known only once it
-    has run); a later workload not seen before is measured by running the work for this one
-    client again under the FLOP counter, so every backend charges what the client alone would
-    execute. Counting does not change the result: the counter runs the same kernels.
+    from a verified line (:class:`~radbo.cost.FlopMeter`). The first client of a family --
+    phase, submodel shapes, local steps and the shapes of its draws -- is counted while it runs
+    (its counts are known only once it has run); a later workload not seen before is measured
+    by running the work for this one client again under the FLOP counter, so every backend
+    charges what the client alone would execute. Counting does not change the result: the
+    counter runs the same kernels.
     """
     from radbo.cost import shape_signature
     from radbo.flops import count_flops
@@ -489,13 +492,23 @@ def run_measured(
     if meter is None:
         return work(runtime, task) if result is None else result
     shapes = shape_signature(task.params)
-    family = (task.phase, shapes, task.budget.local_steps)
+    family: tuple = (task.phase, shapes, task.budget.local_steps)
+    prepared: Prepared | None = None
+    if result is None and isinstance(work, ClientWork):
+        # the draws (made before any arithmetic) tell this client's batch sizes, so that a
+        # client drawing smaller batches is a kind of its own, counted while it runs
+        prepared = work.prepare(runtime, task)
+        family = (*family, repr(prepared.signature()), prepared.num_steps)
     flops: int | None = None
     if result is None and meter.in_place and family not in meter.families:
-        # a new kind of workload: count this very run instead of running it twice
+        # a new kind of workload: count this very run instead of running it twice (the draws
+        # are made again under the counter: the same draws, from the task's own generator)
         box: list[ClientResult] = []
         flops = int(count_flops(lambda: box.append(work(runtime, task)), reuse=meter.reuse))
         result = box[-1]
+    elif result is None and prepared is not None:
+        assert isinstance(work, ClientWork)
+        (result,) = work.run(runtime, Cohort.single(task, prepared))
     elif result is None:
         result = work(runtime, task)
     c = result.cost
