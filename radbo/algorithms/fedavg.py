@@ -49,6 +49,7 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
+from radbo.flops import new_scope, repeated
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import extract
 from radbo.typing import IndexSet, Params
@@ -150,32 +151,34 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         buffers = cohort.params(self.buffer_names, clone=True)
         total = {n: torch.zeros_like(t) for n, t in params.items()}
         loss_value: torch.Tensor | float = float("nan")
+        scope = new_scope()
         for step in range(cohort.max_steps):
-            batch = runtime.batch(cohort.step_data("batch", step))
             active = cohort.active(step)
-            before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
-            var = {n: t.requires_grad_(True) for n, t in params.items()}
-            x = {n: var[n] for n in self.outer_names}
-            y = {n: var[n] for n in self.inner_names}
-            loss = cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
-            grads = dict(
-                zip(
-                    var,
-                    torch.autograd.grad(scalar("loss", loss, cohort.lead), list(var.values())),
-                    strict=True,
+            with repeated("fedavg.step", scope, active is None):  # the same work every step
+                batch = runtime.batch(cohort.step_data("batch", step))
+                before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
+                var = {n: t.requires_grad_(True) for n, t in params.items()}
+                x = {n: var[n] for n in self.outer_names}
+                y = {n: var[n] for n in self.inner_names}
+                loss = cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
+                grads = dict(
+                    zip(
+                        var,
+                        torch.autograd.grad(scalar("loss", loss, cohort.lead), list(var.values())),
+                        strict=True,
+                    )
                 )
-            )
-            stepped = {n: (t - self.lr * grads[n]).detach() for n, t in var.items()}
-            if active is None:
-                params = stepped
-                total = {n: t + grads[n] for n, t in total.items()}
-                loss_value = loss.detach()
-            else:  # clients past their last step keep what they had
-                params = params_where(active, stepped, {n: t.detach() for n, t in var.items()})
-                zeros = {n: torch.zeros_like(g) for n, g in grads.items()}
-                total = {n: t + params_where(active, grads, zeros)[n] for n, t in total.items()}
-                loss_value = torch.where(active, loss.detach(), loss_value)
-                buffers = params_where(active, buffers, before)
+                stepped = {n: (t - self.lr * grads[n]).detach() for n, t in var.items()}
+                if active is None:
+                    params = stepped
+                    total = {n: t + grads[n] for n, t in total.items()}
+                    loss_value = loss.detach()
+                else:  # clients past their last step keep what they had
+                    params = params_where(active, stepped, {n: t.detach() for n, t in var.items()})
+                    zeros = {n: torch.zeros_like(g) for n, g in grads.items()}
+                    total = {n: t + params_where(active, grads, zeros)[n] for n, t in total.items()}
+                    loss_value = torch.where(active, loss.detach(), loss_value)
+                    buffers = params_where(active, buffers, before)
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         sizes = [p.steps["batch"].shape[1] for p in cohort.prepared]
         return cohort.replies(

@@ -77,6 +77,7 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
+from radbo.flops import new_scope, repeated
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias, extract
@@ -264,41 +265,47 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         lam = self.penalty
         n_grad = n_hvp = 0
         first: tuple[Any, Any] | None = None
+        scope = new_scope()
         for step in range(cohort.max_steps):
-            inner_batch = runtime.batch(cohort.step_data("inner", step))
-            outer_batch = runtime.batch(cohort.step_data("outer", step))
             active = cohort.active(step)
-            old = (x, y, v, q_x, q_y, q_v, buffers)
-            if buffers:  # BatchNorm running statistics follow the local training batches
-                buffers = (
-                    {n: t.clone() for n, t in buffers.items()} if active is not None else buffers
+            with repeated("simfbo.step", scope, active is None):  # the same work every step
+                inner_batch = runtime.batch(cohort.step_data("inner", step))
+                outer_batch = runtime.batch(cohort.step_data("outer", step))
+                old = (x, y, v, q_x, q_y, q_v, buffers)
+                if buffers:  # BatchNorm running statistics follow the local training batches
+                    buffers = (
+                        {n: t.clone() for n, t in buffers.items()}
+                        if active is not None
+                        else buffers
+                    )
+                    with torch.no_grad():
+                        cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
+                outer, inner = cohort.bind(
+                    runtime.problem, module, buffers, inner_batch, outer_batch
                 )
-                with torch.no_grad():
-                    cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
-            outer, inner = cohort.bind(runtime.problem, module, buffers, inner_batch, outer_batch)
-            if lam is None:
-                system = self.estimator.linearize(inner, x, y, lead=lead)
-                dirs = bilevel_directions(system, outer, x, y, v)
-                d_x, d_y, d_v = dirs.x, dirs.y, dirs.v
-                losses, counts = (dirs.g, dirs.f), (dirs.n_grad, dirs.n_hvp)
-            else:  # v is y_lam, y is z
-                oracle = penalty_gradients(outer, inner, x, v, y, lam, lead=lead)
-                d_x, d_y = oracle.x, oracle.z
-                d_v = {k: t / (1.0 + lam) for k, t in oracle.y.items()}
-                losses, counts = (oracle.g, oracle.f), (oracle.n_grad, 0)
-            n_grad += counts[0]
-            n_hvp += counts[1]
-            if first is None:
-                first = losses
-            x = axpy(-a * self.outer_lr, d_x, x)
-            y = axpy(-a * self.inner_lr, d_y, y)
-            v = axpy(-a * self.v_lr, d_v, v)
-            q_x, q_y, q_v = axpy(a, d_x, q_x), axpy(a, d_y, q_y), axpy(a, d_v, q_v)
-            if active is not None:  # clients past their tau_i keep what they had
-                new = (x, y, v, q_x, q_y, q_v, buffers)
-                x, y, v, q_x, q_y, q_v, buffers = (
-                    params_where(active, n, o) for n, o in zip(new, old, strict=True)
-                )
+                if lam is None:
+                    system = self.estimator.linearize(inner, x, y, lead=lead)
+                    dirs = bilevel_directions(system, outer, x, y, v)
+                    d_x, d_y, d_v = dirs.x, dirs.y, dirs.v
+                    losses, counts = (dirs.g, dirs.f), (dirs.n_grad, dirs.n_hvp)
+                else:  # v is y_lam, y is z
+                    oracle = penalty_gradients(outer, inner, x, v, y, lam, lead=lead)
+                    d_x, d_y = oracle.x, oracle.z
+                    d_v = {k: t / (1.0 + lam) for k, t in oracle.y.items()}
+                    losses, counts = (oracle.g, oracle.f), (oracle.n_grad, 0)
+                n_grad += counts[0]
+                n_hvp += counts[1]
+                if first is None:
+                    first = losses
+                x = axpy(-a * self.outer_lr, d_x, x)
+                y = axpy(-a * self.inner_lr, d_y, y)
+                v = axpy(-a * self.v_lr, d_v, v)
+                q_x, q_y, q_v = axpy(a, d_x, q_x), axpy(a, d_y, q_y), axpy(a, d_v, q_v)
+                if active is not None:  # clients past their tau_i keep what they had
+                    new = (x, y, v, q_x, q_y, q_v, buffers)
+                    x, y, v, q_x, q_y, q_v, buffers = (
+                        params_where(active, n, o) for n, o in zip(new, old, strict=True)
+                    )
         taus = torch.tensor(
             cohort.num_steps, dtype=torch.float64, device=next(iter(q_y.values())).device
         )
