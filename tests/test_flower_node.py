@@ -17,6 +17,7 @@ from radbo.config import load_config  # noqa: E402
 from radbo.experiment import build  # noqa: E402
 from radbo.flower.apps import (  # noqa: E402
     FlowerSetupError,
+    _rediscover,
     discover_nodes,
     load_radbo_config,
 )
@@ -193,6 +194,26 @@ def test_discovery_maps_clients_and_records_stateful_nodes(flower_identity):
     assert discover_nodes(grid, 3, wait_s=5, stateful=stateful) == {0: 11, 1: 10, 2: 12}
     assert stateful == {10, 11, 12}
     assert grid.kinds == [DISCOVERY] * 3
+
+
+def test_discovery_pulls_replies_itself_every_poll_interval(flower_identity, monkeypatch):
+    """Discovery and rediscovery push their questions and pull the answers (issue 13), as the
+    rounds do: a late node is found on a later pull; Flower's send_and_receive (and its 3-s
+    ticks) is never used."""
+    grid = NodeGrid({10: {"partition-id": 1}, 11: {"partition-id": 0}}, late={10: 2})
+
+    def no_send_and_receive(*args, **kwargs):
+        raise AssertionError("send_and_receive was used")
+
+    monkeypatch.setattr(grid, "send_and_receive", no_send_and_receive)
+    assert discover_nodes(grid, 2, wait_s=5, poll_interval=0.01) == {0: 11, 1: 10}
+    assert grid.pushed == 2 and grid.pulls == 3  # the late node's reply came on pull 3
+
+    grid.node_configs[12] = {"partition-id": 0}  # client 0's node restarted with a new id
+    grid.handlers[12] = grid.handlers[11]
+    known = {0: 11, 1: 10}
+    find = _rediscover(grid, known, {"radbo": 1}, set(), 5.0, 0.01)
+    assert find([0]) == {0: 12} and known == {0: 12, 1: 10}
 
 
 @pytest.mark.parametrize(

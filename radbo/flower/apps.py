@@ -42,7 +42,13 @@ from flwr.serverapp import Grid, ServerApp
 from radbo.checkpoint import atomic_write_text
 from radbo.config import RunConfig, load_config, parse_config
 from radbo.experiment import RunResult, run
-from radbo.flower.backend import FlowerBackend, FlowerTaskError, actions
+from radbo.flower.backend import (
+    POLL_INTERVAL_S,
+    FlowerBackend,
+    FlowerTaskError,
+    actions,
+    exchange,
+)
 from radbo.flower.clientapp import make_app
 from radbo.flower.codec import (
     CONFIG,
@@ -135,9 +141,14 @@ def _served(record: ConfigRecord) -> tuple[int, bool]:
 
 
 def _ask(
-    grid: Grid, nodes: Sequence[int], query: Mapping[str, Any], timeout: float
+    grid: Grid,
+    nodes: Sequence[int],
+    query: Mapping[str, Any],
+    timeout: float,
+    poll_interval: float = POLL_INTERVAL_S,
 ) -> dict[int, ConfigRecord | str]:
-    """Each node's discovery reply (its config record), or the error text it sent."""
+    """Each node's discovery reply (its config record), or the error text it sent; replies
+    are pulled every ``poll_interval`` seconds (:func:`radbo.flower.backend.exchange`)."""
     messages = [
         Message(
             content=RecordDict({CONFIG: ConfigRecord(dict(query))}),
@@ -147,7 +158,7 @@ def _ask(
         for node in nodes
     ]
     out: dict[int, ConfigRecord | str] = {}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    for reply in exchange(grid, messages, timeout=timeout, poll_interval=poll_interval):
         node = int(reply.metadata.src_node_id)
         if reply.has_error():
             out[node] = f"code {reply.error.code}: {reply.error.reason}"
@@ -163,6 +174,7 @@ def discover_nodes(
     wait_s: float = 120.0,
     query: Mapping[str, Any] | None = None,
     stateful: set[int] | None = None,
+    poll_interval: float = POLL_INTERVAL_S,
 ) -> dict[int, int]:
     """``{radbo client id: node id}`` for clients ``0 .. num_clients-1``, checked.
 
@@ -172,7 +184,8 @@ def discover_nodes(
     a one-line :class:`FlowerSetupError` naming the node ids when two nodes serve the same
     client, a node serves none in range, a node replies with an error (its text is given),
     or a client is still not served at the deadline. Nodes that keep state across messages
-    are added to ``stateful``.
+    are added to ``stateful``. Replies are pulled every ``poll_interval`` seconds
+    (``[flower] poll_interval_s``).
     """
     deadline = time.monotonic() + wait_s
     asked: dict[int, ConfigRecord | str] = {}
@@ -180,7 +193,7 @@ def discover_nodes(
         new = [n for n in grid.get_node_ids() if n not in asked]
         if new:
             left = max(deadline - time.monotonic(), 1.0)
-            replies = _ask(grid, new, query or {"radbo": 1}, left)
+            replies = _ask(grid, new, query or {"radbo": 1}, left, poll_interval)
             asked.update(replies)
             # a node that let the wait pass has run out the clock: it is not asked again
             asked.update({n: "no reply" for n in new if n not in replies})
@@ -236,7 +249,12 @@ def _check_setup(asked: Mapping[int, ConfigRecord | str], num_clients: int) -> d
 
 
 def _rediscover(
-    grid: Grid, known: dict[int, int], query: Mapping[str, Any], stateful: set[int], timeout: float
+    grid: Grid,
+    known: dict[int, int],
+    query: Mapping[str, Any],
+    stateful: set[int],
+    timeout: float,
+    poll_interval: float = POLL_INTERVAL_S,
 ):
     """The backend's hook for lost clients: asks nodes it does not know yet (a restarted
     SuperNode comes back with a new node id) for their partition."""
@@ -247,7 +265,7 @@ def _rediscover(
         if not new:
             return {}
         found: dict[int, int] = {}
-        for node, record in _ask(grid, new, query, timeout).items():
+        for node, record in _ask(grid, new, query, timeout, poll_interval).items():
             if not isinstance(record, ConfigRecord):
                 continue
             partition, keeps_state = _served(record)
@@ -333,6 +351,7 @@ def make_server_app(
                 wait_s=fc.discovery_timeout_s,
                 query=query,
                 stateful=stateful,
+                poll_interval=fc.poll_interval_s,
             )
             reply_timeout = fc.reply_timeout_s if timeout is None else timeout
 
@@ -350,7 +369,9 @@ def make_server_app(
                     timeout=reply_timeout,
                     max_update_ratio=fc.max_update_ratio,
                     poll_interval=fc.poll_interval_s,
-                    rediscover=_rediscover(grid, nodes, ask, stateful, reply_timeout),
+                    rediscover=_rediscover(
+                        grid, nodes, ask, stateful, reply_timeout, fc.poll_interval_s
+                    ),
                 )
 
             show = bool(run_config.get("progress", True)) if progress is None else progress
