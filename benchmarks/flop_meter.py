@@ -45,7 +45,7 @@ def configs() -> dict[str, Callable[[], RunConfig]]:
     }
 
 
-def reference_count(fn: Callable[[], Any], reuse: bool = False) -> int:
+def reference_count(fn: Callable[[], Any], reuse: bool = False, blocks: Any = None) -> int:
     """radbo's count before issue 12: FlopCounterMode with its per-module bookkeeping."""
     with FlopCounterMode(display=False) as counter:
         fn()

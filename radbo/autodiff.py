@@ -32,10 +32,10 @@ tensors (:data:`TensorTuple`), one per named parameter.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -651,6 +651,25 @@ def solve_cg(
             active = active & (rs.double() > threshold)
             going = bool(active.any())
     return sol, (int(counts) if lead == 0 else counts)
+
+
+def cg_iteration_flops(blocks: Mapping[tuple[Any, ...], int]) -> int | None:
+    """The FLOPs one more iteration adds to a count of work with one uniform :func:`solve_cg`
+    (``blocks``: :func:`radbo.flops.count_flops`'s block counts), or ``None`` when the count
+    does not show it: repeated blocks of other kinds, several solves, or an iteration's step
+    (the part after the product, which a truncated last iteration skips) that costs FLOPs.
+    Every iteration runs the same product (``uniform``), so work that differs only in its
+    number of CG iterations differs by this many FLOPs per iteration."""
+    if not blocks or {key[0] for key in blocks} != {"solve_cg"}:
+        return None
+    scopes = {key[1] for key in blocks}
+    if len(scopes) != 1:
+        return None
+    (scope,) = scopes
+    product = blocks.get(("solve_cg", scope, "product"))
+    if product is None or blocks.get(("solve_cg", scope, "step"), 0) != 0:
+        return None
+    return product
 
 
 # --------------------------------------------------------------- directions of bilevel methods

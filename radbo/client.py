@@ -486,6 +486,7 @@ def run_measured(
     charges what the client alone would execute. Counting does not change the result: the
     counter runs the same kernels.
     """
+    from radbo.autodiff import cg_iteration_flops
     from radbo.cost import shape_signature
     from radbo.flops import count_flops
 
@@ -500,11 +501,13 @@ def run_measured(
         prepared = work.prepare(runtime, task)
         family = (*family, repr(prepared.signature()), prepared.num_steps)
     flops: int | None = None
+    blocks: dict[tuple, int] = {}
     if result is None and meter.in_place and family not in meter.families:
         # a new kind of workload: count this very run instead of running it twice (the draws
         # are made again under the counter: the same draws, from the task's own generator)
         box: list[ClientResult] = []
-        flops = int(count_flops(lambda: box.append(work(runtime, task)), reuse=meter.reuse))
+        run = lambda: box.append(work(runtime, task))  # noqa: E731
+        flops = int(count_flops(run, reuse=meter.reuse, blocks=blocks))
         result = box[-1]
     elif result is None and prepared is not None:
         assert isinstance(work, ClientWork)
@@ -514,14 +517,18 @@ def run_measured(
     c = result.cost
     key = (task.phase, shapes, c.n_grad, c.samples, task.budget.local_steps)
     # FLOPs are affine in the Hessian-vector count (a CG iteration is one more product of the
-    # same shapes): the meter composes new counts from a verified line (FlopMeter)
-    if flops is None:
-        flops = meter.flops(key, lambda: work(runtime, task), linear=c.n_hvp)
+    # same shapes): the meter composes new counts from its line (FlopMeter), which a count
+    # of one uniform CG solve gives at once
+    known = meter.lookup(key, linear=c.n_hvp)
+    if known is not None:  # (a count in place finds it known only after a resume)
         meter.families.add(family)
-    elif meter.lookup(key, linear=c.n_hvp) is None:  # (known unless resumed from a checkpoint)
-        meter.store(key, flops, linear=c.n_hvp, family=family)
+        flops = known
     else:
-        meter.families.add(family)
+        if flops is None:  # a new workload of a known kind: run it again under the counter
+            again = lambda: work(runtime, task)  # noqa: E731
+            flops = int(count_flops(again, reuse=meter.reuse, blocks=blocks))
+        unit = cg_iteration_flops(blocks)
+        meter.store(key, flops, linear=c.n_hvp, family=family, unit=unit)
     return replace(result, cost=replace(c, flops=flops))
 
 

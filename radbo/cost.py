@@ -128,7 +128,9 @@ class FlopMeter:
     everything else. Once three measurements of such a family at different counts lie exactly on
     one line (integer arithmetic), the meter composes every further count from it instead of
     measuring; a family whose measurements are not collinear is measured for each count, as
-    without composition. So a CG that stops after a new number of iterations costs no new
+    without composition. A measurement that shows its own unit (a count of a single uniform CG
+    solve gives the FLOPs of one iteration: :func:`radbo.autodiff.cg_iteration_flops`) gives
+    the line at once. So a CG that stops after a new number of iterations costs no new
     measurement, and the totals are exactly what measuring each workload gives.
 
     **Repeated work counted once.** A measurement counts a block the client marks
@@ -181,17 +183,28 @@ class FlopMeter:
         return None
 
     def store(
-        self, key: tuple, value: int, linear: int | None = None, family: tuple | None = None
+        self,
+        key: tuple,
+        value: int,
+        linear: int | None = None,
+        family: tuple | None = None,
+        unit: int | None = None,
     ) -> int:
         """Record a measurement of a workload (made by :meth:`flops`, or by the caller counting
         the workload's own run with :func:`radbo.flops.count_flops`), and its ``family`` in
-        :attr:`families`; returns ``value``."""
+        :attr:`families`; returns ``value``. ``unit``: the FLOPs one more ``linear`` count
+        adds, when the count itself showed it (one uniform CG solve:
+        :func:`radbo.autodiff.cg_iteration_flops`); the family's line is then known from
+        this one measurement."""
         if family is not None:
             self.families.add(family)
         full = key if linear is None else (*key, linear)
         self.cache[full] = value
         self.measurements += 1
-        if linear is not None and self.compose and key not in self._lines:
+        if linear is not None and self.compose and unit is not None and not self._lines.get(key):
+            self._lines[key] = (linear, value, unit)
+            self._points.pop(key, None)
+        elif linear is not None and self.compose and key not in self._lines:
             points = self._points.setdefault(key, {})
             points[linear] = value
             if len(points) >= 3:

@@ -271,7 +271,9 @@ def repeated(*key: Any) -> _Inert | _Repeated:
     return _Repeated(counter, key)
 
 
-def count_flops(fn: Callable[[], Any], *, reuse: bool = True) -> int:
+def count_flops(
+    fn: Callable[[], Any], *, reuse: bool = True, blocks: dict[tuple[Any, ...], int] | None = None
+) -> int:
     """Total FLOPs executed by ``fn()``: what ``FlopCounterMode(display=False)`` counts.
 
     Counts forward, backward and double-backward matrix products and convolutions
@@ -283,7 +285,8 @@ def count_flops(fn: Callable[[], Any], *, reuse: bool = True) -> int:
 
     ``reuse`` (default): blocks of ``fn`` marked :func:`repeated` are counted once per key and
     then run outside the counter (the same total, much faster); ``False`` counts every
-    operation.
+    operation. ``blocks``, when given, receives the count of each block key met (with
+    ``reuse``).
 
     >>> a, b = torch.ones(4, 3), torch.ones(3, 5)
     >>> count_flops(lambda: a @ b)  # 2 * 4 * 3 * 5
@@ -294,6 +297,8 @@ def count_flops(fn: Callable[[], Any], *, reuse: bool = True) -> int:
     try:
         with counter:
             fn()
+        if blocks is not None and counter.repeats is not None:
+            blocks.update(counter.repeats)
         return counter.total
     except _HigherOrderOp:
         pass

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from radbo.autodiff import solve_cg
+from radbo.autodiff import cg_iteration_flops, solve_cg
 from radbo.config import load_config, parse_config
 from radbo.cost import FlopMeter, _exact_line
 from radbo.experiment import build
@@ -111,6 +111,8 @@ def ledger_flops(config, compose: bool, rounds: int) -> tuple[list[tuple], FlopM
     for r in range(rounds):
         state, record = sim.step(state, r)
         rows += [(e.round, e.phase, e.client, e.flops, e.n_hvp) for e in record.ledger]
+        if r == 0:
+            meter.after_round_0 = meter.measurements  # type: ignore[attr-defined]
     return rows, meter
 
 
@@ -124,8 +126,9 @@ def test_the_demo_ledger_is_unchanged_by_composition():
 
 def test_the_cnn_ledger_is_unchanged_when_cg_workloads_are_composed():
     """CNN7 on 16x16 digits: the CG iteration count changes between rounds; measured, each new
-    count is a new workload (rounds 2 and 7 re-measured three each on this config); composed,
-    the ledger's FLOPs are the same integers and later counts cost no measurement."""
+    count is a new workload (rounds 2 and 7 re-measured three each on this config); composed
+    (the line of a family known from its first count, whose CG iterations are repeated blocks),
+    the ledger's FLOPs are the same integers and no round after round 0 measures anything."""
     config = parse_config(
         {"seed": 0, "data": {"name": "digits", "image_size": 16}, "model": {"name": "cnn7"}}
     )
@@ -136,6 +139,8 @@ def test_the_cnn_ledger_is_unchanged_when_cg_workloads_are_composed():
     assert len(hvp_counts) > 3  # the CG stopped after several different iteration counts
     assert len(meter.cache) > meter.measurements  # some workloads were composed
     assert meter.measurements < reference_meter.measurements
+    # a count of one CG solve gives its family's line at once: no steady round measures
+    assert meter.measurements == meter.after_round_0
 
 
 def test_the_meter_state_round_trips_through_json():
@@ -228,3 +233,34 @@ def test_every_algorithm_s_ledger_is_today_s_and_counting_changes_no_result(case
     for (sa, _), (sb, _) in zip(fast, bare, strict=True):
         ta, tb = tensors(sa), tensors(sb)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_a_cg_iteration_s_flops_come_from_the_count_of_one_solve():
+    """cg_iteration_flops reads a count's blocks: one uniform solve with a free step gives the
+    product's FLOPs; other blocks, two solves, or a step with products give nothing."""
+    a = torch.eye(4, dtype=torch.float64) * 2
+    b = (torch.ones(4, 3, dtype=torch.float64),)
+
+    def solve() -> None:
+        solve_cg(lambda u: (a @ u[0],), b, max_iter=3, tol=0.0, uniform=True)
+
+    blocks: dict = {}
+    total = count_flops(solve, blocks=blocks)
+    assert cg_iteration_flops(blocks) == 2 * 4 * 4 * 3
+    assert total == 1 * cg_iteration_flops(blocks)  # a @ b / 2 converges in one iteration
+    assert cg_iteration_flops({}) is None
+    assert cg_iteration_flops({**blocks, ("rabo.inner", 1, True): 5}) is None
+    assert (
+        cg_iteration_flops({("solve_cg", 1, "product"): 7, ("solve_cg", 2, "product"): 7}) is None
+    )
+    assert cg_iteration_flops({("solve_cg", 1, "product"): 7, ("solve_cg", 1, "step"): 3}) is None
+    assert cg_iteration_flops({("solve_cg", 1, "product"): 7, ("solve_cg", 1, "step"): 0}) == 7
+
+
+def test_the_first_count_of_a_cg_workload_gives_its_line():
+    meter = FlopMeter()
+    meter.store(("outer",), 1000, linear=4, unit=100)
+    assert meter.lookup(("outer",), linear=7) == 1300 and meter.measurements == 1
+    plain = FlopMeter()
+    plain.store(("outer",), 1000, linear=4)  # no unit: three points are needed
+    assert plain.lookup(("outer",), linear=7) is None
