@@ -474,7 +474,8 @@ def run_measured(
     """Run one client's work (or take its ``result`` computed elsewhere, e.g. in a batched
     cohort) and attach its measured FLOPs, cached per distinct workload.
 
-    A :class:`ClientWork` is run as ``run(prepare(task))``, which is what calling it does.
+    A :class:`ClientWork` is run as ``run(prepare(task))``, which is what calling it does; its
+    FLOPs are those of ``run`` (the draws of ``prepare`` are random indices, no arithmetic).
 
     The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
     local steps): FLOPs of these models are linear in the batch, so equal counts on equal
@@ -495,25 +496,30 @@ def run_measured(
     shapes = shape_signature(task.params)
     family: tuple = (task.phase, shapes, task.budget.local_steps)
     prepared: Prepared | None = None
+
+    def execute() -> ClientResult:
+        if prepared is None:
+            return work(runtime, task)
+        assert isinstance(work, ClientWork)
+        (out,) = work.run(runtime, Cohort.single(task, prepared))
+        return out
+
     if result is None and isinstance(work, ClientWork):
-        # the draws (made before any arithmetic) tell this client's batch sizes, so that a
-        # client drawing smaller batches is a kind of its own, counted while it runs
+        # the draws (random indices, made before any arithmetic) tell this client's batch
+        # sizes, so that a client drawing smaller batches is a kind of its own, counted while
+        # it runs; its work is run (and counted) on these draws
         prepared = work.prepare(runtime, task)
         family = (*family, repr(prepared.signature()), prepared.num_steps)
+
     flops: int | None = None
     blocks: dict[tuple, int] = {}
     if result is None and meter.in_place and family not in meter.families:
-        # a new kind of workload: count this very run instead of running it twice (the draws
-        # are made again under the counter: the same draws, from the task's own generator)
+        # a new kind of workload: count this very run instead of running it twice
         box: list[ClientResult] = []
-        run = lambda: box.append(work(runtime, task))  # noqa: E731
-        flops = int(count_flops(run, reuse=meter.reuse, blocks=blocks))
+        flops = int(count_flops(lambda: box.append(execute()), reuse=meter.reuse, blocks=blocks))
         result = box[-1]
-    elif result is None and prepared is not None:
-        assert isinstance(work, ClientWork)
-        (result,) = work.run(runtime, Cohort.single(task, prepared))
     elif result is None:
-        result = work(runtime, task)
+        result = execute()
     c = result.cost
     key = (task.phase, shapes, c.n_grad, c.samples, task.budget.local_steps)
     # FLOPs are affine in the Hessian-vector count (a CG iteration is one more product of the
@@ -525,8 +531,9 @@ def run_measured(
         flops = known
     else:
         if flops is None:  # a new workload of a known kind: run it again under the counter
-            again = lambda: work(runtime, task)  # noqa: E731
-            flops = int(count_flops(again, reuse=meter.reuse, blocks=blocks))
+            if prepared is None and isinstance(work, ClientWork):
+                prepared = work.prepare(runtime, task)  # the same draws, made uncounted
+            flops = int(count_flops(execute, reuse=meter.reuse, blocks=blocks))
         unit = cg_iteration_flops(blocks)
         meter.store(key, flops, linear=c.n_hvp, family=family, unit=unit)
     return replace(result, cost=replace(c, flops=flops))
