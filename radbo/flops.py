@@ -251,10 +251,10 @@ def repeated(*key: Any) -> _Inert | _Repeated:
     conjugate-gradient iteration. Put a :func:`new_scope` in the key so that blocks of
     different calls (two CG solves on different systems) never share a count. Blocks may nest.
 
-    Why by hand: counting runs every operation through a Python dispatch mode (about 10x the
-    operation itself for radbo's small ones); a client's repeated steps are most of its
-    operations, so counting one of each is what makes measuring a new workload cheap
-    (``count_flops(fn, reuse=False)`` counts everything, for tests).
+    Why by hand (no library skips a counter for known work): counting runs every operation
+    through a Python dispatch mode (2-3x the cost of radbo's small operations); a client's
+    repeated steps are most of its operations, so counting one of each is what makes measuring
+    a new workload cheap (``count_flops(fn, reuse=False)`` counts everything, for tests).
 
     >>> a = torch.ones(4, 3)
     >>> def work():
