@@ -489,7 +489,6 @@ def run_measured(
     """
     from radbo.autodiff import cg_iteration_flops
     from radbo.cost import shape_signature
-    from radbo.flops import count_flops
 
     if meter is None:
         return work(runtime, task) if result is None else result
@@ -516,7 +515,7 @@ def run_measured(
     if result is None and meter.in_place and family not in meter.families:
         # a new kind of workload: count this very run instead of running it twice
         box: list[ClientResult] = []
-        flops = int(count_flops(lambda: box.append(execute()), reuse=meter.reuse, blocks=blocks))
+        flops = meter.count(lambda: box.append(execute()), blocks)
         result = box[-1]
     elif result is None:
         result = execute()
@@ -529,13 +528,12 @@ def run_measured(
     if known is not None:  # (a count in place finds it known only after a resume)
         meter.families.add(family)
         flops = known
-    else:
-        if flops is None:  # a new workload of a known kind: run it again under the counter
-            if prepared is None and isinstance(work, ClientWork):
-                prepared = work.prepare(runtime, task)  # the same draws, made uncounted
-            flops = int(count_flops(execute, reuse=meter.reuse, blocks=blocks))
-        unit = cg_iteration_flops(blocks)
-        meter.store(key, flops, linear=c.n_hvp, family=family, unit=unit)
+    elif flops is not None:  # counted in place
+        meter.store(key, flops, c.n_hvp, family, cg_iteration_flops(blocks))
+    else:  # a new workload of a known kind: run it again under the counter
+        if prepared is None and isinstance(work, ClientWork):
+            prepared = work.prepare(runtime, task)  # the same draws, made uncounted
+        flops = meter.flops(key, execute, c.n_hvp, family, cg_iteration_flops)
     return replace(result, cost=replace(c, flops=flops))
 
 

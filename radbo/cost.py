@@ -139,9 +139,9 @@ class FlopMeter:
     count (``reuse``; ``False`` counts every operation: the same integers, slower).
 
     **The first of a kind counted while it runs** (``in_place``; :func:`radbo.client.run_measured`):
-    the first client of a (phase, submodel shapes, local steps) family runs under the counter
-    instead of running plainly and then again under it; the counter runs the same kernels, so
-    its result is the same.
+    the first client of a family (phase, submodel shapes, local steps and the shapes of its
+    draws) runs under the counter instead of running plainly and then again under it; the
+    counter runs the same kernels, so its result is the same.
     """
 
     cache: dict[tuple, int] = field(default_factory=dict)
@@ -151,21 +151,37 @@ class FlopMeter:
     #: count the first workload of each family while it runs (``False``: run it, then
     #: measure it by running it again; the same integers)
     in_place: bool = True
-    #: the kinds of workload met so far (``run_measured``: phase, submodel shapes, local steps)
+    #: the kinds of workload met so far (``run_measured``: phase, submodel shapes, local steps,
+    #: draw shapes)
     families: set[tuple] = field(default_factory=set)
     _points: dict[tuple, dict[int, int]] = field(default_factory=dict, repr=False)
     _lines: dict[tuple, tuple[int, int, int] | None] = field(default_factory=dict, repr=False)
 
-    def flops(self, key: tuple, run: Callable[[], Any], linear: int | None = None) -> int:
+    def count(self, run: Callable[[], Any], blocks: dict[tuple, int] | None = None) -> int:
+        """The FLOPs of ``run()`` by :func:`radbo.flops.count_flops` with this meter's settings
+        (``reuse``); ``blocks`` receives the counts of its repeated blocks."""
+        from radbo.flops import count_flops
+
+        return int(count_flops(run, reuse=self.reuse, blocks=blocks))
+
+    def flops(
+        self,
+        key: tuple,
+        run: Callable[[], Any],
+        linear: int | None = None,
+        family: tuple | None = None,
+        unit: Callable[[dict[tuple, int]], int | None] | None = None,
+    ) -> int:
         """Cached FLOPs for ``key`` (and ``linear``, the count the workload's FLOPs are affine
         in); on a miss, composed from its family's line or measured by running ``run()`` under
-        the FLOP counter."""
+        the FLOP counter and stored (:meth:`store`, with ``family`` and the unit that
+        ``unit(blocks)`` reads from the count's repeated blocks, when given)."""
         found = self.lookup(key, linear)
         if found is not None:
             return found
-        from radbo.flops import count_flops
-
-        return self.store(key, int(count_flops(run, reuse=self.reuse)), linear)
+        blocks: dict[tuple, int] = {}
+        value = self.count(run, blocks)
+        return self.store(key, value, linear, family, None if unit is None else unit(blocks))
 
     def lookup(self, key: tuple, linear: int | None = None) -> int | None:
         """The FLOPs of a workload known without measuring it: cached, or composed from its
@@ -201,15 +217,16 @@ class FlopMeter:
         full = key if linear is None else (*key, linear)
         self.cache[full] = value
         self.measurements += 1
-        if linear is not None and self.compose and unit is not None and not self._lines.get(key):
-            self._lines[key] = (linear, value, unit)
-            self._points.pop(key, None)
-        elif linear is not None and self.compose and key not in self._lines:
-            points = self._points.setdefault(key, {})
-            points[linear] = value
-            if len(points) >= 3:
-                self._lines[key] = _exact_line(points)
-                del self._points[key]
+        if linear is not None and self.compose and key not in self._lines:
+            if unit is not None:
+                self._lines[key] = (linear, value, unit)
+                self._points.pop(key, None)
+            else:
+                points = self._points.setdefault(key, {})
+                points[linear] = value
+                if len(points) >= 3:
+                    self._lines[key] = _exact_line(points)
+                    del self._points[key]
         return value
 
     def state_dict(self) -> dict[str, Any]:
