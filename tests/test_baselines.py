@@ -17,10 +17,14 @@ def example(name, **fleet):
     return parse_config(data)
 
 
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize(("name", "bar"), [("fedmbo", 0.85), ("fedmsa", 0.85)])
 def test_example_baseline_trains_digits(name, bar):
-    """examples/fedmbo.toml and examples/fedmsa.toml; measured: FedMBO 0.889 (318
-    communication rounds), FedMSA 0.919 (60 rounds)."""
+    """examples/fedmbo.toml and examples/fedmsa.toml (float32); measured: FedMBO 0.889 (318
+    communication rounds), FedMSA 0.919 (60 rounds), the same to all digits on the default,
+    AVX2 and AVX-512 kernels (0.8886 and 0.9192). Seeds 1 and 2 (default kernels): FedMBO
+    0.911, 0.916, FedMSA 0.939, 0.942. FedMBO's margin (0.039 at seed 0) is the seeds'
+    business: the kernels do not move the accuracy in its four digits."""
     result = run(example(name), progress=False, save=False)
     assert result.final["test_accuracy"] >= bar
     rounds = result.totals["communication_rounds"]
@@ -40,9 +44,11 @@ def test_full_model_baselines_refuse_masks(name):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.float_sensitive
 def test_fleet_dropout_is_counted_and_training_goes_on():
     """Measured with seeds 0, 1, 2 (examples/fedmsa.toml, dropout 0.3): accuracy 0.886, 0.928,
-    0.936 (untrained 0.097, 0.150, 0.117). Asserted: 0.8."""
+    0.936 (untrained 0.097, 0.150, 0.117). Asserted: 0.8. Seed 0 (the one run here, float32)
+    gives 0.8858 on the default, AVX2 and AVX-512 kernels alike."""
     result = run(example("fedmsa", dropout=0.3), progress=False, save=False)
     dropped = result.totals["dropped_client_rounds"]
     assert 0.15 * result.totals["client_rounds"] < dropped < 0.45 * result.totals["client_rounds"]

@@ -48,12 +48,18 @@ def test_rolling_policy_trains_everything_over_rounds_and_reports_it():
     assert all(r.metrics["untrained_fraction_x"] == 0.75 for r in records)
 
 
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize("policy", ["random", "rolling", "coverage", "leading", "importance"])
 def test_every_policy_trains_end_to_end(policy):
     """Two rounds at r = 1/2 beat the untrained model by a margin. Measured on seeds 0, 1, 2
     (digits, untrained accuracy 0.10-0.15, loss 2.29-2.31): accuracy gains of at least 0.31
     (leading, seed 0: 0.097 -> 0.407; the 15 runs reach 0.41-0.62) and loss drops of at least
-    0.21 (rolling, seed 1: 2.303 -> 2.089). Asserted: +0.2 and -0.1."""
+    0.21 (rolling, seed 1: 2.303 -> 2.089). Asserted: +0.2 and -0.1.
+
+    A float32 run: the kernels change it little here. Seed 0 on the default, AVX2 and AVX-512
+    kernels: the same accuracy to all digits for every policy (gains 0.437, 0.315, 0.448, 0.309,
+    0.415 in the order listed) and loss drops that agree to 3e-7 (0.455, 0.234, 0.443, 0.233,
+    0.288). The margins (>= 0.10 in accuracy, >= 0.13 in loss) are 1e5 times that spread."""
     cfg = small_config(
         rounds=2,
         mask={"policy": policy, "coverage_k": 1},

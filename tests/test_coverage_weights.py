@@ -69,7 +69,8 @@ def test_server_mean_and_step_agree_with_the_counts() -> None:
 
     assert agg.count["x"].tolist() == [1, 2, 1, 0]
     assert agg.covered("x").tolist() == [True, True, True, False]
-    # x[1]: (1·2 + 2·4) / 3; the weight-0 client's 100s enter nowhere
+    # x[1]: (1·2 + 2·4) / 3; the weight-0 client's 100s enter nowhere. Exact in float64:
+    # integer sums, then one correctly rounded division, as Python's 10.0 / 3.0
     assert agg.mean["x"].tolist() == [1.0, 10.0 / 3.0, 8.0, 0.0]
     assert new["x"].tolist() == [-1.0, -10.0 / 3.0, -8.0, 0.0]
     assert agg.covered("y").tolist() == [[True, True, True], [True, False, False]]

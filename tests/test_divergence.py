@@ -12,6 +12,12 @@ full validation split) falls to 0.2790 by round 72 and y blows up in round 77
 The guard rolls back to the start of round 77 and halves both step sizes; the run then ends
 at its best validation loss, 0.2777 in round 99 (test loss 0.352). The default box
 (``x_j <= log(1 / inner_lr) = 0``) never lets it get there: 0.2789, test loss 0.351.
+
+The blow-up amplifies rounding: float64 runs under the default, AVX2 and AVX-512 kernels agree
+to 4e-13 relative before round 77 (rms 1.4873008102734815 / ...2740424) and to 2.3e-8 at it
+(rms 757.32244137 / 757.32245896); the blow-up round, the messages' 4 digits and every
+threshold below are the same on the three. Tests with thresholds on these float results carry
+the ``float_sensitive`` marker; each comment gives the values measured on the three kernels.
 """
 
 from __future__ import annotations
@@ -137,19 +143,25 @@ def guarded(data: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 # ------------------------------------------------------------------------ the blow-up itself
+@pytest.mark.float_sensitive
 def test_without_the_guard_the_case_blows_up(unguarded):
     norms = [state_rms(s, {**s.x, **s.y}) for s, _ in unguarded]
     losses = [r.metrics["outer_loss"] for _, r in unguarded]
 
+    # measured (default/avx2/avx512): max rms 1.487300810273 / ...274 / ...274, min loss
+    # 0.27903581910116 on all three (spread 2e-15, margins 0.013 and 0.001)
     assert max(norms[:BLOWUP_ROUND]) < 1.5 and min(losses[:BLOWUP_ROUND]) < 0.28
+    # measured 757.3224 on all three, 51x the largest before
     assert norms[BLOWUP_ROUND] > 10 * max(norms[:BLOWUP_ROUND])  # y jumps in round 77
-    # three rounds later the model is garbage: NaN/Inf or x in the thousands
+    # three rounds later the model is garbage: NaN/Inf or x in the thousands (max x measured
+    # 5938.578 on all three kernels)
     end = unguarded[-1][0]
     assert not math.isfinite(norms[-1]) or float(end.x["log_l2"].max()) > 1e3
     assert all(r.divergence is None for _, r in unguarded)
 
 
 # ----------------------------------------------------------------- rollback and damp (default)
+@pytest.mark.float_sensitive
 def test_rollback_finishes_at_its_best_validation_loss_and_records_the_rollback(guarded, unguarded):
     result, out, bar = guarded
     rows = result.rounds
@@ -166,7 +178,9 @@ def test_rollback_finishes_at_its_best_validation_loss_and_records_the_rollback(
     saved = (out / "results.json").read_text()
     assert '"rolled_back_to": 77' in saved
     assert "diverged=r77 rolled back, lr x0.5" in bar  # the progress bar says so
-    # acceptance: validation loss at the end no worse than the best round's + 1 %
+    # acceptance: validation loss at the end no worse than the best round's + 1 % (measured:
+    # the last round is the best, 0.27774847380676 on default/avx2/avx512; test loss 0.35154
+    # on all three, 0.15 below its bound)
     losses = [r["outer_loss"] for r in rows]
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] <= 1.01 * min(losses)
@@ -178,6 +192,7 @@ def test_rollback_finishes_at_its_best_validation_loss_and_records_the_rollback(
 
 
 @pytest.mark.slow
+@pytest.mark.float_sensitive
 def test_at_inner_lr_0_1_the_guard_keeps_a_long_run_at_its_best(data: Path):
     """The issue's run: inner_lr 0.1, T = 10, one client, full batches, and an outer step
     (outer_lr 9) at which x needs about 1,600 rounds to reach the inner step's edge, as in the
@@ -185,7 +200,10 @@ def test_at_inner_lr_0_1_the_guard_keeps_a_long_run_at_its_best(data: Path):
     (``benchmarks/feature_l2_divergence.py --inner-lr 0.1 --outer-lr 9 --rounds 2000``):
     unguarded, the validation loss is at its best, 0.2728, in round 1601, y blows up in round
     1621 and the run ends at NaN (max x 1.3e9, test loss 2.2e8); guarded, one rollback in round
-    1621 (step sizes x 0.5) and the run ends at its best, 0.2727 (test loss 0.356)."""
+    1621 (step sizes x 0.5) and the run ends at its best, 0.2727 (test loss 0.356). Measured
+    on one machine's native kernels only (two 1,700-round runs); the thresholds leave 3 rounds
+    in 20 of the window, 2e-4 on the best loss and 0.14 on the test loss, where the three
+    kernels agree to 4e-13 before a blow-up (the 100-round case above)."""
     off = run(
         case(data, 1700, divergence="off", inner_lr=0.1, outer_lr=9.0), progress=False, save=False
     )
@@ -210,6 +228,7 @@ def test_at_inner_lr_0_1_the_guard_keeps_a_long_run_at_its_best(data: Path):
     assert 0.1 * scale * math.exp(float(on.state.x["log_l2"].max())) < 2.0
 
 
+@pytest.mark.float_sensitive  # needs the blow-up in round 77
 def test_the_damped_step_sizes_are_the_ones_that_run(data: Path, unguarded):
     """A rollback restores the previous state exactly and the next round runs with half the
     step sizes: bitwise the round an undamped run makes with ``inner_lr`` and ``outer_lr``
@@ -226,6 +245,7 @@ def test_the_damped_step_sizes_are_the_ones_that_run(data: Path, unguarded):
     assert states_equal(after, want)
 
 
+@pytest.mark.float_sensitive  # needs the blow-up in round 77
 def test_resuming_after_a_rollback_keeps_the_damped_steps(data: Path, unguarded):
     """The engine state a checkpoint stores (through JSON) carries the guard's rollbacks: a
     simulation resumed after the rollback runs with the damped step sizes, bitwise as the
@@ -248,6 +268,7 @@ def test_resuming_after_a_rollback_keeps_the_damped_steps(data: Path, unguarded)
 
 
 # ------------------------------------------------------------------------ stop, warn, off
+@pytest.mark.float_sensitive
 def test_stop_raises_one_line_naming_the_round(data: Path, unguarded):
     sim = build(case(data, divergence="stop")).simulation
     before = unguarded[BLOWUP_ROUND - 1][0]
@@ -258,6 +279,7 @@ def test_stop_raises_one_line_naming_the_round(data: Path, unguarded):
     assert 'divergence = "stop"' in message and "\n" not in message
 
 
+@pytest.mark.float_sensitive  # needs the blow-up in round 77
 def test_warn_warns_once_and_keeps_the_diverged_state(data: Path, unguarded):
     sim = build(case(data, divergence="warn")).simulation
     before = unguarded[BLOWUP_ROUND - 1][0]
@@ -317,13 +339,15 @@ def test_a_sound_run_is_bitwise_the_same_with_the_guard_on_and_off():
 
 
 # ---------------------------------------------------------------------- the box on x (item 5)
+@pytest.mark.float_sensitive
 def test_the_default_box_keeps_x_where_the_inner_step_is_stable(data: Path):
     """``max_log_l2 = "auto"``: x_j <= log(1 / inner_lr) = 0 for inner_lr = 1, and the
     divergence case runs its 100 rounds without a blow-up."""
     result = run(case(data, box="auto", divergence="stop"), progress=False, save=False)
 
     x = result.state.x["log_l2"]
-    assert float(x.max()) == 0.0  # the bound, reached by the noise features
+    assert float(x.max()) == 0.0  # the bound, reached by the noise features (a clamp: exact)
+    # measured: the last round is the best, 0.2788541352934 on default/avx2/avx512
     losses = [r["outer_loss"] for r in result.rounds]
     assert losses[-1] <= 1.01 * min(losses)
 

@@ -18,7 +18,10 @@ def same_model(a, b, sim) -> None:
 
 
 def test_single_phase_dropout_is_exactly_weight_zero():
-    """ShroFBO has one phase: a client that always drops is a client of weight 0."""
+    """ShroFBO has one phase: a client that always drops is a client of weight 0.
+
+    Bitwise, and exact on every kernel: coverage_weighted_mean accumulates the clients one
+    after another in float64, and a weight-0 client adds exact zeros there."""
     cfg = small_config(algorithm={"name": "shrofbo"}, fleet={"capacities": [1.0, 0.5]})
     dropping = build(cfg)
     dropping.simulation.dropout = [1.0 if c == 2 else 0.0 for c in range(10)]

@@ -6,6 +6,11 @@ Every round trip is read from the runtime's own output (``executorch.runtime`` /
 masked full model this file builds itself from the manifest's kept indices. The default suite
 exports the demo's MLP at capacities 1, 1/2 and 1/4 to both formats (plus int8) and a
 BatchNorm CNN; ``-m slow`` runs every model of the zoo at the three capacities.
+
+Both sides compute float32 logits, in different orders (XNNPACK's and ONNX Runtime's kernels
+against PyTorch's, whichever ``ATEN_CPU_CAPABILITY`` runs), so they are held to a bound derived
+from float32's unit roundoff and the network (:func:`_round_trip_bound`), not to a number read
+off one CPU (issue 25).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from radbo.export import (
 from radbo.masks.index import dense_mask
 from radbo.masks.structure import StructurePlan
 from tests.configs import DEMO, demo_dict
+from tests.test_export import logit_rounding_bound
+from tests.tolerances import unit_roundoff
 
 EDGE_PACKAGES = ("executorch", "onnx", "onnxscript", "onnxruntime")
 MISSING = [p for p in EDGE_PACKAGES if importlib.util.find_spec(p) is None]
@@ -45,7 +52,9 @@ needs_edge = pytest.mark.skipif(
     bool(MISSING),
     reason=f"radbo[edge] not installed (missing {', '.join(MISSING)}): pip install 'radbo[edge]'",
 )
-TOLERANCE = 1e-5
+#: how far the zoo's ResNets' runtime logits may be from PyTorch's, in multiples of PyTorch's
+#: own float32 error on the same batch (see :func:`_round_trip_bound`)
+ERROR_MULTIPLE = 16
 
 SMALL_TOML = """
 seed = 3
@@ -77,23 +86,47 @@ def _index_set(kept: dict) -> dict:
 
 
 def _reference(config: RunConfig):
-    """(inputs, masked-full-model logits for a manifest entry): built here from the config,
-    independently of radbo.export."""
+    """(inputs, masked-full-model logits for a manifest entry, as float32 and float64): built
+    here from the config, independently of radbo.export."""
     exp = build(config)
     model = exp.model
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
     inputs = exp.test.features[:32].to(torch.float32)
 
-    def logits(entry: dict) -> torch.Tensor:
+    def logits(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
         masks = dense_mask(_index_set(entry["kept"]), plan.shapes)
         masked = {k: torch.where(masks[k], v, torch.zeros_like(v)) for k, v in full.items()}
         net = copy.deepcopy(model)
         net.load_state_dict(masked)
         with torch.no_grad():
-            return net.eval()(inputs)
+            return net.eval()(inputs), net.double()(inputs.double())
 
     return inputs, logits
+
+
+def _round_trip_bound(model: nn.Module, inputs: torch.Tensor, torch_error: float) -> float:
+    """How far a runtime's float32 logits may be from PyTorch's float32 logits of the masked
+    full model (both within it of each other, whatever the kernels).
+
+    :func:`tests.test_export.logit_rounding_bound`, the worst case derived from float32's unit
+    roundoff and the operation count, wherever it is informative: below 1 % of the logits, so
+    that a wrong channel (which moves logits by a sizeable part of them) still fails. That holds
+    for every model but the zoo's ResNets (-m slow), whose worst case (every rounding aligned,
+    through 20 layers of |W|) is 1.5e4 and 1.5e5, vacuous. For those the bound is
+    ``ERROR_MULTIPLE`` times PyTorch's own float32 error against float64 on the same batch
+    (``torch_error``, measured by the test on the CPU it runs on; floored at ``u`` times the
+    largest logit): XNNPACK and ONNX Runtime round the same operations in another order, so
+    their errors are of the same size. Measured over the zoo, every model and capacity, on an
+    AVX-512 CPU: runtime vs PyTorch float32 within 1.5x to 3.7x ``torch_error`` (ResNet-12:
+    6.0e-7 against 3.9e-7; ResNet-18: 6.0e-8 against 1.6e-8).
+    """
+    with torch.no_grad():
+        largest = float(model.eval()(inputs).abs().max())
+    bound = logit_rounding_bound(model, inputs)
+    if bound < 0.01 * largest:
+        return bound
+    return ERROR_MULTIPLE * max(torch_error, unit_roundoff(torch.float32) * largest)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,11 +136,16 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _assert_round_trips(config: RunConfig, out: Path, formats: tuple[str, ...]) -> dict:
     """Every client's program of every format, loaded from ``out`` in its runtime, reproduces
-    the masked full model within 1e-5; returns the manifest."""
+    the masked full model within :func:`_round_trip_bound` (measured, default/avx2/avx512:
+    demo MLP at most 1.2e-7 against a derived 2.3e-4, BatchNorm CNN 3.3e-8 against 1.3e-4); returns
+    the manifest."""
     manifest = read_manifest(out)
     inputs, logits = _reference(config)
+    wants = {entry["client"]: logits(entry) for entry in manifest["clients"]}
+    torch_error = max(_max_diff(w32, w64) for w32, w64 in wants.values())
+    bound = _round_trip_bound(build(config).model, inputs, torch_error)
     for entry in manifest["clients"]:
-        want = logits(entry)
+        want, _ = wants[entry["client"]]
         for fmt in formats:
             # Act: the runtime's own output
             program = load_exported(out, entry["client"], fmt)
@@ -115,8 +153,8 @@ def _assert_round_trips(config: RunConfig, out: Path, formats: tuple[str, ...]) 
 
             # Assert
             diff = _max_diff(got, want)
-            assert diff <= TOLERANCE, (entry["client"], fmt, diff)
-            assert entry[fmt]["max_abs_diff"] <= TOLERANCE
+            assert diff <= bound, (entry["client"], fmt, diff, bound)
+            assert entry[fmt]["max_abs_diff"] <= bound
             assert (
                 entry[fmt]["file"]
                 == f"client-{min([entry['client'], *entry['shared_with']])}.{fmt}"
@@ -171,6 +209,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory):
     return config, out, result
 
 
+@pytest.mark.float_sensitive
 @needs_edge
 def test_demo_round_trips_at_every_capacity_in_both_runtimes(demo) -> None:
     config, out, result = demo
@@ -211,6 +250,7 @@ def test_latency_is_recorded_per_runtime_at_batch_1_and_the_training_batch(demo)
                 assert t["per_sample_s"] == t["median_s"] / t["batch"]
 
 
+@pytest.mark.float_sensitive
 @needs_edge
 def test_int8_program_reports_its_accuracy_against_fp32(tmp_path: Path) -> None:
     # Arrange: every tier at r = 1, so one submodel (int8 lowering is the slow part)
@@ -234,6 +274,9 @@ def test_int8_program_reports_its_accuracy_against_fp32(tmp_path: Path) -> None:
         assert record["accuracy_drop"] == (
             record["test_accuracy_fp32"] - record["test_accuracy_int8"]
         )
+        # int8 against FP32 (XNNPACK's int8 kernels, whatever the CPU's torch kernels): measured
+        # top-1 agreement 1.0 (avx2/avx512) and largest difference 0.0081 (default/avx2/avx512),
+        # far inside these bounds, which ask only that quantization changed the logits a little
         assert 0.5 <= record["top1_agreement"] <= 1.0
         assert 0 < record["max_abs_diff_vs_fp32"] < 1.0  # quantized: close, not equal
         assert [t["batch"] for t in record["latency"]] == [1, 32]
@@ -344,6 +387,7 @@ def test_inputs_of_another_shape_are_refused_naming_the_file(demo) -> None:
 
 
 # ---------------------------------------------------------------- BatchNorm with running stats
+@pytest.mark.float_sensitive
 @needs_edge
 @pytest.mark.parametrize("fmt", ["pte", "onnx"])
 def test_batchnorm_programs_use_the_running_statistics(fmt: str) -> None:
@@ -365,11 +409,17 @@ def test_batchnorm_programs_use_the_running_statistics(fmt: str) -> None:
     assert model.training
     with torch.no_grad():
         want = model.eval()(inputs)
-    assert _max_diff(got, want) <= TOLERANCE
+    # float32 against float32 in other kernels: the derived bound is 6.4e-4 here (276
+    # roundings through conv, BatchNorm and head, |net|(|x|) <= 19.5); measured 2.7e-7 /
+    # 3.1e-7 / 3.0e-7 (default/avx2/avx512), the bound 2000x above
+    bound = logit_rounding_bound(model, inputs)
+    assert bound < 0.01 * float(want.abs().max())  # a bound that still sees a wrong statistic
+    assert _max_diff(got, want) <= bound
     single = EdgeProgram.from_bytes(fmt, lowered.data)(inputs[:1])  # per example, not per batch
-    assert _max_diff(single, want[:1]) <= TOLERANCE
+    assert _max_diff(single, want[:1]) <= bound
 
 
+@pytest.mark.float_sensitive
 @needs_edge
 def test_cnn_with_batchnorm_exports_every_capacity(tmp_path: Path) -> None:
     config = _config(model={"name": "cnn", "channels": [4, 8]})
@@ -384,6 +434,7 @@ def test_cnn_with_batchnorm_exports_every_capacity(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- CLI and calibration
+@pytest.mark.float_sensitive
 @needs_edge
 def test_cli_export_writes_the_formats_asked_for(tmp_path: Path, capsys) -> None:
     config = tmp_path / "small.toml"
@@ -522,6 +573,7 @@ ZOO = {
 }
 
 
+@pytest.mark.float_sensitive
 @needs_edge
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -74,6 +74,7 @@ def test_a_shuffled_episode_keeps_its_classes_in_the_order_drawn():
     assert len(orders) > 1  # not always increasing
 
 
+@pytest.mark.float_sensitive
 def test_the_episode_head_labels_examples_by_their_slot_in_the_episode():
     task = FewShot(name="few_shot", ways=3, head="episode", inner_l2=0.0)
     gen = torch.Generator().manual_seed(0)
@@ -82,6 +83,9 @@ def test_the_episode_head_labels_examples_by_their_slot_in_the_episode():
     batch = Batch(inputs=logits, targets=torch.tensor([7, 7, 2, 2, 5, 5]))  # classes drawn 7, 2, 5
     expected = F.cross_entropy(logits, torch.tensor([0, 0, 1, 1, 2, 2]))
     got = task.outer_loss(module, {}, {}, {}, batch)
+    # float64 cross-entropy of 6 rows of 3 logits: ~15 roundings on each side (log-sum-exp, the
+    # mean), so two summation orders differ by at most 2 * gamma_15 ~ 3e-15 relative (all terms
+    # positive); measured 0 (bitwise) on default/avx2/avx512
     torch.testing.assert_close(got, expected, rtol=1e-14, atol=0)
     assert task.num_outputs(Dataset(torch.zeros(4, 1), torch.arange(4), 8, "toy")) == 3
     assert (
@@ -106,6 +110,7 @@ def test_an_episode_needs_enough_classes_and_examples():
         draw_episode(members, ways=2, shots=2, queries=3, gen=torch.Generator())
 
 
+@pytest.mark.float_sensitive
 def test_episode_cross_entropy_is_the_n_way_cross_entropy():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 10, generator=gen, dtype=torch.float64)
@@ -113,6 +118,9 @@ def test_episode_cross_entropy_is_the_n_way_cross_entropy():
     classes = torch.tensor([2, 7, 9])
     relabeled = torch.searchsorted(classes, targets)
     expected = F.cross_entropy(logits[:, classes], relabeled)
+    # float64, as above: <= 2 * gamma_15 ~ 3e-15 relative between two summation orders; measured
+    # 1.1e-16 absolute on 0.915 (one ulp, 1.2e-16 relative) on default/avx2/avx512, plain and
+    # under vmap
     torch.testing.assert_close(episode_cross_entropy(logits, targets), expected, rtol=1e-14, atol=0)
     # the same under vmap, per episode
     batched = torch.vmap(episode_cross_entropy)(logits.expand(2, -1, -1), targets.expand(2, -1))
@@ -142,6 +150,8 @@ def test_fit_heads_separates_separable_episodes():
     )
     weight, bias = fit_heads(features, targets, 5, l2=0.01, steps=300, lr=1.0)
     logits = features @ weight.transpose(1, 2) + bias.unsqueeze(1)
+    # float64 and separable: the smallest margin of the right logit over the next is 1.84
+    # (logits <= 2.9) on default/avx2/avx512, some 1e15 times float64's rounding
     assert torch.equal(logits.argmax(-1), targets)
 
 
@@ -150,9 +160,11 @@ def test_few_shot_run_evaluates_on_unseen_classes_with_a_confidence_interval():
     final = result.final
     assert final["test_episodes"] == 50
     assert 0.0 < final["test_accuracy"] <= 1.0 and final["test_accuracy_ci95"] > 0
-    # the interval is 1.96 standard errors of the per-episode accuracies: at most
-    # 1.96 * 0.5 / sqrt(50) for accuracies in [0, 1]
-    assert final["test_accuracy_ci95"] <= 1.96 * 0.5 / math.sqrt(50)
+    # the interval is 1.96 standard errors of the per-episode accuracies. torch's std divides
+    # by n - 1, so for n = 50 accuracies in [0, 1] it is at most 0.5 * sqrt(n / (n - 1)) (half
+    # at 0, half at 1), and the half-width at most 1.96 * 0.5 / sqrt(n - 1): a bound of exact
+    # arithmetic (the old 1.96 * 0.5 / sqrt(n) forgot Bessel's n - 1), far above the values met
+    assert final["test_accuracy_ci95"] <= 1.96 * 0.5 / math.sqrt(50 - 1)
     exp = build(parse_config(FEW_SHOT))
     again = exp.simulation.evaluate(exp.simulation.algorithm.model_state(exp.initial_state))
     first = exp.simulation.evaluate(exp.simulation.algorithm.model_state(exp.initial_state))
@@ -185,18 +197,29 @@ def test_rabo_and_the_static_baseline_are_scored_on_the_same_episodes():
     assert rabo.simulation.evaluate(state) == static.simulation.evaluate(state)
 
 
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rabo_few_shot_lowers_the_meta_training_query_loss(seed: int):
     """RABO on the paper's five capacities (Conv-4, 5-way 5-shot digits) learns: the query-set
-    cross-entropy of its episodes falls from about log 5 = 1.61. Measured in float64: the mean of
-    rounds 16-20 is 0.86x (seed 0) and 0.66x (seed 1) the mean of rounds 1-5; asserted at 0.92x,
-    a margin no rounding difference between CPUs reaches in float64."""
+    cross-entropy of its episodes falls from about log 5 = 1.61.
+
+    Float64 does not make this run CPU-independent: the model is drawn in float32 (torch's
+    ``uniform_`` differs by an ulp between the default and the AVX2/AVX-512 kernels) and the
+    training is chaotic, so seed 0's trajectories part at round 9, and the mean of rounds 16-20
+    over that of rounds 1-5 (the old statistic, asserted < 0.92) is 0.814 with default kernels
+    but 0.862 with AVX2 and AVX-512: a spread of 0.048 against a margin of 0.058. The mean of
+    rounds 11-20 (twice the rounds, so half the per-round noise of ~0.05) over that of rounds
+    1-5: seed 0 0.847 / 0.856 / 0.856 (default / AVX2 / AVX-512), seed 1 0.681 on all three
+    (seeds 2 and 3, not run here: 0.951 and 0.841). Asserted < 0.92: 0.064 above the worst,
+    7x the spread between kernels. Round 0 (before the trajectories part) is 1.613 and 1.574
+    on every kernel."""
     result = run(
         parse_config({**PAPER_FLEET, **RABO_FEW_SHOT, "seed": seed}), progress=False, save=False
     )
     losses = [r["outer_loss"] for r in result.rounds]
+    assert len(losses) == 20
     assert math.log(5) - 0.1 < losses[0] < math.log(5) + 0.1
-    assert sum(losses[-5:]) < 0.92 * sum(losses[:5])
+    assert sum(losses[-10:]) / 10 < 0.92 * sum(losses[:5]) / 5
 
 
 def test_clients_without_enough_classes_are_a_config_error():

@@ -219,7 +219,10 @@ def test_solve_cg_counts_the_same_flops_with_uniform_products():
 def test_every_algorithm_s_ledger_is_today_s_and_counting_changes_no_result(case):
     """Counting repeated blocks once and the first workload of a kind while it runs gives the
     ledger of the meter that re-runs every new workload and counts every operation, and the
-    same states (bitwise) as a run without a meter."""
+    same states (bitwise) as a run without a meter.
+
+    Bitwise is the claim, not a tolerance: the meter watches the same aten operations, which
+    run on the same kernels in the same order with or without it (ledgers: integers)."""
 
     def trajectory(meter):
         exp = build(conformance_config(case))

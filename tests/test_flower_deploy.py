@@ -226,7 +226,14 @@ def deployed(tmp_path_factory):
 
 def test_deployment_matches_radbo_run(deployed):
     """2 RABO rounds on SuperLink + 3 SuperNodes give radbo.run's results.json numbers and
-    ledger, entry for entry (one intra-op thread on both sides)."""
+    ledger, entry for entry (one intra-op thread on both sides).
+
+    Bitwise, not within a tolerance: the nodes run the same client work as radbo.run, in the
+    same order, with the same kernels (LocalDeployment passes this process's environment,
+    ATEN_CPU_CAPABILITY included, to every Flower process). Not marked ``float_sensitive``,
+    which would repeat its ~70 s deployment once per kernel: the marked fake-grid and
+    node-data tests (test_flower.py, test_flower_node.py) check the same bitwise claim,
+    through the same codec and node handler, under each kernel."""
     status = deployed["status"]
     assert status.status == COMPLETED and not status.timed_out, (
         f"run {status.run_id} ended {status.status!r}; see {deployed['logs']}"
@@ -277,6 +284,7 @@ def test_deployment_leaves_no_process(deployed):
 
 
 @pytest.mark.slow
+@pytest.mark.float_sensitive
 def test_a_killed_supernode_is_a_dropped_client_and_the_run_completes(tmp_path):
     """SIGKILL of one SuperNode after round 0 of a 4-round run: the run completes, the lost
     client is listed as dropped, and the final accuracy is within 2 points of the run
@@ -335,5 +343,12 @@ def test_a_killed_supernode_is_a_dropped_client_and_the_run_completes(tmp_path):
     finally:
         torch.set_num_threads(threads)
     got = results["final"]["test_accuracy"]
+    # After training, so measured, not derived. The same run in-process with client 4's
+    # results lost from round 1 on (a backend marking them lost, as FlowerBackend does):
+    # accuracy 0.7994 without the kill, 0.7911 with it (-0.0084, 3 of the 359 test digits;
+    # -0.0056 if the node still answers round 1), identical to 1e-6 on default/avx2/avx512
+    # kernels (also with MKL and oneDNN held to AVX2): the kernels move no test digit, so the
+    # 0.02 (7 digits) leaves 4 digits to spare. Seeds 1 and 2, not tested: -0.047 and -0.003
+    # (what one lost client of five costs depends on the draw, not on the kernels).
     assert abs(got - ref.final["test_accuracy"]) <= 0.02, (got, ref.final)
     assert deployment.leftovers() == []

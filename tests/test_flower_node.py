@@ -319,6 +319,7 @@ def test_discovery_reply_without_a_query_config():
 # ----------------------------------------------------------------------------- node-local runs
 
 
+@pytest.mark.float_sensitive  # bitwise equal to the engine: see tests.test_flower.same_tensor
 def test_node_local_run_equals_the_engine_and_wire_bytes_equal_the_ledger(written, flower_identity):
     from radbo.flower import FlowerBackend
     from radbo.flower.codec import TaskSender
@@ -430,7 +431,10 @@ def test_every_algorithm_on_stateful_nodes_with_their_own_data_equals_the_engine
     case, flower_identity, tmp_path
 ):
     """As deployed: nodes hold their own data and keep the round's tensors (the sender
-    leaves out what they hold); every algorithm's trajectory equals the engine's."""
+    leaves out what they hold); every algorithm's trajectory equals the engine's.
+
+    Bitwise, as in tests.test_flower.same_tensor. Not marked ``float_sensitive`` (23 cases,
+    ~45 s a kernel): the marked node-local test above runs the same node path per kernel."""
     from radbo.flower import FlowerBackend
     from radbo.flower.codec import TaskSender
     from tests.test_algorithm_conformance import assert_bitwise, config, trajectory

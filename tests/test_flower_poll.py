@@ -208,6 +208,7 @@ def _flower(config, folders, clock, *, timeout, interval, late=None, silent=()):
     return exp, grid, nodes
 
 
+@pytest.mark.float_sensitive  # bitwise equal to the engine: see tests.test_flower.same_tensor
 def test_late_replies_are_all_collected_and_the_run_equals_the_engine(node_data, flower_identity):
     """Nodes replying after 0-3 missed pulls: every reply is collected, the round equals the
     engine's, and each phase pulls once more than its latest node's missed pulls, one

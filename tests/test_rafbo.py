@@ -59,11 +59,15 @@ def rafbo_example(rounds: int = 60, seed: int = 0) -> RunConfig:
     return parse_config(data)
 
 
+@pytest.mark.float_sensitive
 def test_ten_rafbo_rounds_learn():
     """The cheap version of test_rafbo_demo_reaches_accuracy. Measured (rafbo_example(10, seed),
     seeds 0, 1, 2; untrained accuracy 0.097, 0.150, 0.117, loss 2.313, 2.303, 2.291): accuracy
-    0.777, 0.794, 0.875, loss 1.028, 0.990, 0.947. Asserted: accuracy >= 0.65 (chance is 0.1)
-    and a loss drop of 0.9 (measured >= 1.28)."""
+    0.763, 0.760, 0.872, loss 1.223, 1.225, 1.162 (drops 1.090, 1.078, 1.128; the numbers this
+    docstring gave before, 0.777 / 1.028 and so on, no longer reproduce with this radbo).
+    Float32; seed 0 on the default, AVX2 and AVX-512 kernels: accuracy 0.7632 on all three, loss
+    1.22268, 1.22270, 1.22269 (a spread of 2e-5). Asserted: accuracy >= 0.65 (chance is 0.1;
+    margin >= 0.11) and a loss drop of 0.9 (margin >= 0.17), 5000x that spread."""
     cfg = rafbo_example(rounds=10)
     untrained = untrained_metrics(cfg)
 
@@ -75,8 +79,11 @@ def test_ten_rafbo_rounds_learn():
 
 
 @pytest.mark.slow
+@pytest.mark.float_sensitive
 def test_rafbo_demo_reaches_accuracy():
-    """examples/rafbo.toml (the demo with RAFBO, |P| = 8): >= 0.80 test accuracy."""
+    """examples/rafbo.toml (the demo with RAFBO, |P| = 8): >= 0.80 test accuracy. Float32;
+    measured 0.869 with the default kernels (3 minutes a run, so one kernel; the 10-round
+    version above agrees in four digits across default, AVX2 and AVX-512)."""
     result = run(rafbo_example(), progress=False, save=False)
 
     assert result.final["test_accuracy"] >= 0.80

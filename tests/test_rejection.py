@@ -61,7 +61,9 @@ def run_rounds(exp, rounds):
 
 
 def test_poisoned_client_is_exactly_a_client_of_weight_zero():
-    """Rejecting client 2 in every phase gives bitwise the run where its weight is 0."""
+    """Rejecting client 2 in every phase gives bitwise the run where its weight is 0 (exact
+    on every kernel: coverage_weighted_mean adds the clients one after another in float64,
+    a weight-0 client's exact zeros included)."""
     cfg = small_config(fleet={"capacities": [1.0, 0.5, 0.25]}, mask={"policy": "importance"})
     poisoned = build(cfg)
     sim = poisoned.simulation
