@@ -168,6 +168,17 @@ def _label(proc: psutil.Process) -> str:
     return name
 
 
+def _fork_image(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs its parent's command line: a child seen between fork and
+    exec (a SuperNode starting a ``flwr-clientapp``), not a second copy of the parent's
+    program."""
+    try:
+        parent = proc.parent()
+        return parent is not None and parent.cmdline() == proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
 def _alive(proc: psutil.Process) -> bool:
     """Running and not a zombie (a zombie holds nothing; its parent or init reaps it)."""
     try:
@@ -392,20 +403,25 @@ class LocalDeployment:
         with self._lock:
             if key not in self._seen:
                 self._seen[key] = proc
-                self._labels[key] = _label(proc)
+                self._labels[key] = "?"
                 if self.pid_file is not None:
                     with self.pid_file.open("a") as fh:
                         fh.write(f"{proc.pid}\n")
             proc = self._seen[key]
-        # a child seen between fork and exec still shows its parent's command line
+        # a child seen between fork and exec still shows its parent's command line: it is
+        # counted as a fork until a later sample sees the program it became (a child that
+        # exits before that stays a fork, not one more of its parent's program)
         label = _label(proc)
+        if label != "?" and _fork_image(proc):
+            label = f"{label} (fork)"
+        if label != "?":
+            with self._lock:
+                self._labels[key] = label
         try:
             times = proc.cpu_times()
         except psutil.Error:
             return
         with self._lock:
-            if label != "?":
-                self._labels[key] = label
             self._cpu[key] = max(self._cpu.get(key, 0.0), times.user + times.system)
 
     def _sample(self) -> None:
@@ -657,7 +673,8 @@ class LocalDeployment:
     def process_counts(self) -> Counter[str]:
         """How many processes of each program were recorded (``flwr-clientapp``: one per
         message Flower ran; short-lived ones are recorded when the sampler, every 0.1 s, saw
-        them)."""
+        them; a child seen only between fork and exec counts as ``"<parent's program>
+        (fork)"``)."""
         self._sample()
         with self._lock:
             return Counter(self._labels.values())
