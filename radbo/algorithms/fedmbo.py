@@ -1,6 +1,6 @@
 """FedMBO: minibatch federated bilevel optimization (Alg. 1 + PHE Alg. 2 of the FedMBO paper).
 
-Paper: Huang, Zhang, Liu and Wang, "Achieving Linear Speedup in Non-IID Federated Bilevel
+Paper: Huang, Zhang and Ji, "Achieving Linear Speedup in Non-IID Federated Bilevel
 Learning", ICML 2023, arXiv:2302.05412 (``papers/fedmbo.txt``).
 
 One outer iteration k is a sequence of communication rounds, each with its own sample of n

@@ -1,7 +1,7 @@
 """FedMSA: federated multi-sequence stochastic approximation (Alg. 1 of the FedMSA paper).
 
-Paper: Huang, Li, Luo, Oymak and Ji, "FedMSA: Federated Multi-Sequence Stochastic
-Approximation" (``papers/fedmsa.txt``).
+Paper: Tarzanagh, Li, Sharma and Oymak, "Federated Multi-Sequence Stochastic Approximation with
+Local Hypergradient Estimation", arXiv:2306.01648 (``papers/fedmsa.txt``).
 
 Applied to bilevel problems (Sec. 2.2) the sequences are the inner variable w (radbo's y) and
 the linear-system variable v, and the two maps are (eq. (10))::

@@ -16,7 +16,7 @@ Schemes:
   shards, give each client ``classes_per_client`` shards.
 * :func:`partition_dirichlet` -- per class, client proportions drawn from
   ``Dir(alpha)`` (Hsu et al., 2019, "Measuring the effects of non-identical data
-  distribution").
+  distribution for federated visual classification").
 * :func:`partition_q_dominant` -- FedMSA's heterogeneity-level-``q`` split
   (Tarzanagh et al., FedMSA, Sec. 4 "Loss function tuning", ``papers/fedmsa.txt``).
 

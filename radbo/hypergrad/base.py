@@ -2,8 +2,8 @@
 
 The bilevel problem is ``min_x Φ(x) = f(x, y*(x))`` with ``y*(x) = argmin_y g(x, y)``. At a
 point ``(x, y)`` (``y`` standing in for ``y*(x)``) the implicit hypergradient is eq. (7) of the
-RABO paper (Xu et al., "Resource-Adaptive ... Bilevel Optimization", ``papers/rabo_rafbo.txt``;
-the same formula is Lemma 1, eq. (2)-(3), of FedMBO)::
+RABO paper (Li et al., "Distributed Bilevel Optimization with Dual Pruning for Resource-limited
+Clients", ``papers/rabo_rafbo.txt``; the same formula is Lemma 1, eq. (2)-(3), of FedMBO)::
 
     ∇Φ(x) ≈ ∇_x f(x, y) − ∇²_xy g(x, y) · v,      v = [∇²_yy g(x, y)]⁻¹ ∇_y f(x, y).
 

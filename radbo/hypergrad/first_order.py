@@ -29,14 +29,14 @@ class FirstOrder(Estimator):
     """First-order hypergradient of the penalty (value-function) reformulation
     (``[estimator] name = "first_order"``).
 
-    Follows "Fully First-Order Federated Stochastic Bilevel Optimization" (FedSVRBGD-FO,
-    IJCAI 2025; ``papers/fedsbo_first_order.txt``, after Kwon et al., "A Fully First-Order
-    Method for Stochastic Bilevel Optimization", ICML 2023, arXiv:2301.10945): the problem
-    is rewritten as the constrained problem eq. (2), ``min f(x, y) s.t. g(x, y) − g(x, y*(x))
-    <= 0``, and penalised into the minimax problem eq. (3)-(4),
-    ``min_{x,y} max_z L_λ(x, y, z) = f(x, y) + λ (g(x, y) − g(x, z))``. At the solutions
-    ``y_λ = argmin_y f + λ g`` and ``z = argmin_y g = y*(x)`` the x-gradient of ``L_λ`` --
-    eq. (6) without the STORM variance reduction, ``m_x = u_1 + λ (u_2 − u_3)`` -- is::
+    Follows Zhang et al., "Federated Stochastic Bilevel Optimization with Fully First-Order
+    Gradients" (FedSVRBGD-FO, IJCAI 2025; ``papers/fedsbo_first_order.txt``, after Kwon et al.,
+    "A Fully First-Order Method for Stochastic Bilevel Optimization", ICML 2023,
+    arXiv:2301.10945): the problem is rewritten as the constrained problem eq. (2),
+    ``min f(x, y) s.t. g(x, y) − g(x, y*(x)) <= 0``, and penalised into the minimax problem
+    eq. (3)-(4), ``min_{x,y} max_z L_λ(x, y, z) = f(x, y) + λ (g(x, y) − g(x, z))``. At the
+    solutions ``y_λ = argmin_y f + λ g`` and ``z = argmin_y g = y*(x)`` the x-gradient of
+    ``L_λ`` -- eq. (6) without the STORM variance reduction, ``m_x = u_1 + λ (u_2 − u_3)`` -- is::
 
         grad = ∇_x f(x, y_λ) + λ (∇_x g(x, y_λ) − ∇_x g(x, z))
 

@@ -15,7 +15,7 @@ __all__ = ["Conv4", "Conv4Config"]
 
 
 class Conv4(BilevelModel):
-    """Conv-4 (Vinyals et al., "Matching Networks for One Shot Learning", NeurIPS 2016; Snell et
+    """Conv-4 (Vinyals et al., "Matching Networks for One Shot Learning", NIPS 2016; Snell et
     al., ProtoNets; Finn et al., MAML): four blocks of a 3x3 convolution (``width`` channels,
     padding 1), BatchNorm, ReLU and a 2x2 max-pool, then the flattened map feeds a linear
     ``head``. The backbone is the outer variable x, the head the inner variable y (few-shot

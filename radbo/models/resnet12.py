@@ -70,12 +70,12 @@ class ResNet12(BilevelModel):
     """ResNet-12 for few-shot learning: four :class:`ResNet12Block` s, global average pool, head.
 
     The architecture of MetaOptNet (Lee et al., "Meta-Learning with Differentiable Convex
-    Optimization", CVPR 2019) and RFS (Tian et al., "Rethinking Few-Shot Image Classification",
-    ECCV 2020), the backbone RABO uses as x for few-shot hyper-representation
-    (papers/rabo_rafbo.txt, Sec. VI-A: "We use the Resnet12 backbone as x ... and a MLP as y");
-    here y is a linear ``head`` (a one-layer classifier, as in MetaOptNet's linear base
-    learners). Weights are initialised as in RFS: Kaiming-normal (fan-out, leaky ReLU) convs,
-    BatchNorm weight 1 and bias 0.
+    Optimization", CVPR 2019) and RFS (Tian et al., "Rethinking Few-Shot Image Classification: a
+    Good Embedding Is All You Need?", ECCV 2020), the backbone RABO uses as x for few-shot
+    hyper-representation (papers/rabo_rafbo.txt, Sec. V-A: "We use the Resnet12 backbone as x
+    ... and a MLP as y"); here y is a linear ``head`` (a one-layer classifier, as in
+    MetaOptNet's linear base learners). Weights are initialised as in RFS: Kaiming-normal
+    (fan-out, leaky ReLU) convs, BatchNorm weight 1 and bias 0.
 
     DropBlock (RFS, MetaOptNet) is left out: it is a stochastic regulariser with no parameters,
     and a deterministic network is what submodel extraction, the masked-full-model

@@ -9,7 +9,7 @@ strongly convex in y); the outer loss f is the query set's cross-entropy. The he
 per meta-training class and is shared across episodes and clients, as in the paper's
 formulation ``y*(x) = argmin_y (1/n) sum_i (1/N_m) sum_j L_{S_j}(x, y)``; each episode's
 softmax runs over the logits of its own N classes (RFS, Tian et al., "Rethinking Few-Shot
-Image Classification: a Good Embedding Is All You Need", ECCV 2020, trains its embedding the
+Image Classification: a Good Embedding Is All You Need?", ECCV 2020, trains its embedding the
 same way with all classes at once).
 
 With ``head = "episode"`` the head has N rows instead, and each episode's classes are assigned

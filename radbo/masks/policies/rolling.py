@@ -14,8 +14,8 @@ from radbo.masks.structure import StructurePlan, kept_count
 class RollingPolicy:
     """Keep a window of ``k = kept_count(C, r)`` channels that rolls ``stride`` channels a round.
 
-    FedRolex (Alkhazraji et al., "FedRolex: Model-Heterogeneous Federated Learning with Rolling
-    Sub-Model Extraction", NeurIPS 2022, Sec. 3.2) extracts, in round q, the channels
+    FedRolex (Alam et al., "FedRolex: Model-Heterogeneous Federated Learning with Rolling
+    Sub-Model Extraction", NeurIPS 2022) extracts, in round q, the channels
     ``{(q + j) mod C : 0 <= j < k}`` of every layer, so that over C rounds every channel of the
     global model is trained. Here the window of a group with C channels starts at
     ``s = (round * stride) % C`` and wraps around:
