@@ -57,6 +57,12 @@ FULL_MODEL = {"mask": {"policy": "none"}, "fleet": {"num_clients": 4, "capacitie
 CASES: dict[str, tuple[dict, dict | None, dict]] = {
     "rabo-cg": ({"name": "rabo", "inner_steps": 3}, {"name": "cg", "max_iter": 5}, {}),
     "rabo-neumann": ({"name": "rabo", "inner_steps": 3}, {"name": "neumann", "terms": 4}, {}),
+    # the outer phase's refit of y before eq. (7) (radbo's addition, issue 26)
+    "rabo-cg-refit": (
+        {"name": "rabo", "inner_steps": 3, "refit_steps": 2},
+        {"name": "cg", "max_iter": 5},
+        {},
+    ),
     "rabo-first_order": (
         {"name": "rabo", "inner_steps": 3},
         {"name": "first_order", "inner_steps": 3},

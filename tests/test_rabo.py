@@ -259,3 +259,34 @@ def test_demo_needs_clipping():
     assert not math.isfinite(loss) or loss > 100.0  # untrained: 2.3
     assert acc <= 0.15
 
+
+def test_refit_takes_sgd_steps_on_the_inner_loss_with_x_fixed():
+    """``refit_steps = S``: S steps of size ``inner_lr`` on g over y, x held fixed. On
+    ``g = ½ ||y − A x||²`` each step is ``y ← y − lr (y − A x)``, so ``y_S = A x + (1 − lr)^S
+    (y_0 − A x)`` exactly in float64 (lr = 0.25 and the values are dyadic); x gets no
+    gradient."""
+    alg = build(small_config(algorithm={"name": "rabo", "refit_steps": 3, "inner_lr": 0.25}))
+    algorithm = alg.simulation.algorithm
+    a = torch.tensor([[1.0, 2.0], [0.5, -1.0]], dtype=torch.float64)
+    x = {"x": torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)}
+    y = {"w": torch.tensor([4.0, 8.0], dtype=torch.float64)}
+
+    def inner(x, y):
+        return 0.5 * (y["w"] - a @ x["x"]).pow(2).sum()
+
+    refit = algorithm._refit(inner, x, y, lead=0)
+
+    target = a @ x["x"].detach()
+    assert torch.equal(refit["w"], target + 0.75**3 * (y["w"] - target))
+    assert x["x"].grad is None and not refit["w"].requires_grad
+
+
+def test_refit_steps_are_counted_as_gradients():
+    def outer_grads(refit: int) -> list[int]:
+        cfg = small_config(
+            algorithm={"name": "rabo", "refit_steps": refit}, rounds=1, baseline={"enabled": False}
+        )
+        result = run(cfg, progress=False, save=False)
+        return [e["n_grad"] for e in result.ledger if e["phase"] == "train.outer"]
+
+    assert [n + 4 for n in outer_grads(0)] == outer_grads(4)

@@ -1,15 +1,21 @@
 """RABO paper, Fig. 4: RABO's and RAFBO's compute and communication as fractions of FedMBO.
 
-Paper: Y. Hong et al., "Resource-Aware Federated Bilevel Optimization" (RABO/RAFBO), Sec. V-A,
-Fig. 4 (``papers/rabo_rafbo.txt``): on the few-shot task with the five capacities {1, 1/2, 1/4,
-1/8, 1/16} mixed equally over the clients, RABO uses 26.7 % of FedMBO's computation, RAFBO
-17.8 %, and both 26.7 % of its communication (FedMBO trains the full model on every client).
+Paper: Li et al., "Distributed Bilevel Optimization with Dual Pruning for Resource-limited
+Clients" (RABO/RAFBO), Sec. V-A, Fig. 4 (``papers/rabo_rafbo.txt``): on the few-shot task with
+the five capacities {1, 1/2, 1/4, 1/8, 1/16} mixed equally over the clients, RABO uses 26.7 % of
+FedMBO's computation, RAFBO 17.8 %, and both 26.7 % of its communication (FedMBO trains the full
+model on every client).
 
 Here: 5-way 5-shot few-shot learning on digits (28x28; meta-train classes 0-4 split iid over
-five clients, one per capacity; meta-test classes 5-9), Conv-4 and ResNet-12 backbones (x)
-with a linear head (y). Five runs per backbone, same fleet, data and seed:
+five clients, one per capacity; meta-test classes 5-9; 15 queries) or, with ``--omniglot PATH``,
+on Omniglot (28x28; background alphabets split by character over the five clients, evaluation
+alphabets meta-test; 15 = 20 - K queries), Conv-4 and ResNet-12 backbones (x) with a linear
+head (y). Seven runs per backbone, same fleet, data and seed:
 
-- RABO: importance masks, CG hypergradient;
+- RABO: importance masks, CG hypergradient (Alg. 1 as printed);
+- RABO, refit S: RABO with ``[algorithm] refit_steps = S`` (``--refit-steps``, default 100;
+  radbo's addition: S SGD steps on y before eq. (7), the variant that learns on Omniglot),
+  whose S extra gradients per client and iteration are part of its cost;
 - RAFBO: importance masks, finite-difference hypergradient on ``--rafbo-coordinates`` sampled
   coordinates of x; and RAFBO exactly as printed (eq. 10, no CG; ``as_printed = true``), to
   show what the printed algorithm would cost;
@@ -18,31 +24,36 @@ with a linear head (y). Five runs per backbone, same fleet, data and seed:
   every client at capacity 1; the reference of every fraction;
 - full-model RABO round: ``baseline_config`` with ``algorithm = "fedmbo_style"``, RABO's own
   two-phase round on the full model with a Neumann hypergradient. Comparing with it isolates
-  what the masks save from what the different round structure of FedMBO costs.
+  what the masks save from what the different round structure of FedMBO costs;
+- Static (HeteroFL): single-level FedAvg on ``leading`` submodels, same fleet; the accuracy it
+  ends at is the equal-accuracy target.
 
 Costs come from the run ledger (FLOPs measured with torch's FLOP counter, bytes of the tensors
 actually sent). (a) Equal rounds: totals after the same number of iterations. (b) Equal
-accuracy: cumulative costs at the first evaluated round whose meta-test accuracy reaches the
-target (default: the highest accuracy that RABO, RAFBO and FedMBO all reach; ``--target``).
+accuracy: cumulative costs at the first evaluated round (every ``--eval-every`` rounds) whose
+meta-test accuracy reaches the target (default: the accuracy Static ends at; ``--target``); a
+method that never reaches it is reported as "not reached", not as a number.
 The analytic expectation for channel pruning is a cost ~ r^2 per client, i.e. the mean of r^2
 over the five capacities, (1 + 1/4 + 1/16 + 1/64 + 1/256) / 5 = 0.266.
 
-    # Conv-4 width 64 (10 rounds) and ResNet-12 widths 16-40-80-160 (6 rounds), 1 seed
+    # Conv-4 width 32, 10 rounds, evaluated every round, 1 seed (about 5 minutes on 2 cores)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_costs.py
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_costs.py --models conv4 --rounds 30
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_costs.py --omniglot DIR
+    # and ResNet-12 widths 16-40-80-160 (6 rounds)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_costs.py --models conv4 resnet12
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_costs.py --target 0.8
-    # ResNet-12 at full width 64-160-320-640, 100 rounds, 600 episodes, 3 seeds (many hours)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_costs.py --full
+    # Conv-4 width 64 and ResNet-12 64-160-320-640, 100 rounds, 600 episodes, 3 seeds (GPU)
+    .venv/bin/python benchmarks/paper/rabo_costs.py --omniglot DIR --full --device cuda
 
-Writes ``<out>/rabo_costs.md`` (the tables and the explanation) and ``<out>/rabo_costs.png``
-(fractions at equal rounds and at equal accuracy, and accuracy against cumulative FLOPs).
+Writes ``<out>/rabo_costs.md`` (the tables, the explanation and the device that produced them)
+and ``<out>/rabo_costs.png`` (fractions at equal rounds and at equal accuracy, and accuracy
+against cumulative FLOPs).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -55,62 +66,80 @@ from radbo.experiment import baseline_config, run
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.paper.rabo_common import (  # noqa: E402
+    BILEVEL,
+    CAPACITIES,
+    CAPACITY_NAMES,
+    add_common_arguments,
+    check_device,
+    check_served,
+    command_line,
+    data_label,
+    data_sections,
+    default_queries,
+    provenance,
+    rabo_sections,
+    rafbo_sections,
+)
 from benchmarks.time_to_accuracy import first_reach  # noqa: E402
 
-CAPACITIES = [1.0, 0.5, 0.25, 0.125, 0.0625]
-CAPACITY_NAMES = ["1", "1/2", "1/4", "1/8", "1/16"]
 MEAN_R2 = statistics.fmean(r * r for r in CAPACITIES)
 PAPER = {"RABO": (0.267, 0.267), "RAFBO": (0.178, 0.267)}  # (compute, communication)
 REFERENCE = "FedMBO"
 FULL_ROUND = "full-model RABO round"
 AS_PRINTED = "RAFBO as printed (no CG)"
-# the methods whose best accuracy sets the default equal-accuracy target
-TARGET_METHODS = ["RABO", "RAFBO", "FedMBO"]
+#: the single-level submodel baseline whose final accuracy is the default equal-accuracy target
+STATIC = "Static (HeteroFL)"
+SHOTS = 5  # Fig. 4 is measured on the 5-way 5-shot task
 
 
-def model_section(name: str, full: bool) -> tuple[dict[str, Any], str]:
+def refit_name(steps: int) -> str:
+    return f"RABO, refit {steps}"
+
+
+def model_section(name: str, full: bool, width: int | None = None) -> tuple[dict[str, Any], str]:
     if name == "conv4":
-        return {"name": "conv4", "width": 64}, "Conv-4, width 64"
+        width = width or (64 if full else 32)
+        return {"name": "conv4", "width": width}, f"Conv-4, width {width}"
     widths = [64, 160, 320, 640] if full else [16, 40, 80, 160]
     return {"name": "resnet12", "widths": widths}, "ResNet-12, widths " + "-".join(map(str, widths))
 
 
 def configs(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
-    """The four run configs of one backbone and seed."""
-    section, _ = model_section(model, args.full)
+    """The run configs of one backbone and seed, in table order."""
+    section, _ = model_section(model, args.full, args.width)
     if args.batchnorm:
         section["batchnorm"] = args.batchnorm
-    bilevel = {"inner_lr": 0.5, "outer_lr": 0.1, "inner_steps": 5, "max_hypergrad_norm": 1.0}
+    data, partition = data_sections(args.omniglot, 28)
     base = {
         "seed": seed,
         "rounds": args.rounds or (100 if args.full else {"conv4": 10, "resnet12": 6}[model]),
         "eval_every": args.eval_every,
-        "partition": {"kind": "iid"},
-        "data": {"name": "digits", "image_size": 28},
+        "partition": partition,
+        "data": data,
         "model": section,
         "task": {
             "name": "few_shot",
             "ways": 5,
-            "shots": 5,
-            "queries": 15,
+            "shots": SHOTS,
+            "queries": default_queries(args.omniglot, SHOTS),
             "test_episodes": args.episodes,
         },
         "fleet": {"num_clients": len(CAPACITIES), "capacities": CAPACITIES},
         "mask": {"policy": "importance"},
-        "algorithm": {"name": "rabo", **bilevel},
+        **rabo_sections(),
         # the baseline section only parametrises baseline_config below (Neumann terms, 1/l)
         "baseline": {"terms": args.neumann_terms, "eta": args.neumann_eta},
+        "runtime": {"device": args.device},
     }
     rabo = parse_config(base)
-    rafbo = parse_config(
+    refit = parse_config({**base, **rabo_sections(args.refit_steps)})
+    rafbo = parse_config({**base, **rafbo_sections(args.rafbo_coordinates)})
+    static = parse_config(
         {
             **base,
-            "algorithm": {"name": "rafbo", **bilevel},
-            "estimator": {
-                "name": "finite_difference",
-                "scheme": "forward",  # the paper's eq. (10)
-                "num_coordinates": args.rafbo_coordinates,
-            },
+            "mask": {"policy": "leading"},
+            "algorithm": {"name": "fedavg", "lr": 0.1, "local_steps": 5},
         }
     )
 
@@ -124,20 +153,26 @@ def configs(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
         "scheme": "forward",
         "num_coordinates": args.rafbo_coordinates,
     }
-    return {
-        "RABO": rabo,
-        "RAFBO": rafbo,
-        # eq. (10) / Alg. 2 exactly as printed: no CG, delta_p contracted with grad_y f
-        AS_PRINTED: parse_config(
-            {
-                **base,
-                "algorithm": {"name": "rafbo", **bilevel},
-                "estimator": {**printed, "as_printed": True},
-            }
-        ),
-        "FedMBO": paired("fedmbo"),
-        FULL_ROUND: paired("fedmbo_style"),
-    }
+    out = {"RABO": rabo}
+    if args.refit_steps:
+        out[refit_name(args.refit_steps)] = refit
+    out.update(
+        {
+            "RAFBO": rafbo,
+            # eq. (10) / Alg. 2 exactly as printed: no CG, delta_p contracted with grad_y f
+            AS_PRINTED: parse_config(
+                {
+                    **base,
+                    "algorithm": {"name": "rafbo", **BILEVEL},
+                    "estimator": {**printed, "as_printed": True},
+                }
+            ),
+            "FedMBO": paired("fedmbo"),
+            FULL_ROUND: paired("fedmbo_style"),
+            STATIC: static,
+        }
+    )
+    return out
 
 
 def per_capacity(ledger: list[dict[str, Any]], *keys: str) -> dict[int, float]:
@@ -234,11 +269,7 @@ def section_markdown(
             f"| {pct(cf)} | {pct(bf)} | {pct(frac(t['flops'], full['flops']))} "
             f"| {pct(frac(t['bytes'], full['bytes']))} |"
         )
-    how = (
-        "the highest accuracy that RABO, RAFBO and FedMBO all reach"
-        if auto
-        else "given with --target"
-    )
+    how = f"the final accuracy of {STATIC}" if auto else "given with --target"
     lines += [
         "",
         f"(b) Equal accuracy: cumulative costs up to the first evaluated round whose meta-test "
@@ -250,6 +281,7 @@ def section_markdown(
     ]
     hits = {name: first_reach(s["rows"], target) for name, s in runs.items()}
     ref_hit = hits[REFERENCE]
+    numbers["reached"] = {name: None if hit is None else hit["round"] for name, hit in hits.items()}
     for name, hit in hits.items():
         if hit is None:
             lines.append(f"| {name} | not reached (best {runs[name]['best']:.3f}) | | | | | |")
@@ -311,6 +343,27 @@ def section_markdown(
         )
         lines.append(f"| {name} | {parts} |")
     return lines, numbers
+
+
+def refit_notes(numbers: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """What the refit adds to RABO's cost (nothing when the run has no refit)."""
+    name = refit_name(args.refit_steps)
+    ratios = [
+        f"{num['equal_rounds'][name][0] / num['equal_rounds']['RABO'][0]:.1f}x RABO's FLOPs and "
+        f"{pct(num['equal_rounds'][name][0])} of FedMBO's ({model})"
+        for model, num in numbers.items()
+        if name in num["equal_rounds"]
+    ]
+    if not ratios:
+        return []
+    return [
+        f"- **The refit is not free.** {name} costs " + ", ".join(ratios) + ": each of its "
+        f"S = {args.refit_steps} steps is one more gradient of g in y per client and iteration "
+        "(the grads column), and radbo's refit (radbo.algorithms.rabo.RABO._refit) runs the "
+        "submodel's forward pass again for each step (the backward pass stops at the head) "
+        "although x, and so the head's input features, stay fixed during the refit. Bytes are "
+        "RABO's: the refitted y stays on the client."
+    ]
 
 
 def explanation(numbers: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
@@ -386,13 +439,71 @@ def explanation(numbers: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         f"also that with |P| = {args.rafbo_coordinates} of the tens of thousands of "
         "coordinates of x, the indirect term touches almost none of x "
         "(examples/rafbo.toml discusses |P| and rescale).",
+        *refit_notes(numbers, args),
         "- **Equal accuracy** moves the fractions by the ratio of rounds each method needs to "
-        "reach the target. At this size it is noisy: one seed, a few hundred meta-test "
-        "episodes (CI about +-0.01), evaluations every few rounds, and accuracy curves that "
-        "are not monotone (compare 'best' and 'final' in table (a)); the target is set by the "
-        "weakest method's peak. Treat (b) as indicative and use --full (more seeds, longer "
-        "runs, 600 episodes) or --target for a firmer comparison.",
+        "reach the target (by default the accuracy Static ends at: what the single-level "
+        "submodel baseline achieves on the same fleet). A method that never reaches it in the "
+        "run's rounds has no equal-accuracy fraction, and neither has any method when FedMBO "
+        "does not reach it. At this size it is noisy: few seeds, a few hundred meta-test "
+        "episodes (CI about +-0.01-0.02), and accuracy curves that are not monotone (compare "
+        "'best' and 'final' in table (a)). Treat (b) as indicative and use --full (more seeds, "
+        "longer runs, 600 episodes) or --target for a firmer comparison.",
     ]
+    return lines
+
+
+def summary_markdown(
+    summary: dict[str, dict[str, list[tuple[Any, ...]]]], args: argparse.Namespace
+) -> list[str]:
+    """Fractions of FedMBO's compute and bytes at equal rounds and at equal meta-test
+    accuracy, per backbone and method (mean over seeds; at equal accuracy over the seeds in
+    which both the method and FedMBO reach the target)."""
+    what = (
+        f"the accuracy {STATIC} ends at" if args.target is None else f"{args.target:.3f} (--target)"
+    )
+    lines = [
+        "## Summary: fractions of FedMBO (mean over seeds)",
+        "",
+        f"Equal accuracy: the cumulative costs up to the first evaluated round (every "
+        f"{args.eval_every}) whose meta-test accuracy reaches {what}, against FedMBO's up to its "
+        "own first such round. 'not reached': the method (or FedMBO) never reaches it in the "
+        "run's rounds, so there is no fraction.",
+        "",
+        "| backbone | method | compute, equal rounds | bytes, equal rounds | target "
+        "| first round reaching it, per seed | compute, equal acc. | bytes, equal acc. |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| paper (Omniglot, ResNet-12) | RABO | 26.7 % | 26.7 % | | | | |",
+        "| paper (Omniglot, ResNet-12) | RAFBO | 17.8 % | 26.7 % | | | | |",
+        f"| analytic mean r^2 | masked methods | {MEAN_R2:.1%} | {MEAN_R2:.1%} | | | | |",
+    ]
+
+    def mean(values: list[float]) -> str:
+        values = [v for v in values if v == v]
+        return pct(statistics.fmean(values)) if values else "n/a"
+
+    for label, methods in summary.items():
+        for method, seeds in methods.items():
+            rounds = [r for r, _, _, _, _ in seeds]
+            both = [acc for _, acc, own, ref, _ in seeds if own is not None and ref is not None]
+            reached = "; ".join(
+                f"{'not reached' if own is None else own} "
+                f"(FedMBO {'not reached' if ref is None else ref})"
+                for _, _, own, ref, _ in seeds
+            )
+            if both:
+                acc_c, acc_b = mean([c for c, _ in both]), mean([b for _, b in both])
+                if len(both) < len(seeds):
+                    acc_c += f" ({len(both)} of {len(seeds)} seeds)"
+                    acc_b += f" ({len(both)} of {len(seeds)} seeds)"
+            elif all(own is None for _, _, own, _, _ in seeds):
+                acc_c = acc_b = "not reached"
+            else:
+                acc_c = acc_b = "n/a (FedMBO not reached)"
+            targets = ", ".join(f"{t:.3f}" for _, _, _, _, t in seeds)
+            lines.append(
+                f"| {label} | {method} | {mean([c for c, _ in rounds])} "
+                f"| {mean([b for _, b in rounds])} | {targets} | {reached} | {acc_c} | {acc_b} |"
+            )
     return lines
 
 
@@ -467,27 +578,50 @@ def plot(numbers: dict[str, dict[str, Any]], curves: dict[str, dict], path: Path
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="the paper's size (many hours)")
-    parser.add_argument("--models", nargs="+", choices=["conv4", "resnet12"], default=None)
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the paper's size: Conv-4 width 64 and ResNet-12, 100 rounds, 600 episodes, 3 seeds",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["conv4", "resnet12"],
+        default=None,
+        help="backbones (default: conv4; --full: both)",
+    )
+    parser.add_argument("--width", type=int, default=None, help="Conv-4 channels (32; --full 64)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--rounds", type=int, default=None, help="iterations (every model)")
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--episodes", type=int, default=None, help="meta-test episodes")
     parser.add_argument("--target", type=float, default=None, help="equal-accuracy target")
+    parser.add_argument(
+        "--refit-steps", type=int, default=100, help="S of the 'RABO, refit S' run (0: none)"
+    )
     parser.add_argument("--rafbo-coordinates", type=int, default=8, help="RAFBO's |P|")
     parser.add_argument("--neumann-terms", type=int, default=10, help="FedMBO's N")
     parser.add_argument("--neumann-eta", type=float, default=0.1, help="FedMBO's 1/l")
     parser.add_argument("--batchnorm", choices=["aggregate", "static"], default=None)
-    parser.add_argument("--out", default="runs/paper")
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
-    args.models = args.models or ["conv4", "resnet12"]
+    if args.refit_steps < 0:
+        parser.error(f"--refit-steps must be >= 0, got {args.refit_steps}")
+    args.models = args.models or (["conv4", "resnet12"] if args.full else ["conv4"])
     args.seeds = args.seeds or ([0, 1, 2] if args.full else [0])
-    args.eval_every = args.eval_every or (5 if args.full else 2)
+    # "the first round reaching the target" is defined up to this many rounds
+    args.eval_every = args.eval_every or (5 if args.full else 1)
     args.episodes = args.episodes or (600 if args.full else 200)
-    command = "OMP_NUM_THREADS=1 .venv/bin/python " + shlex.join(
-        [f"benchmarks/paper/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]
-    )
+    command = command_line(__file__, argv)
     print(command, flush=True)
+    check_device(args.device)
+    every = [
+        cfg
+        for model in args.models
+        for seed in args.seeds
+        for cfg in configs(args, model, seed).values()
+    ]
+    check_served(every)
     print(
         f"analytic expectation (cost ~ r^2 per client): mean r^2 over {CAPACITY_NAMES} = "
         f"{MEAN_R2:.4f}; mean r = {statistics.fmean(CAPACITIES):.4f}",
@@ -497,19 +631,22 @@ def main(argv: list[str] | None = None) -> None:
     md = [
         "# RABO / RAFBO compute and communication as fractions of FedMBO (RABO paper, Fig. 4)",
         "",
-        f"5-way 5-shot few-shot learning on digits 28x28, {len(CAPACITIES)} clients at "
+        f"5-way 5-shot few-shot learning on {data_label(args.omniglot, 28)}, "
+        f"{len(CAPACITIES)} clients at "
         f"capacities {CAPACITY_NAMES} (one each), importance masks, RAFBO |P| = "
         f"{args.rafbo_coordinates}, FedMBO N = {args.neumann_terms}, 1/l = {args.neumann_eta}; "
         f"{args.episodes} meta-test episodes every {args.eval_every} rounds; seeds {args.seeds}. "
         f"Paper: RABO 26.7 % compute, RAFBO 17.8 %, both 26.7 % communication. Analytic "
         f"(cost ~ r^2): mean r^2 = {MEAN_R2:.3f}.",
         "",
+        provenance(args.device),
+        "",
     ]
     numbers: dict[str, dict[str, Any]] = {}
     curves: dict[str, dict[str, Any]] = {}
     summary: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for model in args.models:
-        _, label = model_section(model, args.full)
+        _, label = model_section(model, args.full, args.width)
         for seed in args.seeds:
             runs = {}
             for name, cfg in configs(args, model, seed).items():
@@ -523,44 +660,26 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
             auto = args.target is None
-            target = min(runs[m]["best"] for m in TARGET_METHODS) if auto else float(args.target)
+            target = runs[STATIC]["accuracy"] if auto else float(args.target)
             lines, num = section_markdown(f"{label}, seed {seed}", runs, target, auto)
             md += [*lines, ""]
-            for which in ("equal_rounds", "equal_accuracy"):
-                for method in ("RABO", "RAFBO", AS_PRINTED):
-                    if method in num[which]:
-                        summary.setdefault(label, {}).setdefault(f"{which}:{method}", []).append(
-                            num[which][method]
-                        )
+            for method in runs:
+                if method in (REFERENCE, FULL_ROUND):
+                    continue
+                summary.setdefault(label, {}).setdefault(method, []).append(
+                    (
+                        num["equal_rounds"][method],
+                        num["equal_accuracy"].get(method),
+                        num["reached"][method],
+                        num["reached"][REFERENCE],
+                        target,
+                    )
+                )
             if seed == args.seeds[0]:
                 numbers[label] = num
                 curves[label] = runs
 
-    md += [
-        "## Summary (mean over seeds; fractions of FedMBO)",
-        "",
-        "| backbone | RABO compute | RAFBO compute | RAFBO as printed compute | RABO bytes "
-        "| RAFBO bytes | RABO compute, equal acc. | RAFBO compute, equal acc. |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        "| paper (Omniglot, ResNet-12) | 26.7 % | 17.8 % | | 26.7 % | 26.7 % | | |",
-        f"| analytic mean r^2 | {MEAN_R2:.1%} | {MEAN_R2:.1%} | {MEAN_R2:.1%} | {MEAN_R2:.1%} "
-        f"| {MEAN_R2:.1%} | | |",
-    ]
-
-    def mean(label: str, key: str, idx: int) -> str:
-        vals = [v[idx] for v in summary.get(label, {}).get(key, [])]
-        vals = [v for v in vals if v == v]
-        return pct(statistics.fmean(vals)) if vals else "n/a"
-
-    for label in summary:
-        md.append(
-            f"| {label} | {mean(label, 'equal_rounds:RABO', 0)} "
-            f"| {mean(label, 'equal_rounds:RAFBO', 0)} "
-            f"| {mean(label, f'equal_rounds:{AS_PRINTED}', 0)} "
-            f"| {mean(label, 'equal_rounds:RABO', 1)} "
-            f"| {mean(label, 'equal_rounds:RAFBO', 1)} | {mean(label, 'equal_accuracy:RABO', 0)} "
-            f"| {mean(label, 'equal_accuracy:RAFBO', 0)} |"
-        )
+    md += summary_markdown(summary, args)
     md += explanation(numbers, args)
     md += ["", f"    {command}"]
     markdown = "\n".join(md)

@@ -1,73 +1,107 @@
 """RABO paper, Fig. 3: convergence with minimum coverage C_x* = 1 against C_x* = 2.
 
-Paper: Y. Hong et al., "Resource-Aware Federated Bilevel Optimization" (RABO/RAFBO), Sec. V-A,
-"Impact of C_x*" (``papers/rabo_rafbo.txt``): every client trains 1/4 of the model, and which
-segment each client trains is controlled by hand so that every trained coordinate of x is held
-by at least C_x* = 1 or 2 clients; with both RABO and RAFBO, C_x* = 2 converges faster (the rate
-O(1/sqrt(C_x* Q)) of Theorem 1).
+Paper: Li et al., "Distributed Bilevel Optimization with Dual Pruning for Resource-limited
+Clients" (RABO/RAFBO), Sec. V-A, "Impact of C_x*" (``papers/rabo_rafbo.txt``): every client
+trains 1/4 of the model, and which segment each client trains is controlled by hand so that
+every trained coordinate of x is held by at least C_x* = 1 or 2 clients; with both RABO and
+RAFBO, C_x* = 2 converges faster (the rate O(1/sqrt(C_x* Q)) of Theorem 1).
 
-Here: 5-way 5-shot few-shot learning on digits 28x28 (meta-train classes 0-4 split iid over five
-clients, meta-test classes 5-9), Conv-4 backbone (x) and linear head (y), every client at
+Here: 5-way 5-shot few-shot learning on digits (meta-train classes 0-4 split iid over five
+clients, meta-test classes 5-9; 15 queries) or, with ``--omniglot PATH``, on Omniglot (background
+alphabets split by character over the clients, evaluation alphabets meta-test; 15 = 20 - K
+queries), Conv-4 backbone (x) with static BatchNorm and linear head (y), every client at
 capacity r = 1/4, ``[mask] policy = "coverage"`` with ``coverage_k`` = C_x* (the policy lays the
 clients' channel segments out in teams of k around a ring that moves every round; see
 ``radbo.masks.policies.CoveragePolicy``). The measured minimum coverage of the trained
 coordinates (``coverage_x_min``) and the fraction of x left untrained per round are reported
 next to the accuracy: with a fixed number of clients at r = 1/4, raising k from 1 to 2 halves
-the number of teams, so fewer coordinates are trained per round.
+the number of teams, so fewer coordinates are trained per round. Next to RABO as printed the
+table has RABO with radbo's refit before eq. (7) (``[algorithm] refit_steps = S``,
+``--refit-steps``, default 100, 0 drops the rows): on Omniglot RABO as printed hardly learns at
+width 32 and beyond (``rabo_fewshot.py``). The untrained backbone is the reference row.
 
-    # 20 rounds, seeds 0 1, 300 meta-test episodes every 4 rounds
+    # Conv-4 width 32, 12 rounds, seeds 0 1, 200 meta-test episodes every 3 rounds (~5 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_coverage.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_coverage.py --omniglot DIR
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_coverage.py --methods RABO --seeds 0
-    # 100 rounds, seeds 0-4, 600 episodes every 5 rounds (about an hour or two)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_coverage.py --full
+    # width 64, 28x28, 100 rounds, seeds 0-4, 600 episodes every 5 rounds (on a GPU)
+    .venv/bin/python benchmarks/paper/rabo_coverage.py --omniglot DIR --full --device cuda
 
-Writes ``<out>/rabo_coverage.md`` (final accuracy ± 95 % CI, coverage and untrained fractions)
-and ``<out>/rabo_coverage.png`` (meta-test accuracy and training outer loss against rounds).
+Writes ``<out>/rabo_coverage.md`` (final accuracy ± 95 % CI, coverage and untrained fractions,
+the device that produced them) and ``<out>/rabo_coverage.png`` (meta-test accuracy, mean over
+seeds with a band of +- one seed standard deviation, and training outer loss against rounds).
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from radbo.config import parse_config
-from radbo.experiment import run
+from radbo.config import RunConfig, parse_config
+from radbo.experiment import build, run
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.paper.rabo_common import (  # noqa: E402
+    add_common_arguments,
+    check_device,
+    check_served,
+    command_line,
+    data_label,
+    data_sections,
+    default_queries,
+    mean_std,
+    model_section,
+    provenance,
+    rabo_sections,
+    rafbo_sections,
+)
 
 COVERAGES = [1, 2]
+SHOTS = 5  # Fig. 3 is 5-way 5-shot
 
 
-def config(args: argparse.Namespace, method: str, k: int, seed: int) -> dict[str, Any]:
-    bilevel = {"inner_lr": 0.5, "outer_lr": 0.1, "inner_steps": 5, "max_hypergrad_norm": 1.0}
-    cfg: dict[str, Any] = {
-        "seed": seed,
-        "rounds": args.rounds,
-        "eval_every": args.eval_every,
-        "partition": {"kind": "iid"},
-        "data": {"name": "digits", "image_size": 28},
-        "model": {"name": "conv4", "width": args.width},
-        "task": {
-            "name": "few_shot",
-            "ways": 5,
-            "shots": 5,
-            "queries": 15,
-            "test_episodes": args.episodes,
-        },
-        "fleet": {"num_clients": args.clients, "capacities": [args.capacity]},
-        "mask": {"policy": "coverage", "coverage_k": k},
-        "algorithm": {"name": method.lower(), **bilevel},
-    }
-    if method == "RAFBO":
-        cfg["estimator"] = {
-            "name": "finite_difference",
-            "scheme": "forward",  # the paper's eq. (10)
-            "num_coordinates": args.rafbo_coordinates,
+def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Config sections of each method, in table order."""
+    table: dict[str, dict[str, Any]] = {}
+    for method in args.methods:
+        if method == "RABO":
+            table["RABO"] = rabo_sections()
+            if args.refit_steps:
+                table[f"RABO, refit {args.refit_steps}"] = rabo_sections(args.refit_steps)
+        else:
+            table["RAFBO"] = rafbo_sections(args.rafbo_coordinates)
+    return table
+
+
+def config(args: argparse.Namespace, sections: dict[str, Any], k: int, seed: int) -> RunConfig:
+    data, partition = data_sections(args.omniglot, args.image_size)
+    model, _ = model_section("conv4", args.width)
+    return parse_config(
+        {
+            "seed": seed,
+            "rounds": args.rounds,
+            "eval_every": args.eval_every,
+            "partition": partition,
+            "data": data,
+            "model": model,
+            "task": {
+                "name": "few_shot",
+                "ways": 5,
+                "shots": SHOTS,
+                "queries": default_queries(args.omniglot, SHOTS),
+                "test_episodes": args.episodes,
+            },
+            "fleet": {"num_clients": args.clients, "capacities": [args.capacity]},
+            "mask": {"policy": "coverage", "coverage_k": k},
+            "runtime": {"device": args.device},
+            **sections,
         }
-    return cfg
+    )
 
 
 def summarize(result: Any) -> dict[str, Any]:
@@ -95,31 +129,58 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--episodes", type=int, default=None, help="meta-test episodes")
-    parser.add_argument("--width", type=int, default=64, help="Conv-4 channels")
-    parser.add_argument("--clients", type=int, default=5, help="at most 5 on digits (iid)")
-    parser.add_argument("--capacity", type=float, default=0.25, help="r of every client")
-    parser.add_argument("--rafbo-coordinates", type=int, default=8, help="RAFBO's |P|")
-    parser.add_argument("--out", default="runs/paper")
-    args = parser.parse_args(argv)
-    args.methods = args.methods or ["RABO", "RAFBO"]
-    args.seeds = args.seeds or ([0, 1, 2, 3, 4] if args.full else [0, 1])
-    args.rounds = args.rounds or (100 if args.full else 20)
-    args.eval_every = args.eval_every or (5 if args.full else 4)
-    args.episodes = args.episodes or (600 if args.full else 300)
-    command = "OMP_NUM_THREADS=1 .venv/bin/python " + shlex.join(
-        [f"benchmarks/paper/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]
+    parser.add_argument("--width", type=int, default=None, help="Conv-4 channels")
+    parser.add_argument("--image-size", type=int, default=None)
+    parser.add_argument(
+        "--clients", type=int, default=5, help="5 on digits at most (5-shot, 15 queries)"
     )
+    parser.add_argument("--capacity", type=float, default=0.25, help="r of every client")
+    parser.add_argument(
+        "--refit-steps", type=int, default=100, help="S of the rows 'RABO, refit S' (0: none)"
+    )
+    parser.add_argument("--rafbo-coordinates", type=int, default=8, help="RAFBO's |P|")
+    add_common_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.refit_steps < 0:
+        parser.error(f"--refit-steps must be >= 0, got {args.refit_steps}")
+    full = args.full
+    args.methods = args.methods or ["RABO", "RAFBO"]
+    args.seeds = args.seeds or ([0, 1, 2, 3, 4] if full else [0, 1])
+    args.rounds = args.rounds or (100 if full else 12)
+    args.eval_every = args.eval_every or (5 if full else 3)
+    args.episodes = args.episodes or (600 if full else 200)
+    args.width = args.width or (64 if full else 32)
+    args.image_size = args.image_size or 28
+    command = command_line(__file__, argv)
     print(command, flush=True)
 
+    table = methods(args)
+    check_device(args.device)
+    configs = {
+        (name, k, seed): config(args, sections, k, seed)
+        for name, sections in table.items()
+        for k in COVERAGES
+        for seed in args.seeds
+    }
+    check_served(list(configs.values()))
+
+    # reference: the initial backbone (BatchNorm statistics recomputed) on the same episodes;
+    # every run of a seed starts from it
+    untrained: list[tuple[float, float]] = []
+    for seed in args.seeds:
+        exp = build(configs[(next(iter(table)), COVERAGES[0], seed)])
+        sim = exp.simulation
+        metrics = sim.evaluate(sim.algorithm.model_state(exp.initial_state))
+        untrained.append((metrics["accuracy"], metrics["accuracy_ci95"]))
+        print(f"untrained backbone, seed {seed}: {metrics['accuracy']:.3f}", flush=True)
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for method in args.methods:
+    for method in table:
         for k in COVERAGES:
             for seed in args.seeds:
                 start = time.perf_counter()
-                result = run(
-                    parse_config(config(args, method, k, seed)), progress=False, save=False
-                )
+                result = run(configs[(method, k, seed)], progress=False, save=False)
                 s = summarize(result)
+                s["curve"].insert(0, (0, untrained[args.seeds.index(seed)][0]))
                 results.setdefault((method, k), []).append(s)
                 print(
                     f"{method} C_x* = {k}, seed {seed}: {s['accuracy']:.3f} ± {s['ci95']:.3f}, "
@@ -128,10 +189,11 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
 
+    data = data_label(args.omniglot, args.image_size)
     lines = [
         "# Impact of the minimum coverage C_x* (RABO paper, Fig. 3)",
         "",
-        f"5-way 5-shot few-shot learning on digits 28x28, Conv-4 width {args.width}, "
+        f"5-way 5-shot few-shot learning on {data}, Conv-4 width {args.width} (static BN), "
         f"{args.clients} clients all at r = {args.capacity:g} (x and y masked), "
         f'`[mask] policy = "coverage"` with `coverage_k` = C_x*, {args.rounds} rounds, '
         f"{args.episodes} meta-test episodes (accuracy ± 95 % CI); RAFBO |P| = "
@@ -140,14 +202,19 @@ def main(argv: list[str] | None = None) -> None:
         "mean of `untrained_fraction_x`; 'x never trained' is `never_trained_fraction_x` after "
         "the last round; 'outer loss' is the training query loss, mean of the last 5 rounds.",
         "",
+        provenance(args.device),
+        "",
         "| method | C_x* | min C_x measured | x untrained / round | x never trained | "
         + " | ".join(f"seed {s}" for s in args.seeds)
         + " | mean acc. (seed std) | outer loss |",
         "|---|---:|---:|---:|---:" + "|---:" * len(args.seeds) + "|---:|---:|",
+        "| untrained backbone | | | | | "
+        + " | ".join(f"{a:.3f} ± {c:.3f}" for a, c in untrained)
+        + " | {:.3f} ({:.3f}) | |".format(*mean_std([a for a, _ in untrained])),
     ]
     for (method, k), runs in results.items():
         accs = [s["accuracy"] for s in runs]
-        spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        _, spread = mean_std(accs)
         cmin = min(s["coverage_min"] for s in runs)
         cmax = max(s["coverage_max_of_min"] for s in runs)
         measured = f"{cmin:.0f}" + (f" ({cmax:.0f})" if cmax != cmin else "")
@@ -160,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {statistics.fmean(s['final_loss'] for s in runs):.3f} |"
         )
     verdicts = []
-    for method in args.methods:
+    for method in table:
         one, two = (statistics.fmean(s["accuracy"] for s in results[(method, k)]) for k in (1, 2))
         loss1, loss2 = (
             statistics.fmean(s["final_loss"] for s in results[(method, k)]) for k in (1, 2)
@@ -213,23 +280,32 @@ def plot(results: dict[tuple[str, int], list[dict[str, Any]]], path: Path, args)
     for i, ((method, k), runs) in enumerate(results.items()):
         style = {"color": f"C{i}", "label": f"{method}, C_x* = {k}"}
         rounds = [r for r, _ in runs[0]["curve"]]
-        acc = [statistics.fmean(run["curve"][j][1] for run in runs) for j in range(len(rounds))]
-        acc_ax.plot(rounds, acc, marker="o", ms=3, **style)
+        stats = [mean_std([run["curve"][j][1] for run in runs]) for j in range(len(rounds))]
+        acc_ax.plot(rounds, [m for m, _ in stats], marker="o", ms=3, **style)
+        if len(runs) > 1:  # band: +- one seed standard deviation
+            acc_ax.fill_between(
+                rounds,
+                [m - sd for m, sd in stats],
+                [m + sd for m, sd in stats],
+                color=style["color"],
+                alpha=0.15,
+                lw=0,
+            )
         steps = [r for r, _ in runs[0]["loss"]]
         loss = [statistics.fmean(run["loss"][j][1] for run in runs) for j in range(len(steps))]
         width = 3  # moving average: the per-round outer loss is one episode per client
         smooth = [statistics.fmean(loss[max(0, j - width + 1) : j + 1]) for j in range(len(loss))]
         loss_ax.plot(steps, smooth, **style)
     acc_ax.set_xlabel("round")
-    acc_ax.set_ylabel(f"meta-test accuracy (mean over {len(args.seeds)} seeds)")
+    acc_ax.set_ylabel(f"meta-test accuracy (mean of {len(args.seeds)} seeds, band +- std)")
     loss_ax.set_xlabel("round")
     loss_ax.set_ylabel("training outer loss (3-round mean)")
     for ax in (acc_ax, loss_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(
-        f"C_x* = 1 vs 2, {args.clients} clients at r = {args.capacity:g}, "
-        "Conv-4 on digits 5-way 5-shot"
+        f"C_x* = 1 vs 2, {args.clients} clients at r = {args.capacity:g}, Conv-4 width "
+        f"{args.width} on {data_label(args.omniglot, args.image_size, where=False)}, 5-way 5-shot"
     )
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=120)
