@@ -13,6 +13,7 @@ generators.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import replace
@@ -99,4 +100,59 @@ def test_a_rollback_restores_parameters_buffers_and_estimator_state() -> None:
         # everything the round recorded is the same, but for the virtual clock, which kept
         # the diverged round's time (its work was done)
         assert got_row.pop("sim_clock_s") > want_row.pop("sim_clock_s")
+        assert got_row == want_row
+
+
+def inflating_step(sim: Any, at_round: int) -> None:
+    """Make round ``at_round`` report a training loss a million times its size: what a round
+    shows when the state it starts from is broken (the model and its norm untouched)."""
+    real_step = sim.step
+
+    def step(s: Any, q: int, clock_s: float = 0.0) -> tuple[Any, Any]:
+        new, record = real_step(s, q, clock_s)
+        if q == at_round:
+            record.metrics["inner_loss"] = 1e6 * record.metrics["inner_loss"]
+        return new, record
+
+    sim.step = step  # type: ignore[method-assign]
+
+
+def test_a_training_loss_that_trips_the_guard_rolls_back_two_rounds() -> None:
+    """A round's training losses are measured at the state it starts from, so when they trip
+    the guard that state is the bad one: the rollback restores the state before it (the round
+    before, whose own losses passed), not the state the round started from."""
+    exp = build(config())
+    sim = exp.simulation
+    inflating_step(sim, DIVERGED_ROUND)
+
+    run = records(sim.iterate(exp.initial_state, 4))
+
+    rolled, row = run[DIVERGED_ROUND]
+    two_back, _ = run[DIVERGED_ROUND - 2]
+    assert row["divergence"]["reason"].startswith("inner_loss = ")
+    assert row["divergence"]["rolled_back_to"] == DIVERGED_ROUND - 1  # rounds done there
+    assert same_state(rolled, two_back)
+
+
+def test_the_earlier_good_state_survives_a_checkpoint() -> None:
+    """Resumed from the engine state after round ``DIVERGED_ROUND - 1`` (through JSON, as a
+    checkpoint stores it), the same trip rolls back to the same state as without the resume."""
+    whole = build(config()).simulation
+    inflating_step(whole, DIVERGED_ROUND)
+    want = records(whole.iterate(build(config()).initial_state, 4))
+
+    first = build(config()).simulation
+    done = records(first.iterate(build(config()).initial_state, DIVERGED_ROUND))
+    tensors, meta = first.state_dict()
+    assert any(k.startswith("divergence_previous/") for k in tensors)
+    resumed = build(config()).simulation
+    resumed.load_state_dict(tensors, json.loads(json.dumps(meta)))
+    inflating_step(resumed, DIVERGED_ROUND)
+    state, row = done[-1]
+    got = records(resumed.iterate(state, 4 - DIVERGED_ROUND, DIVERGED_ROUND, row["sim_clock_s"]))
+
+    for (got_state, got_row), (want_state, want_row) in zip(
+        got, want[DIVERGED_ROUND:], strict=True
+    ):
+        assert same_state(got_state, want_state)
         assert got_row == want_row

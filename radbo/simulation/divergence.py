@@ -36,7 +36,14 @@ it is not a divergence. Only rounds that pass update the smoothed losses, their 
 first values and the largest norm. On a divergence the policy decides:
 
 * ``"rollback"`` (default): the state goes back to the last good round's (the previous
-  state, restored exactly; the clock and the ledger keep the diverged round's cost), every
+  state, restored exactly; the clock and the ledger keep the diverged round's cost) -- or,
+  when a training loss (a ``*loss`` metric other than the test loss) tripped the guard, to the
+  good state before that one: a round's training losses are measured at the state it starts
+  from (the inner loss along its inner steps from it, the outer loss at its x), so they show
+  that state bad, whose own round passed before its last step was ever evaluated (measured on
+  few-shot Omniglot without clipping: restoring it made every later round trip again, at any
+  step size; ``BENCHMARKS.md``, "RABO on Omniglot"). That earlier state is part of the
+  engine's checkpointed state, so a resumed run rolls back alike. Then every
   step size of the algorithm (its ``step_sizes``) is multiplied by ``divergence_damping``
   (0.5) -- the damped algorithm runs all later rounds, server and client work alike -- and
   the round's record says so (``record["divergence"]``). Damping all step sizes rather than
@@ -193,6 +200,9 @@ class DivergenceGuard:
     good_rounds: int = 0
     rollbacks: int = 0
     diverging: bool = False
+    #: whether the last :meth:`check` found a training loss (a ``*loss`` metric other than
+    #: ``test_loss``) diverged rather than the model, its norm or the test loss
+    tripped_training_loss: bool = False
 
     @classmethod
     def of(cls, algorithm: Any) -> DivergenceGuard | None:
@@ -220,7 +230,9 @@ class DivergenceGuard:
         self.good_rounds = rounds_done
 
     def check(self, losses: Mapping[str, float], norm: float) -> str | None:
-        """Why a round with these losses and ``rms(x, y) = norm`` diverged, or ``None``."""
+        """Why a round with these losses and ``rms(x, y) = norm`` diverged, or ``None``
+        (:attr:`tripped_training_loss` says whether a training loss was the reason)."""
+        self.tripped_training_loss = False
         if math.isnan(norm):
             return "the model holds NaN or Inf"
         if math.isinf(norm):
@@ -233,11 +245,13 @@ class DivergenceGuard:
             )
         for key, value in losses.items():
             if math.isinf(value) or (math.isnan(value) and key == "test_loss"):
+                self.tripped_training_loss = key != "test_loss"
                 return f"{key} is {value}"
             if math.isnan(value) or key not in self.lowest or not self.first[key] > 0:
                 continue  # nothing measured, nothing to compare with, or no scale (first 0)
             low, first = self.lowest[key], self.first[key]
             if value > self.factor * low and value > first:
+                self.tripped_training_loss = key != "test_loss"
                 return (
                     f"{key} = {value:.4g} rose above {self.factor:g} x its (smoothed) running "
                     f"minimum {low:.4g} and above its first value {first:.4g}"

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
+from radbo.checkpoint import state_from_tensors, state_to_tensors
 from radbo.client import (
     Algorithm,
     Backend,
@@ -127,6 +128,10 @@ def _read_once(
     if found is None:
         found = cache[client] = clients[client]
     return found
+
+
+#: key prefix of the guard's earlier good state among the engine's checkpoint tensors
+_PREVIOUS = "divergence_previous/"
 
 
 def full_index_set(shapes: Mapping[str, torch.Size]) -> IndexSet:
@@ -261,6 +266,14 @@ class Simulation(Generic[State]):
     # the algorithm as configured, before any damping
     _guard: DivergenceGuard | None = field(default=None, init=False, repr=False)
     _undamped: Any = field(default=None, init=False, repr=False)
+    # the good state before the last good one (a training loss that trips the guard was
+    # measured at the last good state, so a rollback goes back to this one), and the same as
+    # restored from a checkpoint until iterate has a state to shape it like
+    _previous: Any = field(default=None, init=False, repr=False)
+    _current: Any = field(default=None, init=False, repr=False)  # the state last yielded
+    _previous_saved: tuple[dict[str, Tensor], dict[str, Any]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         n = len(self.clients)
@@ -307,6 +320,10 @@ class Simulation(Generic[State]):
         guard = self._divergence_guard()
         if guard is not None:
             data["divergence"] = guard.state_dict()
+            if self._previous is not None:
+                previous, scalars = state_to_tensors(self._previous)
+                tensors.update({f"{_PREVIOUS}{k}": t for k, t in previous.items()})
+                data["divergence_previous"] = scalars
         return tensors, data
 
     def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
@@ -325,6 +342,13 @@ class Simulation(Generic[State]):
         if guard is not None and meta.get("divergence") is not None:
             guard.load_state_dict(meta["divergence"])
             self._damp(guard)
+        self._previous = None
+        self._previous_saved = None
+        if guard is not None and meta.get("divergence_previous") is not None:
+            previous = {
+                k[len(_PREVIOUS) :]: t for k, t in tensors.items() if k.startswith(_PREVIOUS)
+            }
+            self._previous_saved = (previous, dict(meta["divergence_previous"]))
 
     def _divergence_guard(self) -> DivergenceGuard | None:
         """The divergence guard of this run (``None`` when off), made from the algorithm's
@@ -743,6 +767,11 @@ class Simulation(Generic[State]):
         guard = self._divergence_guard()
         if guard is not None and guard.largest_norm is None:  # not resumed: the start is good
             guard.start(state_rms(state, self.algorithm.model_state(state)), start_round)
+        if self._previous_saved is not None:  # resumed: shaped like the state it precedes
+            self._previous = state_from_tensors(state, *self._previous_saved)
+            self._previous_saved = None
+        elif state is not self._current:  # not where this simulation stopped: unknown
+            self._previous = None
         for q in range(start_round, start_round + rounds):
             new, record = self.step(state, q, clock_s)
             clock_s = record.clock_s
@@ -750,22 +779,30 @@ class Simulation(Generic[State]):
             if self.evaluate is not None and ((q + 1) % self.eval_every == 0 or last):
                 record.evaluation = self.evaluate(self.algorithm.model_state(new))
             if guard is not None:
-                new = self._guard_round(guard, state, new, record)
-            state = new
+                new, self._previous = self._guard_round(guard, self._previous, state, new, record)
+            state = self._current = new
             yield state, record
 
     def _guard_round(
-        self, guard: DivergenceGuard, before: State, after: State, record: RoundRecord
-    ) -> State:
-        """The state a round leaves under the divergence guard: ``after`` when the round is
-        sound (or the policy only warns), else the last good state ``before``."""
+        self,
+        guard: DivergenceGuard,
+        previous: State | None,
+        before: State,
+        after: State,
+        record: RoundRecord,
+    ) -> tuple[State, State | None]:
+        """The state a round leaves under the divergence guard, and the good state before
+        it (``None`` when not known): ``after`` when the round is sound (or the policy only
+        warns); else the last good state ``before``, or, when a training loss tripped the
+        guard, the one before it (``previous``): a round's training losses are measured at
+        the state it starts from, so they show ``before`` bad."""
         losses = round_losses(record.metrics, record.evaluation)
         norm = state_rms(after, self.algorithm.model_state(after))
         q = record.round
         reason = guard.check(losses, norm)
         if reason is None:
             guard.accept(losses, norm, q + 1)
-            return after
+            return after, before
         if guard.policy == "stop":
             raise DivergenceError(
                 f"divergence in round {q}: {reason}; stopped ([algorithm] divergence = "
@@ -781,7 +818,7 @@ class Simulation(Generic[State]):
                     stacklevel=3,
                 )
             guard.diverging = True
-            return after
+            return after, before
         if guard.rollbacks >= MAX_ROLLBACKS:
             raise DivergenceError(
                 f"divergence in round {q}: {reason}; still diverging after {MAX_ROLLBACKS} "
@@ -790,6 +827,10 @@ class Simulation(Generic[State]):
         guard.rollbacks += 1
         guard.diverging = True
         self._damp(guard)
+        target, earlier = before, previous
+        if guard.tripped_training_loss and previous is not None and guard.good_rounds > 0:
+            target, earlier = previous, None
+            guard.good_rounds -= 1
         record.divergence = {
             "round": q,
             "reason": reason,
@@ -799,5 +840,5 @@ class Simulation(Generic[State]):
         }
         if record.evaluation is not None and self.evaluate is not None:
             record.divergence["evaluation"] = record.evaluation
-            record.evaluation = self.evaluate(self.algorithm.model_state(before))
-        return before
+            record.evaluation = self.evaluate(self.algorithm.model_state(target))
+        return target, earlier
