@@ -14,7 +14,8 @@ CG, Neumann, direct term alone) with the 30-episode reference; clients 0, 1 and 
 1/16), at the initial state.
 
 ``variants``: short runs of RABO variants and the Static baseline on the same fleet: meta-test
-accuracy every ``rounds / 5`` rounds and the outer loss at the first and the last round.
+accuracy every ``rounds / 5`` rounds, the outer loss at the first and the last round, and the
+run's FLOPs.
 
 ``guard``: RABO without hypergradient clipping under the default divergence guard, round by
 round: its losses and each rollback.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import shlex
 import sys
 import time
@@ -73,6 +75,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "refit_steps = 20": {"algorithm": {"refit_steps": 20}},
     "refit_steps = 100": {"algorithm": {"refit_steps": 100}},
+    "refit_steps = 100, outer_lr 0.3": {"algorithm": {"refit_steps": 100, "outer_lr": 0.3}},
     "refit_steps = 100, head = episode": {
         "algorithm": {"refit_steps": 100},
         "task": {"head": "episode"},
@@ -107,9 +110,14 @@ def config(args: argparse.Namespace, over: dict[str, Any]) -> dict[str, Any]:
 
 def variants(args: argparse.Namespace) -> None:
     chosen = args.only or list(VARIANTS)
+    extra = json.loads(args.extra) if args.extra else {}
     for name in chosen:
         start = time.perf_counter()
-        result = run(parse_config(config(args, VARIANTS[name])), progress=False, save=False)
+        over = {k: {**v, **extra.get(k, {})} for k, v in VARIANTS[name].items()}
+        over.update({k: v for k, v in extra.items() if k not in over})
+        result = run(parse_config(config(args, over)), progress=False, save=False)
+        if extra:
+            name = f"{name} + {args.extra}"
         path = ", ".join(
             f"r{r['round'] + 1} {r['test_accuracy']:.3f}"
             for r in result.rounds
@@ -118,7 +126,8 @@ def variants(args: argparse.Namespace) -> None:
         losses = [r.get("outer_loss") for r in result.rounds]
         loss = f"{losses[0]:.2f} -> {losses[-1]:.2f}" if losses[0] is not None else "-"
         took = time.perf_counter() - start
-        print(f"| {name} | {path} | {loss} | {took:.0f} s |", flush=True)
+        gflop = result.totals["flops"] / 1e9
+        print(f"| {name} | {path} | {loss} | {gflop:.1f} | {took:.0f} s |", flush=True)
 
 
 def guard(args: argparse.Namespace) -> None:
@@ -264,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", default=None, help="variants to run (names)")
+    parser.add_argument(
+        "--extra", default=None, help='JSON merged into every variant, e.g. {"algorithm": {...}}'
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     command = shlex.join(sys.argv[1:] if argv is None else argv)

@@ -35,7 +35,9 @@ coverage average of sub-heads trained for other feature subsets, is far from eve
 own optimum: the default run's outer loss climbs from 1.6 to 3-9 in 30 rounds and the
 backbone does not learn, while with ``S = 100`` the outer loss falls and meta-test accuracy
 rises (``BENCHMARKS.md``, "RABO on Omniglot"). Each step costs one gradient of g in y
-(counted in ``n_grad`` and in the FLOP meter). Default ``0``: Alg. 1 as printed.
+(counted in ``n_grad`` and in the FLOP meter); a zoo model computes its backbone once for all
+S steps (:meth:`radbo.models.BilevelModel.reusing_body`), so on Conv-4 S = 100 adds about 7 %
+to RABO's FLOPs. Default ``0``: Alg. 1 as printed.
 
 **RAFBO** (Alg. 2) is RABO with the finite-difference estimator (``name = "rafbo"`` requires
 ``[estimator] name = "finite_difference"``).
@@ -47,12 +49,13 @@ averaged coordinate-wise over the clients holding them, like parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
-from torch import Tensor
+from torch import Tensor, nn
 
 from radbo.aggregation import apply_mean, apply_step, coverage_weighted_mean, step_inner
 from radbo.algorithms.base import (
@@ -307,7 +310,7 @@ class RABO(RABOConfig, AlgorithmBase):
             if k.startswith(prefix)
         }
         if self.refit_steps:
-            y = self._refit(inner, x, y, lead)
+            y = self._refit(module, inner, x, y, lead)
         result = self.estimator(outer, inner, x, y, state=aux or None, draws=draws, lead=lead)
         grad = result.grad
         norm = params_norm(grad, lead)
@@ -330,22 +333,35 @@ class RABO(RABOConfig, AlgorithmBase):
         )
 
     def _refit(
-        self, inner: Callable[[Params, Params], Tensor], x: Params, y: Params, lead: int
+        self,
+        module: nn.Module,
+        inner: Callable[[Params, Params], Tensor],
+        x: Params,
+        y: Params,
+        lead: int,
     ) -> Params:
         """``refit_steps`` SGD steps of size ``inner_lr`` on ``inner`` over y from the received
         y, x held fixed (see the module docstring); every client of a cohort steps on its own
-        loss."""
+        loss. A zoo model computes its body (the x part of the forward pass) once for all the
+        steps (:meth:`radbo.models.BilevelModel.reusing_body`): bitwise the same steps."""
         fixed = {n: t.detach() for n, t in x.items()}
-        scope = new_scope()
-        for _ in range(self.refit_steps):
-            with repeated("rabo.refit", scope):
-                y_var = {n: t.detach().requires_grad_(True) for n, t in y.items()}
-                loss = scalar("inner_loss", inner(fixed, y_var), lead)
-                grads = torch.autograd.grad(loss, list(y_var.values()))
-                y = {
-                    n: (t - self.inner_lr * g).detach()
-                    for (n, t), g in zip(y_var.items(), grads, strict=True)
-                }
+
+        def step(y: Params) -> Params:
+            y_var = {n: t.detach().requires_grad_(True) for n, t in y.items()}
+            loss = scalar("inner_loss", inner(fixed, y_var), lead)
+            grads = torch.autograd.grad(loss, list(y_var.values()))
+            return {
+                n: (t - self.inner_lr * g).detach()
+                for (n, t), g in zip(y_var.items(), grads, strict=True)
+            }
+
+        reusing = getattr(module, "reusing_body", None)
+        with reusing() if reusing is not None else nullcontext():
+            y = step(y)  # the first step computes the body, the others reuse it
+            scope = new_scope()
+            for _ in range(self.refit_steps - 1):
+                with repeated("rabo.refit", scope):
+                    y = step(y)
         return y
 
     def server_outer(

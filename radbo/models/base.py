@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
@@ -64,6 +65,40 @@ class BilevelModel(nn.Module):
         write it with the layer rules of :mod:`radbo.models.functional`, the same ops in the
         same order as their ``forward``."""
         raise NotImplementedError
+
+    #: the body outputs :meth:`reusing_body` keeps (``None`` outside it), by input tensor
+    _reused: dict[int, tuple[Tensor, Tensor]] | None = None
+
+    @contextmanager
+    def reusing_body(self) -> Iterator[None]:
+        """Within the block the functional forward pass computes the body -- everything before
+        the inner modules, the outer parameters' work -- once per input tensor and reuses it.
+
+        For work that changes only the inner parameters at fixed x, buffers and inputs (RABO's
+        refit of y before its hypergradient): each step then costs the head's work only, with
+        bitwise the same results. The caller promises that x and the buffers do not change
+        inside the block (a BatchNorm layer in training mode normalises with batch statistics,
+        which the reused output already holds; its running statistics are then not updated
+        again, which only matters to callers that read them back).
+        """
+        self._reused = {}
+        try:
+            yield
+        finally:
+            self._reused = None
+
+    def _body(self, inputs: Tensor, compute: Callable[[], Tensor]) -> Tensor:
+        """``compute()``, the body's output for ``inputs``; inside :meth:`reusing_body` the
+        first one computed for this very tensor."""
+        reused = self._reused
+        if reused is None:
+            return compute()
+        hit = reused.get(id(inputs))
+        if hit is not None and hit[0] is inputs:
+            return hit[1]
+        out = compute()
+        reused[id(inputs)] = (inputs, out)  # holding inputs keeps its id from being reused
+        return out
 
     def example_input(self, batch_size: int = 1) -> Tensor:
         """A zero input batch of the right shape and the model's dtype (used to trace the
@@ -157,7 +192,11 @@ class BatchNormConfig(ModelConfig):
     ``calibration_samples`` training examples before each evaluation.
     """
 
-    batchnorm: BatchNormMode = "aggregate"
+    batchnorm: BatchNormMode = Field(
+        "aggregate",
+        description="aggregate: running statistics averaged like parameters; static: HeteroFL's "
+        "sBN, batch statistics on clients, recomputed by the server before each evaluation",
+    )
     calibration_samples: int = Field(
         512, ge=1, description="training examples the server recomputes static BN over"
     )

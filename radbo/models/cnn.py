@@ -49,8 +49,10 @@ class SmallCNN(BilevelModel):
         return self.head(torch.flatten(self.body(x), 1))
 
     def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
-        pooled = apply_layer(self.body, "body.", state, inputs)
-        return apply_layer(self.head, "head.", state, torch.flatten(pooled, 1))
+        features = self._body(
+            inputs, lambda: torch.flatten(apply_layer(self.body, "body.", state, inputs), 1)
+        )
+        return apply_layer(self.head, "head.", state, features)
 
 
 @MODELS.register
@@ -59,7 +61,11 @@ class CNNConfig(BatchNormConfig):
     is y."""
 
     name: Literal["cnn"] = "cnn"
-    channels: list[Width] = Field(default_factory=lambda: [16, 32], min_length=1)
+    channels: list[Width] = Field(
+        default_factory=lambda: [16, 32],
+        min_length=1,
+        description="one conv-BN-ReLU layer per width",
+    )
 
     def build(self, input_shape: tuple[int, ...], classes: int) -> SmallCNN:
         channels, size = self.image(input_shape)

@@ -89,9 +89,11 @@ class CNN7(BilevelModel):
         return self.head(self.body(torch.flatten(self.features(x), 1)))
 
     def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
-        maps = apply_layer(self.features, "features.", state, inputs)
-        hidden = apply_layer(self.body, "body.", state, torch.flatten(maps, 1))
-        return apply_layer(self.head, "head.", state, hidden)
+        def body() -> Tensor:
+            maps = apply_layer(self.features, "features.", state, inputs)
+            return apply_layer(self.body, "body.", state, torch.flatten(maps, 1))
+
+        return apply_layer(self.head, "head.", state, self._body(inputs, body))
 
 
 @MODELS.register
@@ -100,8 +102,18 @@ class CNN7Config(ModelConfig):
     convs and two 2x2 pools): the two convs and two hidden linear layers are x, the head y."""
 
     name: Literal["cnn7"]
-    channels: list[Width] = Field(default_factory=lambda: [6, 16], min_length=2, max_length=2)
-    hidden: list[Width] = Field(default_factory=lambda: [120, 84], min_length=2, max_length=2)
+    channels: list[Width] = Field(
+        default_factory=lambda: [6, 16],
+        min_length=2,
+        max_length=2,
+        description="the two conv widths",
+    )
+    hidden: list[Width] = Field(
+        default_factory=lambda: [120, 84],
+        min_length=2,
+        max_length=2,
+        description="the two hidden linear widths",
+    )
 
     min_image_size: ClassVar[int] = 16
 

@@ -65,7 +65,7 @@ class Conv4(BilevelModel):
         return self.head(self.body(x))
 
     def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
-        features = apply_layer(self.body, "body.", state, inputs)
+        features = self._body(inputs, lambda: apply_layer(self.body, "body.", state, inputs))
         return apply_layer(self.head, "head.", state, features)
 
 

@@ -45,7 +45,9 @@ class MLP(BilevelModel):
         return self.head(self.body(torch.flatten(x, 1)))
 
     def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
-        hidden = apply_layer(self.body, "body.", state, torch.flatten(inputs, 1))
+        hidden = self._body(
+            inputs, lambda: apply_layer(self.body, "body.", state, torch.flatten(inputs, 1))
+        )
         return apply_layer(self.head, "head.", state, hidden)
 
 
@@ -54,7 +56,9 @@ class MLPConfig(ModelConfig):
     """MLP on flattened inputs (any shape): hidden layers are x, the head is y."""
 
     name: Literal["mlp"] = "mlp"
-    hidden: list[Width] = Field(default_factory=lambda: [128], min_length=1)
+    hidden: list[Width] = Field(
+        default_factory=lambda: [128], min_length=1, description="hidden layer widths (x)"
+    )
 
     flat: ClassVar[bool] = True
 

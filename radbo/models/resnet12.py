@@ -147,9 +147,11 @@ class ResNet12(BilevelModel):
         return self.head(torch.flatten(out, 1))
 
     def _functional_forward(self, state: Mapping[str, Tensor], inputs: Tensor) -> Tensor:
-        out = apply_layer(self.layers, "layers.", state, inputs)
-        out = apply_layer(self.pool, "pool.", state, out)
-        return apply_layer(self.head, "head.", state, torch.flatten(out, 1))
+        def body() -> Tensor:
+            out = apply_layer(self.layers, "layers.", state, inputs)
+            return torch.flatten(apply_layer(self.pool, "pool.", state, out), 1)
+
+        return apply_layer(self.head, "head.", state, self._body(inputs, body))
 
 
 @MODELS.register
@@ -159,7 +161,10 @@ class ResNet12Config(BatchNormConfig):
 
     name: Literal["resnet12"]
     widths: list[Width] = Field(
-        default_factory=lambda: [64, 160, 320, 640], min_length=4, max_length=4
+        default_factory=lambda: [64, 160, 320, 640],
+        min_length=4,
+        max_length=4,
+        description="the four stage widths",
     )
 
     min_image_size: ClassVar[int] = 16

@@ -58,7 +58,9 @@ class VSMLPConfig(ModelConfig):
     shifts and logit scales are x. ``hidden = []`` is a linear classifier."""
 
     name: Literal["vs_mlp"]
-    hidden: list[Width] = Field(default_factory=lambda: [128])
+    hidden: list[Width] = Field(
+        default_factory=lambda: [128], description="hidden layer widths; [] for a linear classifier"
+    )
 
     flat: ClassVar[bool] = True
     task: ClassVar[str | None] = "vs_loss"
