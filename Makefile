@@ -1,5 +1,5 @@
 # radbo: two commands for a fresh machine.
-#   make demo   create .venv if missing, install radbo, run the demo job
+#   make demo   create .venv if missing, install radbo, run the demo job (replacing runs/demo)
 #   make test   same set-up, then the whole test suite
 #   make lint   ruff (lint and format) and mypy on radbo/
 #   make test-kernels   the float-sensitive tests once per PyTorch CPU kernel this CPU runs
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/radbo run $(DEMO_CONFIG)
+	$(VENV)/bin/radbo run $(DEMO_CONFIG) --overwrite
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2

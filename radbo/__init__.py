@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         build,
         fleet_table,
         run,
+        run_seeds,
     )
     from radbo.export import (
         export_submodels,
@@ -150,6 +151,7 @@ _LAZY: dict[str, str] = {
     "build": "radbo.experiment",
     "fleet_table": "radbo.experiment",
     "run": "radbo.experiment",
+    "run_seeds": "radbo.experiment",
     "export_submodels": "radbo.export",
     "ESTIMATORS": "radbo.hypergrad",
     "Autograd": "radbo.hypergrad",
@@ -248,5 +250,6 @@ __all__ = [
     "parse_config",
     "probe_host",
     "run",
+    "run_seeds",
     "scatter",
 ]

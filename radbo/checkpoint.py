@@ -630,11 +630,15 @@ def _load(
         raise CheckpointCorruptError(f"{path} is missing")
     index, data = _parse_index(path, _read(path))
     if config is not None:
-        difference = _first_difference(index.config, dict(config), ignore)
-        if difference is not None:
+        differences = _config_differences(index.config, dict(config), ignore)
+        if differences:
+            shown = "; ".join(differences[:_SHOWN_DIFFERENCES])
+            if len(differences) > _SHOWN_DIFFERENCES:
+                shown += f"; and {len(differences) - _SHOWN_DIFFERENCES} more"
             raise CheckpointError(
-                f"the checkpoint in {directory} was written by a different config "
-                f"({difference}); use another output_dir or run without resume"
+                f"the checkpoint in {directory} was written by a different config ({shown}); "
+                "use another output_dir, or start afresh without resume (radbo run "
+                "--overwrite)"
             )
     tensors_path = directory / index.files.tensors.file
     try:
@@ -734,12 +738,47 @@ def _parse_index(path: Path, raw: bytes) -> tuple[CheckpointIndex, dict[str, Any
     return index, data
 
 
-def _first_difference(saved: Any, current: dict[str, Any], ignore: tuple[str, ...]) -> str | None:
+# differing config keys a refused resume names (the rest are counted)
+_SHOWN_DIFFERENCES = 5
+_ABSENT = object()
+
+
+def _config_differences(saved: Any, current: dict[str, Any], ignore: tuple[str, ...]) -> list[str]:
+    """Each key whose value differs between the stored config and ``current`` (top-level
+    keys in ``ignore`` aside), by its dotted path: ``algorithm.inner_lr: 0.1 then, 0.2 now``.
+    Sections are compared key by key, except that a section of another kind (its ``name`` or
+    ``kind`` tag differs) is named by its tag alone."""
     if not isinstance(saved, dict):
-        return "no config stored"
-    for key in sorted(set(saved) | set(current)):
-        if key in ignore:
+        return ["no config stored"]
+    found: list[str] = []
+    _differences(saved, current, (), ignore, found)
+    return found
+
+
+def _differences(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    path: tuple[str, ...],
+    ignore: tuple[str, ...],
+    found: list[str],
+) -> None:
+    for key in sorted(set(saved) | set(current), key=str):
+        if not path and key in ignore:
             continue
-        if saved.get(key) != current.get(key):
-            return f"{key}: {saved.get(key)!r} then, {current.get(key)!r} now"
-    return None
+        old, new = saved.get(key, _ABSENT), current.get(key, _ABSENT)
+        if old == new:
+            continue
+        where = (*path, str(key))
+        if isinstance(old, dict) and isinstance(new, dict):
+            tag = next((t for t in ("name", "kind") if t in old and t in new), None)
+            if tag is not None and old[tag] != new[tag]:
+                where = (*where, tag)
+                old, new = old[tag], new[tag]
+            else:
+                _differences(old, new, where, (), found)
+                continue
+        found.append(f"{'.'.join(where)}: {_then(old)} then, {_then(new)} now")
+
+
+def _then(value: Any) -> str:
+    return "absent" if value is _ABSENT else _short(value, 60)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -10,13 +12,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from radbo.limits import LATENCY_RUNS, caps_lifted
+from radbo.registry import ConfigError
 from radbo.tomlfile import read_toml
+from radbo.version import __version__
 
 if TYPE_CHECKING:
     from radbo.config import RunConfig
+    from radbo.experiment import RunResult
 
 EXIT_CONFIG = 2
 EXIT_CHECK = 1
+#: The exit code when stdout (or stderr) is a pipe whose reader has gone (``radbo fleet ... |
+#: head -5``): 128 + SIGPIPE, what the shell reports for a command that the signal ended.
+EXIT_PIPE = 141
+
+#: Subcommands that read a CONFIG and take ``key.sub=value`` overrides after it.
+OVERRIDABLE = ("run", "fleet", "export")
+_OVERRIDE = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*=")
 
 #: What ``main`` reports as one line on stderr with exit code 2: a config, fleet file, trace,
 #: device profile, data, checkpoint, run folder or output folder radbo refuses, a run stopped
@@ -46,14 +58,23 @@ def is_user_error(err: BaseException) -> bool:
     )
 
 
-def _load(args: argparse.Namespace) -> RunConfig:
-    """``args.config`` read (torch-free: a missing or malformed file fails fast) and then
-    validated, which needs the config classes and so imports torch."""
+def _load(args: argparse.Namespace, settings: dict[str, object] | None = None) -> RunConfig:
+    """``args.config`` read (torch-free: a missing or malformed file fails fast), its
+    ``key.sub=value`` overrides (``args.overrides``) and then ``settings`` (what flags such
+    as ``--rounds`` set) applied, and the result validated as a file is, which needs the
+    config classes and so imports torch."""
     data = read_toml(args.config)
-    from radbo.config import parse_config
+    from radbo.config import apply_overrides, parse_config
 
+    data = apply_overrides(data, getattr(args, "overrides", None) or [])
+    data.update(settings or {})
     return parse_config(data)
 
+
+_OVERRIDES_HELP = (
+    "settings that replace the file's, as TOML values: algorithm.inner_lr=0.2 "
+    "fleet.num_clients=50 model.hidden=[64] task.name=few_shot (validated as the file is)"
+)
 
 _FORCE_HELP = (
     "accept values above the caps that guard against a run that would not end (rounds > "
@@ -66,13 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radbo", description="Resource-aware federated bilevel optimization."
     )
+    parser.add_argument("--version", action="version", version=_version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a simulated federated bilevel job from a TOML config")
     run.add_argument("config", help="path to the TOML run configuration")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
     run.add_argument("--output-dir", help="where to write results (overrides output_dir)")
     run.add_argument("--rounds", type=int, help="override the number of rounds")
     run.add_argument("--seed", type=int, help="override the run seed")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     run.add_argument(
         "--resume",
         action="store_true",
@@ -81,9 +104,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--checkpoint-every", type=int, help="write a checkpoint every N rounds (overrides)"
     )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run the output folder holds (results.json, checkpoints); without "
+        "it such a folder is refused",
+    )
+    run.add_argument(
+        "--seeds",
+        nargs="+",
+        metavar="SEED",
+        help="run once per seed into OUTPUT/seed-<seed> and write the mean and 95%% "
+        "confidence interval over them to OUTPUT/aggregate.json and aggregate.md",
+    )
     run.add_argument("--force", action="store_true", help=_FORCE_HELP)
     fleet = sub.add_parser("fleet", help="show the fleet of a config: devices, r, tau, memory fit")
     fleet.add_argument("config", help="path to the TOML run configuration")
+    fleet.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
     fleet.add_argument("--json", action="store_true", help="print JSON instead of a table")
     fleet.add_argument("--force", action="store_true", help=_FORCE_HELP)
     fleet.add_argument(
@@ -101,20 +138,58 @@ def _parser() -> argparse.ArgumentParser:
     )
     report = sub.add_parser(
         "report",
-        help="compare finished runs: accuracy vs round, time, bytes, FLOPs; cost per tier",
+        help="compare finished runs: accuracy vs rounds, communication rounds, time, bytes, "
+        "FLOPs, energy; cost per tier; seeds of one config grouped (mean ± 95%% CI)",
     )
-    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders written by radbo run")
+    report.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="folders written by radbo run (the output of `radbo run --seeds` stands for its "
+        "seed-<s> folders)",
+    )
     report.add_argument(
         "--output",
         default="radbo-report",
         metavar="DIR",
         help="where to write the plots, report.md and report.json (default: ./radbo-report)",
     )
+    report.add_argument(
+        "--format",
+        default="png",
+        metavar="LIST",
+        help="comma-separated figure formats: png, pdf, svg (default: png)",
+    )
+    report.add_argument(
+        "--no-group",
+        action="store_true",
+        help="one curve and row per run, not per group of runs that differ only by seed",
+    )
     export = sub.add_parser(
         "export",
-        help="write each client's round-0 submodel (safetensors + manifest.json) and check it",
+        help="write each client's submodel of a trained model (a run folder, a checkpoint) or "
+        "of the initial model (a config), in every format asked for, and check it",
     )
-    export.add_argument("config", help="path to the TOML run configuration")
+    export.add_argument(
+        "config",
+        metavar="CONFIG|RUN_DIR",
+        help="a finished run's folder (exports its final state, config from results.json), "
+        "or a TOML run configuration (exports its initial model, or --checkpoint's state)",
+    )
+    export.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="export the state of this checkpoint folder of the run (e.g. "
+        "RUN_DIR/checkpoints/run), with the masks of the round after it",
+    )
+    export.add_argument(
+        "--accuracy-examples",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="test examples each submodel's accuracy is measured on, per runtime (default "
+        "10000, the first of the test set; 0: none)",
+    )
     export.add_argument(
         "--output",
         default="radbo-export",
@@ -146,7 +221,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"timed runs per latency figure of a .pte / .onnx (default {LATENCY_RUNS}; 0: none)",
     )
     export.add_argument("--force", action="store_true", help=_FORCE_HELP)
-    flower = sub.add_parser("flower", help="Flower deployments: write each node's own data")
+    flower = sub.add_parser(
+        "flower", help="Flower deployments: write each node's own data, deploy on this machine"
+    )
     flower_sub = flower.add_subparsers(dest="flower_command", required=True)
     part = flower_sub.add_parser(
         "partition",
@@ -156,10 +233,35 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("config", help="path to the TOML run configuration")
     part.add_argument("--out", required=True, metavar="DIR", help="where to write the folders")
     part.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    local = flower_sub.add_parser(
+        "deploy-local",
+        help="run a config on a SuperLink and one SuperNode per client on 127.0.0.1 (flwr run)",
+    )
+    local.add_argument("config", help="path to the TOML run configuration")
+    local.add_argument(
+        "--output",
+        metavar="DIR",
+        help="results, node data, the Flower app and logs/ (default: the config's output_dir)",
+    )
+    local.add_argument(
+        "--timeout", type=float, default=1800.0, metavar="S", help="stop the run after S seconds"
+    )
+    local.add_argument(
+        "--node-config",
+        metavar="TEMPLATE",
+        help="node i's config as 'k=v ...' (TOML values, {i} = node index), instead of "
+        "partition-id=i and the data written to DIR/nodes",
+    )
     return parser
 
 
 def _flower(args: argparse.Namespace) -> int:
+    if args.flower_command == "deploy-local":
+        from radbo.flower.deploy import deploy_local_command
+
+        return deploy_local_command(
+            args.config, args.output, timeout_s=args.timeout, node_config=args.node_config
+        )
     config = _load(args)
     from radbo.flower.nodedata import write_node_data
 
@@ -174,11 +276,13 @@ def _flower(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = _load(args)
-    from radbo.config import parse_config
-    from radbo.experiment import run
-
-    overrides = {
+    if args.resume and args.overwrite:
+        raise ConfigError(
+            "config error: --resume continues the run in the output folder and --overwrite "
+            "replaces it; give one of them"
+        )
+    seeds = _seeds(args)  # moves the KEY=VALUE words --seeds took to args.overrides
+    settings = {
         k: v
         for k, v in (
             ("rounds", args.rounds),
@@ -187,41 +291,78 @@ def _run(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    if overrides:
-        config = parse_config({**config.model_dump(), **overrides})
-    result = run(config, progress=not args.quiet, output_dir=args.output_dir, resume=args.resume)
-    final = result.final
-    accuracy = f"{final.get('test_accuracy', float('nan')):.4f}"
-    if "test_accuracy_ci95" in final:  # few-shot: mean over test episodes and its 95 % interval
-        accuracy += (
-            f" ± {final['test_accuracy_ci95']:.4f} (95% CI, {int(final['test_episodes'])} episodes)"
-        )
-    print(f"final test accuracy: {accuracy}")
-    print(f"final test loss:     {final.get('test_loss', float('nan')):.4f}")
-    totals = result.totals
-    print(f"communication rounds: {int(totals.get('communication_rounds', 0))}")
-    if totals.get("rejected_updates"):
-        print(
-            f"rejected client updates (NaN/Inf or wrong shape, not aggregated): "
-            f"{int(totals['rejected_updates'])}"
-        )
-    print(
-        f"compute: {totals.get('flops', 0) / 1e9:.3f} GFLOP   "
-        f"bytes: {totals.get('bytes', 0) / 1e6:.3f} MB   "
-        f"simulated time: {totals.get('sim_time_s', 0):.1f} s"
+    config = _load(args, settings)
+    if seeds is not None:
+        return _run_seeds(args, config, seeds)
+    from radbo.experiment import run
+
+    result = run(
+        config,
+        progress=not args.quiet,
+        output_dir=args.output_dir,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        overrides=args.overrides,
     )
-    if result.savings is not None and result.baseline is not None:
-        sv = result.savings
-        base_acc = result.baseline.final.get("test_accuracy", float("nan"))
-        print(
-            f"vs full-model FedMBO-style baseline (test accuracy {base_acc:.4f}): "
-            f"compute {sv['compute_fraction']:.1%}, bytes {sv['bytes_fraction']:.1%}, "
-            f"simulated time {sv['time_fraction']:.1%}"
+    from radbo.experiment.summary import summary_lines
+
+    print("\n".join(summary_lines(result)))
+    return 0
+
+
+def _seeds(args: argparse.Namespace) -> list[int] | None:
+    """The seeds of ``--seeds`` (``None`` without it). ``--seeds`` takes every word after it,
+    so ``--seeds 0 1 2 algorithm.inner_lr=0.2`` leaves the override among them: such words
+    go to ``args.overrides``. A seed that is not an integer, or ``--seeds`` with ``--seed``
+    or a ``seed=`` override, is a :class:`ConfigError`."""
+    if args.seeds is None:
+        return None
+    seeds = []
+    for word in args.seeds:
+        if _OVERRIDE.match(word):
+            args.overrides.append(word)
+            continue
+        for part in filter(None, word.split(",")):
+            try:
+                seeds.append(int(part))
+            except ValueError:
+                raise ConfigError(
+                    f"config error: --seeds {part!r}: a seed is an integer >= 0 (--seeds 0 1 2)"
+                ) from None
+    if args.seed is not None or any(o.partition("=")[0].strip() == "seed" for o in args.overrides):
+        raise ConfigError(
+            "config error: --seeds sets the seed of each run; drop --seed / seed= from the "
+            "command line"
         )
-    out = result.output_dir
-    assert out is not None, "run() saves its results (save=True) and records where"
-    print(f"results: {out / 'results.json'}")
-    print(f"plot:    {out / 'accuracy.png'}")
+    if not seeds:
+        raise ConfigError("config error: --seeds needs at least one seed (--seeds 0 1 2)")
+    return seeds
+
+
+def _run_seeds(args: argparse.Namespace, config: RunConfig, seeds: list[int]) -> int:
+    from radbo.experiment.seeds import aggregate_table, run_seeds
+
+    def report(seed: int, result: RunResult) -> None:
+        accuracy = result.final.get("test_accuracy", float("nan"))
+        folder = result.output_dir
+        print(f"seed {seed}: final test accuracy {accuracy:.4f}   results: {folder}", flush=True)
+
+    outcome = run_seeds(
+        config,
+        seeds,
+        progress=not args.quiet,
+        output_dir=args.output_dir,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        overrides=args.overrides,
+        on_result=report,
+    )
+    print(f"mean ± 95% confidence interval (Student's t) over {len(seeds)} seeds:")
+    for line in aggregate_table(outcome.aggregate):
+        print(line)
+    out = outcome.output_dir
+    assert out is not None, "run_seeds() saves (save=True) and records where"
+    print(f"aggregate: {out / 'aggregate.json'}, {out / 'aggregate.md'}")
     return 0
 
 
@@ -237,9 +378,11 @@ def _fleet(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    rows = [_tau_shown(row) for row in rows]
+    rows, legend = _device_refs(rows)
     columns = [
         ("client", "{:>6}"),
-        ("device", "{:<24.24}"),
+        ("device", "{:<6}"),
         ("tier", "{:<10}"),
         ("capacity", "{:>6.4g}"),
         ("budget_capacity", "{:>6.4g}"),
@@ -276,7 +419,47 @@ def _fleet(args: argparse.Namespace) -> int:
     print("  ".join(head))
     for row in rows:
         print("  ".join(f.format(row[k]) for k, f in present))
+    for line in legend:
+        print(line)
+    if "local_steps_range" in rows[0]:
+        low, high = rows[0]["local_steps_range"]
+        if rows[0]["local_steps_schedule"] == "uniform":
+            print(f"tau: drawn once per client, uniform on {{{low}, ..., {high}}} (run seed)")
+        else:
+            mean = "; round s: its mean" if "round_time_s" in rows[0] else ""
+            print(f"tau: drawn afresh every round, uniform on {{{low}, ..., {high}}}{mean}")
     return 0
+
+
+def _device_refs(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """``rows`` with each device name replaced by a numbered reference (``[1]``, in order of
+    first appearance) and the list of the full names, one line each, wrapped at 100 columns:
+    device names run to 90 characters, and a column cut at 24 lost what told them apart."""
+    import textwrap
+
+    names: list[str] = []
+    for row in rows:
+        if row.get("device") not in (None, "-") and row["device"] not in names:
+            names.append(row["device"])
+    ref = {name: f"[{i + 1}]" for i, name in enumerate(names)}
+    shown = [{**row, "device": ref.get(str(row.get("device")), "-")} for row in rows]
+    legend = [
+        line
+        for name in names
+        for line in textwrap.wrap(
+            f"{ref[name]:>6}  {name}", width=100, subsequent_indent=" " * 8, break_on_hyphens=False
+        )
+    ]
+    return shown, legend
+
+
+def _tau_shown(row: dict) -> dict:
+    """``row`` of :func:`radbo.experiment.fleet_table` as the table shows it: a τ drawn
+    afresh every round (``local_steps`` ``None``) as its range ``low-high``."""
+    if row["local_steps"] is None:
+        low, high = row["local_steps_range"]
+        return {**row, "local_steps": f"{low}-{high}"}
+    return row
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -293,8 +476,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from radbo.report import compare
 
-    result = compare(args.runs, args.output)
+    result = compare(args.runs, args.output, formats=args.format, group=not args.no_group)
     print(result.table)
+    for note in result.notes:  # a plot or line left out, and why, once each
+        print(note)
     print(f"report: {result.markdown}")
     print(f"json:   {result.json}")
     print(f"plots:  {', '.join(str(p) for p in result.plots)}")
@@ -302,74 +487,110 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    config = _load(args)
-    from radbo.export import ExportCheckError, export_submodels
+    target = Path(args.config)
+    # a config file is read before torch is imported (a missing or malformed one fails fast)
+    config = None if target.is_dir() else _load(args)
+    from radbo.export import ExportCheckError, ExportError, export_run, export_submodels
 
-    try:
-        result = export_submodels(
-            config,
-            args.output,
-            formats=args.format,
-            torch_export=args.torch_export,
-            quantize=args.quantize,
-            latency_runs=args.latency_runs,
+    if target.is_dir() and getattr(args, "overrides", None):
+        raise ExportError(
+            f"export error: {target} is a run folder, whose config is the one it ran; "
+            f"overrides ({' '.join(args.overrides)}) apply to a CONFIG.toml only"
         )
+
+    options = dict(
+        checkpoint=args.checkpoint,
+        formats=args.format,
+        torch_export=args.torch_export,
+        quantize=args.quantize,
+        latency_runs=args.latency_runs,
+        accuracy_examples=args.accuracy_examples,
+    )
+    try:
+        if config is None:  # a run folder: its config is in results.json
+            result = export_run(target, args.output, **options)
+        else:
+            result = export_submodels(config, args.output, **options)
     except ExportCheckError as err:
-        _print_export(err.result.manifest)
+        print(err.result.table())
         print(str(err), file=sys.stderr)
         return EXIT_CHECK
-    _print_export(result.manifest)
+    print(result.table())
+    check = result.manifest["check"]
+    tolerance = check["tolerance"]
+    within = "" if tolerance is None else f", derived tolerance {tolerance:.2g}"
+    if check["tolerance_rule"] == "given" and tolerance is not None:
+        within = f", tolerance {tolerance:.2g}"
     print(
         f"{len(result.clients)} clients, {result.manifest['submodels']} distinct submodels; "
-        f"check passed (max |diff| {result.max_abs_diff:.3g})"
+        f"check passed (max |diff| {result.max_abs_diff:.3g}{within})"
     )
-    for problem in result.manifest["check"].get("unsupported", []):
+    for problem in check.get("unsupported", []):
         print(
             f"not exported: client-{problem['client']} as {problem['format']}: {problem['error']}"
         )
+    print(f"files:    {result.out_dir}/client-<submodel>.<format>")
     print(f"manifest: {result.manifest_path}")
     return 0
-
-
-def _print_export(manifest: dict) -> None:
-    print(
-        f"{'client':>6}  {'device':<24}  {'tier':<10}  {'r':>6}  {'tau':>4}  {'params':>9}  "
-        f"{'MB':>8}  {'MFLOP/step':>10}  {'max|diff|':>9}  file"
-    )
-    for c in manifest["clients"]:
-        te = c["torch_export"]
-        extra = ""
-        if te is not None:
-            extra = (
-                f" + {te['file']}" if te.get("file") else f" (torch.export failed: {te['error']})"
-            )
-        for key in ("pte", "onnx", "pte_int8"):
-            record = c.get(key)
-            if not record:
-                continue
-            if "error" in record:
-                extra += f" ({key} failed)"
-                continue
-            latency = record.get("latency") or []
-            speed = f", {latency[-1]['per_sample_s'] * 1e6:.1f} us/sample" if latency else ""
-            if "max_abs_diff" in record:
-                extra += f" + {record['file']} (|diff| {record['max_abs_diff']:.2g}{speed})"
-            else:  # int8: compared with FP32, not held to the tolerance
-                agree = record["top1_agreement"]
-                extra += f" + {record['file']} (top-1 agrees with FP32 {agree:.1%}{speed})"
-        print(
-            f"{c['client']:>6}  {str(c['device'] or '-'):<24.24}  {str(c['tier'] or '-'):<10.10}  "
-            f"{c['capacity']:>6.4g}  {c['local_steps']:>4}  {c['parameters']:>9}  "
-            f"{c['bytes'] / 1e6:>8.3f}  {c['flops_per_step'] / 1e6:>10.2f}  "
-            f"{c['max_abs_diff']:>9.2g}  {c['file'] or '-'}{extra}"
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``radbo`` command; returns the exit code: 2 for what
     :data:`USER_ERRORS` names (bad configs, files, run or output folders; printed as one
-    line per problem on stderr, without a traceback), 1 when ``radbo export``'s check fails."""
-    args = _parser().parse_args(argv)
+    line per problem on stderr, without a traceback), 1 when ``radbo export``'s check fails,
+    :data:`EXIT_PIPE` when the reader of its output has gone (``radbo fleet ... | head -5``):
+    then quietly, as a command that SIGPIPE ends (Python's documentation on SIGPIPE)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        closed = _closed_outputs()
+        if not closed:  # a pipe of radbo's own (a worker's), not its output: a bug
+            raise
+        # what is still buffered for the closed pipe goes nowhere, without a second error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in closed:
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        return EXIT_PIPE
+
+
+def _closed_outputs() -> list[int]:
+    """The file descriptors of stdout and stderr that are pipes (or sockets) whose reading
+    end has closed: ``poll`` reports an error on the writing end. Without ``poll`` (Windows)
+    stdout's is assumed to be the one."""
+    import select
+
+    fds = []
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fds.append(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # a replaced stream (pytest's capture)
+            continue
+    if not hasattr(select, "poll"):
+        return fds[:1]
+    closed = []
+    for fd in dict.fromkeys(fds):
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
+            closed.append(fd)
+    return closed
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides after an option (radbo run CONFIG --rounds 3 fleet.num_clients=5), and those
+    # of subcommands whose parser does not list them; a word that is no KEY=VALUE is refused
+    # by the override parser, in one line
+    words = [w for w in extra if not w.startswith("-")]
+    if words and args.command in OVERRIDABLE and len(words) == len(extra):
+        args.overrides = [*(getattr(args, "overrides", None) or []), *words]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     commands = {
         "run": _run,
         "fleet": _fleet,
@@ -407,6 +628,18 @@ def _one_line_warning(
         print(f"warning: {message}", file=sys.stderr if file is None else file)
     else:
         _SHOW_WARNING(message, category, filename, lineno, file, line)
+
+
+def _version_text() -> str:
+    """``radbo --version``: radbo's version, and Python's and PyTorch's (read from the
+    installed package's metadata, without importing torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"radbo {__version__} (Python {sys.version.split()[0]}, torch {torch})"
 
 
 _PACKAGE = Path(__file__).resolve().parent

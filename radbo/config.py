@@ -14,11 +14,17 @@ errors are turned into one line per problem by :func:`format_validation_error`:
 
 from __future__ import annotations
 
+import copy
+import difflib
+import re
 import reprlib
+import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import (
+    BaseModel,
     Field,
     ValidationError,
     field_validator,
@@ -31,7 +37,7 @@ from radbo.hypergrad import ESTIMATORS, Estimator
 from radbo.limits import MAX_CLIENTS, MAX_ROUNDS, Steps, StepSize, capped, caps_lifted
 from radbo.masks.policies import POLICIES
 from radbo.models import MODELS, MLPConfig, ModelConfig
-from radbo.registry import ConfigError, Section, all_tags
+from radbo.registry import ConfigError, Registry, Section, all_tags
 from radbo.tasks import TASKS, HyperRepresentation, TaskConfig
 from radbo.tomlfile import read_toml
 
@@ -39,13 +45,16 @@ __all__ = [
     "BaselineConfig",
     "ConfigError",
     "FleetConfig",
+    "LoggingConfig",
     "MaskConfig",
     "RunConfig",
     "RuntimeConfig",
     "TraceConfig",
+    "apply_overrides",
     "format_validation_error",
     "load_config",
     "parse_config",
+    "parse_override",
 ]
 
 
@@ -64,10 +73,17 @@ class TraceConfig(Section):
     virtual clock, and is sampled only in rounds that start while it is on (then with
     probability ``availability``). See :meth:`radbo.devices.Fleet.from_trace`."""
 
-    path: str
-    flops_per_sample: float = Field(gt=0, allow_inf_nan=False)
-    memory_bytes: int = Field(gt=0)
-    availability: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    path: str = Field(
+        description="trace file {client id: {computation: ms/sample, communication: kbit/s}}, "
+        "JSON or TOML"
+    )
+    flops_per_sample: float = Field(
+        gt=0, allow_inf_nan=False, description="FLOPs per sample, turning ms/sample into FLOP/s"
+    )
+    memory_bytes: int = Field(gt=0, description="training memory of every traced device (bytes)")
+    availability: float = Field(
+        1.0, ge=0, le=1, allow_inf_nan=False, description="chance a client is available in a round"
+    )
     behavior: str | None = Field(
         None, description="FedScale-style client behaviour trace (on/off windows), JSON or TOML"
     )
@@ -102,8 +118,15 @@ class FleetConfig(Section):
         list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]]
         | dict[str, Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]]
         | None
-    ) = Field(None, min_length=1)
-    clients_per_round: int | None = Field(None, ge=1)
+    ) = Field(
+        None,
+        min_length=1,
+        description="capacity r: a list cycled over clients, or a table device tier -> r; "
+        "default: the largest of capacity_levels the device's memory fits (1 without devices)",
+    )
+    clients_per_round: int | None = Field(
+        None, ge=1, description="clients sampled per round (default: all available)"
+    )
     dropout: float = Field(
         0.0,
         ge=0,
@@ -124,14 +147,27 @@ class FleetConfig(Section):
         allow_inf_nan=False,
         description="discard results arriving later in a phase (simulated s)",
     )
-    devices: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None
-    file: str | None = None
-    trace: TraceConfig | None = None
-    deadline_s: float = Field(60.0, gt=0, allow_inf_nan=False)
-    capacity_levels: list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = Field(
-        default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625], min_length=1
+    devices: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+        None, description="device catalog id -> weight: a mix assigned to clients by the run seed"
     )
-    local_steps: Literal["fixed", "budget", "uniform", "uniform_per_round"] = "fixed"
+    file: str | None = Field(None, description="a fleet file of device profiles, TOML or JSON")
+    trace: TraceConfig | None = Field(None, description="a FedScale-style device trace")
+    deadline_s: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description='simulated seconds a round\'s local steps must fit (local_steps = "budget")',
+    )
+    capacity_levels: list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = Field(
+        default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625],
+        min_length=1,
+        description="the capacities a device's memory budget chooses from",
+    )
+    local_steps: Literal["fixed", "budget", "uniform", "uniform_per_round"] = Field(
+        "fixed",
+        description="fixed: the algorithm's T / tau; budget: what fits deadline_s on the device; "
+        "uniform: drawn once per client from local_steps_range; uniform_per_round: every round",
+    )
     local_steps_range: tuple[Annotated[Steps, Field(ge=1)], Annotated[Steps, Field(ge=1)]] = Field(
         (1, 10), description="inclusive range of uniform local steps (<= 10,000 without --force)"
     )
@@ -170,11 +206,19 @@ class MaskConfig(Section):
     by ``rolling_stride`` channels per round (FedRolex).
     """
 
-    policy: str = Field("importance", description="a registered mask policy, or none")
-    mask_x: bool = True
-    mask_y: bool = True
-    coverage_k: int = Field(2, ge=1)
-    rolling_stride: int = Field(1, ge=1)
+    policy: str = Field(
+        "importance",
+        description="leading, rolling, random, importance or coverage (the registered mask "
+        "policies), or none: every client trains the full model",
+    )
+    mask_x: bool = Field(True, description="prune x's layers to the client's capacity")
+    mask_y: bool = Field(True, description="prune y's layers to the client's capacity")
+    coverage_k: int = Field(
+        2, ge=1, description="coverage: clients holding each trained coordinate (C_x*)"
+    )
+    rolling_stride: int = Field(
+        1, ge=1, description="rolling: channels the window advances per round"
+    )
 
     @field_validator("policy")
     @classmethod
@@ -198,8 +242,14 @@ class BaselineConfig(Section):
     clients per communication round (default: all available).
     """
 
-    enabled: bool = False
-    algorithm: Literal["fedmbo_style", "fedmbo"] = "fedmbo_style"
+    enabled: bool = Field(
+        False, description="also run the full-model baseline and report the savings against it"
+    )
+    algorithm: Literal["fedmbo_style", "fedmbo"] = Field(
+        "fedmbo_style",
+        description="fedmbo_style: RABO's round on the full model with a Neumann hypergradient; "
+        "fedmbo: FedMBO itself with the run's T, steps and batch sizes",
+    )
     terms: Steps = Field(10, ge=1, description="Neumann terms (<= 10,000 without --force)")
     eta: StepSize = Field(
         0.1, gt=0, allow_inf_nan=False, description="Neumann step (<= 1000 without --force)"
@@ -233,8 +283,15 @@ class RuntimeConfig(Section):
     draws what a CPU run draws and differs from it only by floating-point rounding.
     """
 
-    backend: Literal["sequential", "batched", "processes"] = "sequential"
-    dtype: Literal["float32", "float64"] = "float32"
+    backend: Literal["sequential", "batched", "processes"] = Field(
+        "sequential",
+        description="sequential: one client after another; batched: clients of equal shapes "
+        "stacked (equal to float rounding); processes: worker processes (bitwise equal to "
+        "sequential)",
+    )
+    dtype: Literal["float32", "float64"] = Field(
+        "float32", description="floating-point type of data, models and all client work"
+    )
     threads: int | None = Field(
         1, ge=1, le=1024, description="torch intra-op threads during a run (None: torch's)"
     )
@@ -276,7 +333,11 @@ class FlowerConfig(Section):
     ``send_and_receive`` asks every 3 s).
     """
 
-    data: Literal["server", "node"] = "server"
+    data: Literal["server", "node"] = Field(
+        "server",
+        description="server: tasks carry their example indices; node: each node reads its "
+        "data-root",
+    )
     reply_timeout_s: float = Field(
         300.0, gt=0, le=86_400, allow_inf_nan=False, description="seconds to wait for replies"
     )
@@ -301,6 +362,17 @@ class FlowerConfig(Section):
         return self
 
 
+class LoggingConfig(Section):
+    """What a run logs besides ``results.json`` and ``metrics.csv`` (:mod:`radbo.experiment.logs`).
+
+    ``tensorboard``: also write each round's metrics row (the columns of ``metrics.csv``) as
+    TensorBoard scalars to ``<output_dir>/tensorboard/run`` (and ``.../baseline``) while the run
+    runs, with ``torch.utils.tensorboard``; needs the optional extra ``radbo[tensorboard]``.
+    """
+
+    tensorboard: bool = Field(False, description="write TensorBoard scalars per round")
+
+
 class RunConfig(Section):
     """A whole run: what ``radbo run CONFIG.toml`` reads."""
 
@@ -308,8 +380,10 @@ class RunConfig(Section):
     rounds: Annotated[int, _ROUNDS_CAP] = Field(
         50, ge=1, description="rounds of the run (<= 1,000,000 without --force)"
     )
-    eval_every: int = Field(5, ge=1)
-    output_dir: str = "runs/radbo"
+    eval_every: int = Field(5, ge=1, description="evaluate every N rounds and after the last")
+    output_dir: str = Field(
+        "runs/radbo", description="where results, ledger, plots and checkpoints are written"
+    )
     checkpoint_every: int | None = Field(
         None, ge=1, description="write a checkpoint every N rounds (and after the last)"
     )
@@ -324,7 +398,8 @@ class RunConfig(Section):
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
-    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("flower",)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("flower", "logging")
 
     @model_validator(mode="before")
     @classmethod
@@ -463,6 +538,55 @@ def _value_text(value: Any) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """What an unknown key's error says: the closest allowed key of its section when one is
+    close (``did you mean 'inner_lr'?``), else where the allowed keys are listed."""
+    section = _section_at(loc[:-1])
+    if section is not None and loc and isinstance(loc[-1], str):
+        close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1)
+        if close:
+            return f"unknown field (did you mean {close[0]!r}?)"
+    return "unknown field (check the spelling; see the README for the allowed keys)"
+
+
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config class whose fields a validation error at ``loc + (key,)`` is about: ``loc``
+    walked from :class:`RunConfig` through its sections (a tagged section's tag, which pydantic
+    puts in the location, picks the registered class). ``None`` where ``loc`` leaves the
+    sections (a table of values such as ``fleet.capacities``)."""
+    model: type[BaseModel] = RunConfig
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
+        found = None if field is None else _section_type(field.annotation, field.metadata)
+        if isinstance(found, Registry):
+            tag = parts.pop(0) if parts else None
+            if tag not in found:
+                return None
+            found = found[str(tag)]
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def _section_type(annotation: Any, metadata: Sequence[Any]) -> type[BaseModel] | Registry | None:
+    """The section class (or the registry of a tagged section) a field's annotation holds."""
+    for item in metadata:
+        if isinstance(item, Registry):
+            return item
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = get_args(annotation)
+    if get_origin(annotation) is Annotated:
+        return _section_type(args[0], args[1:])
+    for arg in args:  # a union such as ``TraceConfig | None``
+        found = _section_type(arg, ())
+        if found is not None:
+            return found
+    return None
+
+
 def format_validation_error(error: ValidationError) -> str:
     """One line per problem: ``config error: FIELD = VALUE: what is allowed``.
 
@@ -473,7 +597,7 @@ def format_validation_error(error: ValidationError) -> str:
     for e in error.errors():
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see the README for the allowed keys)"
+            msg = _unknown_field(tuple(e["loc"]))
         rows.append((_location(tuple(e["loc"])), e.get("input"), msg, e["type"] in _TYPE_ERRORS))
     specific = [where for where, _, _, is_type in rows if not is_type]
     problems: dict[tuple[str, int], tuple[Any, list[str]]] = {}
@@ -515,6 +639,77 @@ def parse_config(data: dict[str, Any], *, force: bool = False) -> RunConfig:
         raise ConfigError("config error: the config is nested too deeply") from None
 
 
-def load_config(path: str | Path, *, force: bool = False) -> RunConfig:
-    """Read and validate a TOML run configuration (``force``: see :func:`parse_config`)."""
-    return parse_config(read_toml(path), force=force)
+def load_config(
+    path: str | Path, *, force: bool = False, overrides: Sequence[str] = ()
+) -> RunConfig:
+    """Read and validate a TOML run configuration (``force``: see :func:`parse_config`), with
+    ``overrides`` (``"algorithm.inner_lr=0.2"``, see :func:`apply_overrides`) applied to the
+    file's settings before they are validated."""
+    return parse_config(apply_overrides(read_toml(path), overrides), force=force)
+
+
+# -- command-line overrides -----------------------------------------------------------------
+_KEY = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
+# a value TOML cannot parse is taken as a string when it is one bare word: few_shot, a/path
+_BARE_WORD = re.compile(r"[^\s\"'\[\]{}=,#]+")
+_OVERRIDE_HINT = "write KEY=VALUE with a dotted key and a TOML value, e.g. algorithm.inner_lr=0.2"
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """``"section.key=value"`` as ``(("section", "key"), value)``, the value parsed as a TOML
+    value (``0.2``, ``50``, ``[64, 32]``, ``true``, ``"few_shot"``, ``{laptop = 1.0}``); a value
+    TOML cannot parse that is one bare word (``few_shot``, ``runs/x``: the shell strips the
+    quotes of ``task.name="few_shot"``) is that string. Anything else is a
+    :class:`ConfigError` of one line.
+
+    >>> parse_override("algorithm.inner_lr=0.2")
+    (('algorithm', 'inner_lr'), 0.2)
+    >>> parse_override("model.hidden=[64]"), parse_override("task.name=few_shot")
+    ((('model', 'hidden'), [64]), (('task', 'name'), 'few_shot'))
+    """
+    key, equals, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not equals or not _KEY.fullmatch(key):
+        raise ConfigError(
+            f"config error: override {_value_text(text)} is not KEY=VALUE: {_OVERRIDE_HINT}"
+        )
+    if "\n" in value or "\r" in value:
+        raise ConfigError(
+            f"config error: override {key} = {_value_text(value)}: a value is one line"
+        )
+    try:
+        document = tomllib.loads(f"value = {value}")
+    except (ValueError, RecursionError):
+        if _BARE_WORD.fullmatch(value):
+            return tuple(key.split(".")), value
+        raise ConfigError(
+            f"config error: override {key} = {_value_text(value)} is not a TOML value (a "
+            f"string with spaces or symbols needs quotes: {key}='\"a b\"'; a list: [1, 2])"
+        ) from None
+    return tuple(key.split(".")), document["value"]
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of the config mapping ``data`` (a TOML file's tables) with each override of
+    ``overrides`` (``"key.sub=value"``, :func:`parse_override`) set, in order, creating the
+    tables it names. The result is validated like a file (:func:`parse_config`), so a
+    misspelt key is an unknown field with a did-you-mean suggestion.
+
+    >>> apply_overrides({"fleet": {"num_clients": 10}}, ["fleet.num_clients=50", "seed=3"])
+    {'fleet': {'num_clients': 50}, 'seed': 3}
+    """
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        where = data
+        for depth, part in enumerate(path[:-1]):
+            inner = where.setdefault(part, {})
+            if not isinstance(inner, dict):
+                table = ".".join(path[: depth + 1])
+                raise ConfigError(
+                    f"config error: override {text}: {table} = {_value_text(inner)} is not a "
+                    f"table, so it has no key {path[depth + 1]!r}"
+                )
+            where = inner
+        where[path[-1]] = value
+    return data

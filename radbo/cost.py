@@ -414,3 +414,107 @@ def savings(run_totals: Mapping[str, float], baseline_totals: Mapping[str, float
         "energy_compute_fraction": frac("energy_compute_j"),
         "energy_radio_fraction": frac("energy_radio_j"),
     }
+
+
+def first_reaching(
+    rounds: Sequence[Mapping[str, Any]],
+    target: float,
+    initial: Mapping[str, Any] | None = None,
+) -> dict[str, float] | None:
+    """What a run spent until its first evaluation at ``test_accuracy >= target``: ``rounds``
+    (rounds completed; 0 when the initial evaluation already reaches it), and the cumulative
+    ``communication_rounds``, ``flops``, ``bytes``, ``sim_time_s`` (the virtual clock) and
+    ``energy_j`` (known joules) up to and including that round; ``None`` when no evaluation
+    reaches ``target``.
+
+    ``rounds`` are ``results.json`` rows (``cost_flops``, ``cost_bytes``,
+    ``communication_rounds``, ``sim_clock_s``, ``test_accuracy`` where evaluated);
+    ``initial`` is the evaluation before round 0 (``test_accuracy``), when the run has one.
+
+    >>> rows = [{"round": 0, "communication_rounds": 2, "cost_flops": 5, "cost_bytes": 7,
+    ...          "sim_clock_s": 1.5, "test_accuracy": 0.5},
+    ...         {"round": 1, "communication_rounds": 2, "cost_flops": 5, "cost_bytes": 7,
+    ...          "sim_clock_s": 3.0, "test_accuracy": 0.75}]
+    >>> first_reaching(rows, 0.7)  # doctest: +NORMALIZE_WHITESPACE
+    {'rounds': 2, 'communication_rounds': 4, 'flops': 10, 'bytes': 14, 'sim_time_s': 3.0,
+     'energy_j': 0}
+    >>> first_reaching(rows, 0.8) is None
+    True
+    """
+    spent: dict[str, Any] = {
+        "rounds": 0,
+        "communication_rounds": 0,
+        "flops": 0,
+        "bytes": 0,
+        "sim_time_s": 0.0,
+        "energy_j": 0,
+    }
+    start = None if initial is None else initial.get("test_accuracy")
+    if start is not None and start >= target:
+        return spent
+    for row in rounds:
+        spent["rounds"] = int(row["round"]) + 1
+        spent["communication_rounds"] += row["communication_rounds"]
+        spent["flops"] += row["cost_flops"]
+        spent["bytes"] += row["cost_bytes"]
+        spent["sim_time_s"] = row["sim_clock_s"]
+        spent["energy_j"] += row.get("cost_energy_j") or 0
+        accuracy = row.get("test_accuracy")
+        if accuracy is not None and accuracy >= target:
+            return dict(spent)
+    return None
+
+
+def savings_at_accuracy(
+    run_rounds: Sequence[Mapping[str, Any]],
+    run_final: Mapping[str, Any],
+    baseline_rounds: Sequence[Mapping[str, Any]],
+    baseline_final: Mapping[str, Any],
+    *,
+    run_initial: Mapping[str, Any] | None = None,
+    baseline_initial: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Savings at equal accuracy: the compute, bytes, simulated time and energy a run needs to
+    first reach ``target_accuracy`` (the final test accuracy of the worse of the run and its
+    baseline) as fractions of what the baseline needs to first reach it
+    (:func:`first_reaching` of each). :func:`savings` compares the two at the last round
+    only, which says little when one of them oscillates.
+
+    Returns ``target_accuracy``, ``run`` and ``baseline`` (what each spent, or ``None``:
+    "not reached") and ``compute_fraction``, ``bytes_fraction``, ``time_fraction``,
+    ``energy_fraction`` (``nan`` when either did not reach it or the baseline's figure is 0,
+    e.g. time and energy without device profiles); ``None`` when either run has no final
+    test accuracy.
+
+    >>> run = [{"round": 0, "communication_rounds": 1, "cost_flops": 2, "cost_bytes": 4,
+    ...         "sim_clock_s": 1.0, "test_accuracy": 0.8}]
+    >>> base = [{"round": r, "communication_rounds": 1, "cost_flops": 4, "cost_bytes": 8,
+    ...          "sim_clock_s": 2.0 * (r + 1), "test_accuracy": a}
+    ...         for r, a in enumerate([0.6, 0.9, 0.7])]
+    >>> sv = savings_at_accuracy(run, {"test_accuracy": 0.8}, base, {"test_accuracy": 0.7})
+    >>> sv["target_accuracy"], sv["run"]["rounds"], sv["baseline"]["rounds"]
+    (0.7, 1, 2)
+    >>> sv["compute_fraction"], sv["bytes_fraction"], sv["time_fraction"]
+    (0.25, 0.25, 0.25)
+    """
+    accuracies = [final.get("test_accuracy") for final in (run_final, baseline_final)]
+    if any(a is None or a != a for a in accuracies):  # absent or NaN
+        return None
+    target = min(float(a) for a in accuracies if a is not None)
+    mine = first_reaching(run_rounds, target, run_initial)
+    base = first_reaching(baseline_rounds, target, baseline_initial)
+
+    def frac(key: str) -> float:
+        if mine is None or base is None or not base[key]:
+            return float("nan")
+        return float(mine[key]) / base[key]
+
+    return {
+        "target_accuracy": target,
+        "run": mine,
+        "baseline": base,
+        "compute_fraction": frac("flops"),
+        "bytes_fraction": frac("bytes"),
+        "time_fraction": frac("sim_time_s"),
+        "energy_fraction": frac("energy_j"),
+    }

@@ -17,7 +17,13 @@ Either falls back to a static batch (the example's) when the batch cannot be mad
 
 :class:`EdgeProgram` is such a program loaded **in its own runtime**
 (``executorch.runtime.Runtime``, ``onnxruntime.InferenceSession``); calling it checks the
-input's shape and dtype against what the program declares, then runs it there.
+input's shape and dtype against what the program declares, then runs it there. A ``.pte``
+takes batches of at most ``max_batch`` (ExecuTorch plans its memory for that bound; past it
+the runtime answers only ``set_inputs() ... error 0x10``): a larger batch is refused before it
+reaches the runtime, with an error naming ``max_batch``, and :meth:`EdgeProgram.run_batches`
+runs a batch of any size in chunks. What the native runtime writes to stderr while lowering
+and loading (ExecuTorch's CPU probe notes) is captured; lines other than that known noise are
+written back, so real errors still show.
 :func:`load_program` reads a file and loads it: with the size and SHA-256 the export manifest
 recorded, it refuses a file that differs (truncated, damaged, another client's) before any
 runtime parses it; without them it first loads and runs the file once in a child process, since
@@ -143,6 +149,44 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+#: Lines the native runtimes write to the process's stderr that are not errors: ExecuTorch's
+#: CPU probe (cpuinfo) reports, once per process, the files it could not read.
+_NATIVE_NOISE = re.compile(r"^\[cpuinfo_utils\.cpp:\d+\] ")
+#: The most bytes of native stderr kept while it is captured.
+_NATIVE_LOG_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[None]:
+    """Capture what native code (ExecuTorch's C++ runtime, XNNPACK) writes to file descriptor
+    2 inside the block; afterwards write back every captured line but the known noise
+    (:data:`_NATIVE_NOISE`), so real errors still reach stderr. Python's own ``sys.stderr``
+    writes in the block go the same way."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 to capture: nothing to silence
+        yield
+        return
+    import tempfile
+
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read(_NATIVE_LOG_BYTES).decode("utf-8", "replace")
+            kept = [ln for ln in text.splitlines() if ln.strip() and not _NATIVE_NOISE.match(ln)]
+            if kept:
+                print("\n".join(kept), file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence the exporters' Python chatter (deprecation warnings, the ONNX registry's notes
@@ -227,7 +271,7 @@ def lower(
     require(fmt)
     model = _fp32_eval_copy(module)
     example = example.detach().to(torch.float32)
-    with _quiet(), torch.no_grad():
+    with _native_stderr(), _quiet(), torch.no_grad():
         if fmt == "onnx":
             return _lower_onnx(model, example)
         bound = max(int(max_batch or 0), int(example.shape[0]), 1)
@@ -354,20 +398,21 @@ class EdgeProgram:
         return cls(fmt, data, name)
 
     def _load_pte(self, data: bytes) -> None:
-        with _quiet():  # the runtime's "experimental API" notice on first import
+        # the runtime's "experimental API" notice on first import; its CPU probe's notes on
+        # stderr when the thread pool starts
+        with _native_stderr(), _quiet():
             import executorch.extension.pybindings.portable_lib as portable
             from executorch.runtime import Runtime
 
-        if portable._threadpool_get_thread_count() != self.threads:
-            portable._unsafe_reset_threadpool(self.threads)  # no method runs meanwhile
-        program = Runtime.get().load_program(data)
-        if "forward" not in program.method_names:
+            if portable._threadpool_get_thread_count() != self.threads:
+                portable._unsafe_reset_threadpool(self.threads)  # no method runs meanwhile
+            program = Runtime.get().load_program(data)
+            method = program.load_method("forward") if "forward" in program.method_names else None
+        if method is None:
             raise ExportError(
                 f"export error: {self.name} has no 'forward' method "
                 f"(methods: {sorted(program.method_names)})"
             )
-        method = program.load_method("forward")
-        assert method is not None, "load_method returns the method it loaded"
         meta = method.metadata
         if meta.num_inputs() != 1 or meta.num_outputs() != 1:
             raise ExportError(
@@ -378,6 +423,7 @@ class EdgeProgram:
         self._program, self._method = program, method
         self.input_shape = sizes[1:]
         self.max_batch: int | None = sizes[0]
+        self._planned_batch = sizes[0]  # the bound ExecuTorch planned memory for
         # ExecuTorch keeps no flag for a dynamic dimension: the manifest records it
         self.dynamic_batch: bool | None = None
 
@@ -419,16 +465,47 @@ class EdgeProgram:
                 f"{shape}: the file is not this model's submodel"
             )
         batch = shape[0] if shape else 0
-        fixed = self.format == "onnx" and not self.dynamic_batch
-        if batch < 1 or (self.max_batch is not None and batch > self.max_batch):
-            raise ExportError(
-                f"export error: {self.name} takes batches of 1 to {self.max_batch}, got {batch}"
-            )
-        if fixed and batch != self.max_batch:
+        if batch < 1:
+            raise ExportError(f"export error: {self.name} got an empty batch {shape}")
+        if self.fixed_batch and batch != self.max_batch:
             raise ExportError(
                 f"export error: {self.name} was exported for batches of exactly "
-                f"{self.max_batch}, got {batch}"
+                f"{self.max_batch}, got {batch}; pad the batch or use run_batches"
             )
+        if self.max_batch is not None and batch > self.max_batch:
+            why = (
+                " (ExecuTorch plans the program's memory for that bound)"
+                if self.format == "pte"
+                else ""
+            )
+            raise ExportError(
+                f"export error: {self.name} takes batches of at most max_batch = "
+                f"{self.max_batch}{why}, got {batch}; split the batch (EdgeProgram.run_batches "
+                "does) or export with a larger batch_size"
+            )
+
+    @property
+    def fixed_batch(self) -> bool:
+        """Whether the program takes only batches of exactly ``max_batch`` (a static batch:
+        ONNX says so itself, a ``.pte`` when the manifest's ``dynamic_batch`` is false)."""
+        return self.dynamic_batch is False and self.max_batch is not None
+
+    def run_batches(self, inputs: Tensor) -> Tensor:
+        """The program's output on a batch of any size: run in chunks of at most
+        ``max_batch`` (the last padded with zeros, and its padding dropped, for a program of
+        a fixed batch size)."""
+        if self.max_batch is None or (inputs.shape[0] <= self.max_batch and not self.fixed_batch):
+            return self(inputs)
+        step = self.max_batch
+        parts = []
+        for start in range(0, inputs.shape[0], step):
+            part = inputs[start : start + step]
+            rows = part.shape[0]
+            if self.fixed_batch and rows < step:
+                pad = part.new_zeros((step - rows, *part.shape[1:]))
+                part = torch.cat([part, pad])
+            parts.append(self(part)[:rows])
+        return torch.cat(parts)
 
     def __call__(self, inputs: Tensor) -> Tensor:
         """The program's output (logits) on ``inputs``, computed by the runtime."""
@@ -441,9 +518,17 @@ class EdgeProgram:
             result = self._session.run(None, {self._input_name: x.numpy()})[0]
             return torch.from_numpy(result.copy())
         except Exception as err:
+            hint = ""
+            if self.format == "pte" and "set_inputs" in str(err):
+                # ExecuTorch's only word for an input it cannot take (error 0x10: a resize
+                # past the bound the program's memory was planned for)
+                hint = (
+                    f"; the program was planned for batches of at most {self._planned_batch}: "
+                    "a larger batch, or another input shape, is refused there"
+                )
             raise ExportError(
                 f"export error: {self.name} failed to run ({_RUNTIME_NAMES[self.format]}: "
-                f"{first_line(err)})"
+                f"{first_line(err)}){hint}"
             ) from None
 
 
@@ -551,7 +636,7 @@ def _probe_main(argv: Sequence[str]) -> int:
     fmt, path = argv
     try:
         program = EdgeProgram(fmt, _read(Path(path)), path, threads=1)
-        program(torch.zeros(1, *program.input_shape))
+        program.run_batches(torch.zeros(1, *program.input_shape))
     except ExportError as err:
         print("radbo-probe: " + json.dumps(str(err)), flush=True)
         return 1

@@ -51,7 +51,7 @@ LAYERS: list[set[str]] = [
     {"aggregation", "devices"},
     {"algorithms", "simulation"},
     {"config", "report"},
-    {"experiment"},
+    {"experiment", "docs"},  # docs: the README's configuration reference from the config classes
     {"export"},
     {"flower"},
     {"cli"},  # `radbo flower partition` writes node data

@@ -93,7 +93,7 @@ def test_cli_bad_key_exits_2_with_one_clear_line(tmp_path, capsys):
     assert code == 2
     assert (
         err
-        == "config error: algorithm.inner_stepz = 10: unknown field (check the spelling; see the README for the allowed keys)"
+        == "config error: algorithm.inner_stepz = 10: unknown field (did you mean 'inner_steps'?)"
     )
 
 

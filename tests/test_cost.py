@@ -276,8 +276,10 @@ def test_fleet_command_prints_one_row_per_client(capsys):
     assert main(["fleet", str(DEMO)]) == 0
 
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 + 10
+    # a header, a row per client, then one footnote per device the rows name by [k]
     assert lines[0].split()[:4] == ["client", "device", "tier", "r"]
+    assert [line.split()[0] for line in lines[1:11]] == [str(i) for i in range(10)]
+    assert [line.split()[0] for line in lines[11:]] == ["[1]", "[2]", "[3]", "[4]"]
     rows = fleet_table(load_config(DEMO))
     assert sorted(r["capacity"] for r in rows) == [0.25] * 3 + [0.5] * 3 + [1.0] * 4
     assert all(r["memory_fits"] for r in rows)

@@ -2,29 +2,36 @@
 
 The export's check compares float32 logits computed two ways (the submodel against the full
 model zeroed outside the mask, a loaded program against the submodel), which sum in different
-orders: their differences are held to :func:`logit_rounding_bound`, derived from float32's unit
-roundoff and the network's operation count (issue 25), not to a number read off one CPU.
+orders: their differences are held to :func:`radbo.export.logit_rounding_bound`, derived from
+float32's unit roundoff and the network's operation count (issues 25 and 27), not to a number
+read off one CPU. Its rules are checked here on tiny networks by hand. The trained model's
+export (a run folder, a checkpoint) is tests/test_export_run.py.
 """
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import Tensor, nn
+from torch import nn
 
 import radbo.export
 from radbo.cli import main
 from radbo.config import load_config
 from radbo.cost import index_metadata_bytes
 from radbo.experiment import build, fleet_table
-from radbo.export import CHECK_BATCH, ExportCheckError, export_submodels
+from radbo.export import (
+    CHECK_BATCH,
+    ExportCheckError,
+    export_submodels,
+    logit_rounding_bound,
+    rounding_bound,
+)
 from radbo.masks.index import extract
 from radbo.masks.structure import StructurePlan
 from tests.configs import DEMO, small_config
-from tests.tolerances import gamma
+from tests.tolerances import gamma, unit_roundoff
 
 pytestmark = pytest.mark.float_sensitive
 
@@ -41,61 +48,61 @@ policy = "leading"
 """
 
 
-def logit_rounding_bound(model: nn.Module, inputs: Tensor) -> float:
-    """The largest |difference| two float32 evaluations of ``model`` (eval mode) on ``inputs``
-    can show when they sum in different orders, from float32's unit roundoff and the operation
-    count (issue 25; see tests/tolerances.py).
-
-    A layer computes inner products of ``n = fan-in + 1`` terms (the bias included); evaluated
-    in float32 in any order, blocked or fused (FMA), one errs by at most ``γ_n`` times the sum
-    of its terms' absolute values (Higham, *Accuracy and Stability of Numerical Algorithms*,
-    §3.1). A BatchNorm in eval mode adds at most 4 roundings per element
-    (``(x − μ) · γ / √(σ² + ε) + β``), an average pool one per summed term and one for the
-    division; ReLU, LeakyReLU, max pooling and flattening round nothing and are 1-Lipschitz;
-    every leaf module is charged one rounding more, which covers a residual addition. The errors
-    of successive layers compose to at most ``γ_k · |net|(|x|)`` (``(1 + γ_a)(1 + γ_b) − 1 <=
-    γ_(a+b)``), where ``k`` sums every layer's count (no path through the net has more) and
-    ``|net|`` is the network with every weight, bias, BatchNorm scale, shift and mean replaced
-    by its absolute value, so that each sum of absolute values is what ``|net|`` computes
-    (evaluated here in float64, whose own rounding is 1e-16 relative). A model zeroed outside a
-    mask, or a submodel extracted from it, has a subset of the full model's terms: the full
-    model's ``|net|`` bounds both. Two evaluations, each within this of the exact value, differ
-    by at most twice it.
-    """
-    net = copy.deepcopy(model).to(torch.float64).eval()
-    roundings = [0]
-
-    def average_pool(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
-        roundings[0] += args[0].shape[-2] * args[0].shape[-1] + 1  # window <= the whole map
-
-    hooks = []
+def test_rounding_bound_of_a_two_layer_net_by_hand() -> None:
+    # Arrange: 2 -> 2 -> 1 with ReLU, the input [1, -1]
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     with torch.no_grad():
-        for m in net.modules():
-            if list(m.children()):
-                continue  # a container: its leaves are counted
-            roundings[0] += 1
-            if isinstance(m, nn.Linear | nn.Conv2d):
-                roundings[0] += m.weight[0].numel() + 1
-                m.weight.abs_()
-                if m.bias is not None:
-                    m.bias.abs_()
-            elif isinstance(m, nn.BatchNorm2d):
-                roundings[0] += 4
-                assert m.running_mean is not None
-                m.running_mean.abs_().neg_()  # |x| - (-|μ|) = |x| + |μ|
-                if m.weight is not None:
-                    m.weight.abs_()
-                    m.bias.abs_()
-            elif isinstance(m, nn.AdaptiveAvgPool2d | nn.AvgPool2d):
-                hooks.append(m.register_forward_hook(average_pool))
-            elif not isinstance(
-                m, nn.ReLU | nn.LeakyReLU | nn.MaxPool2d | nn.Flatten | nn.Sequential
-            ):
-                raise TypeError(f"logit_rounding_bound: no rounding rule for {type(m).__name__}")
-        magnitude = float(net(inputs.to(torch.float64).abs()).max())
-    for hook in hooks:
-        hook.remove()
-    return 2 * gamma(roundings[0], torch.float32) * magnitude
+        net[0].weight.copy_(torch.tensor([[1.0, -2.0], [3.0, 4.0]]))
+        net[0].bias.copy_(torch.tensor([0.5, -1.0]))
+        net[2].weight.copy_(torch.tensor([[-1.0, 2.0]]))
+        net[2].bias.copy_(torch.tensor([0.25]))
+    x = torch.tensor([[1.0, -1.0]])
+
+    # Act
+    derived = rounding_bound(net, x)
+
+    # Assert: k = (2 terms + bias + leaf) + ReLU's leaf + (2 + bias + leaf) = 4 + 1 + 4;
+    # |net|(|x|): |W1| [1, 1] + |b1| = [3.5, 8], then 1 * 3.5 + 2 * 8 + 0.25 = 19.75;
+    # the net itself: relu([3.5, -2]) = [3.5, 0], then -3.5 + 0.25 = -3.25
+    assert (derived.roundings, derived.magnitude, derived.largest_logit) == (9, 19.75, 3.25)
+    assert derived.bound == 2 * gamma(9, torch.float32) * 19.75
+    assert derived.bound == logit_rounding_bound(net, x)
+    assert derived.informative  # 2.1e-5 against logits of 3.25
+    assert derived.as_dict()["unit_roundoff"] == unit_roundoff(torch.float32)
+    assert rounding_bound(net, x, torch.float64).bound == 2 * gamma(9, torch.float64) * 19.75
+
+
+def test_rounding_bound_counts_batchnorm_and_average_pooling_by_hand() -> None:
+    # Arrange: a 1x1 convolution (w = -2), BatchNorm (mean 1, var 3, scale 0.5, shift 0.125),
+    # a global average pool over 2 x 2 and a flatten, on the map [[1, 2], [3, 4]]
+    net = nn.Sequential(
+        nn.Conv2d(1, 1, 1, bias=False), nn.BatchNorm2d(1), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    )
+    with torch.no_grad():
+        net[0].weight.fill_(-2.0)
+        net[1].running_mean.fill_(1.0)
+        net[1].running_var.fill_(3.0)
+        net[1].weight.fill_(0.5)
+        net[1].bias.fill_(0.125)
+    x = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])
+    scale = 0.5 / (3.0 + 1e-5) ** 0.5
+
+    # Act
+    derived = rounding_bound(net.train(), x)  # evaluated in eval mode whatever its mode
+
+    # Assert: k = conv (1 term + bias slot + leaf) 3 + BatchNorm (4 + leaf) 5 + pool (4 terms
+    # + division + leaf) 6 + flatten's leaf 1 = 15. |net|: |w| x = [2, 4, 6, 8], then
+    # (v + |mean|) * scale + |shift|, averaged: (5 + 1) * scale + 0.125; the net itself:
+    # (-5 - 1) * scale + 0.125
+    assert derived.roundings == 15
+    assert derived.magnitude == pytest.approx(6 * scale + 0.125, rel=1e-15)  # float64 rounding
+    assert derived.largest_logit == pytest.approx(6 * scale - 0.125, rel=1e-15)
+    assert net.training  # the caller's module is not changed
+
+
+def test_a_layer_without_a_rounding_rule_is_named() -> None:
+    with pytest.raises(TypeError, match="no rounding rule for GELU"):
+        rounding_bound(nn.Sequential(nn.Linear(2, 2), nn.GELU()), torch.ones(1, 2))
 
 
 def _check_bound(config) -> float:
@@ -241,9 +248,9 @@ def test_exported_masks_are_those_of_the_runs_round_0(policy: str, tmp_path: Pat
     # Assert
     assert len(assigned) == 6
     for entry in manifest["clients"]:
-        assert entry["round0"]["takes_part"] == (entry["client"] in assigned)
+        assert entry["in_round"]["takes_part"] == (entry["client"] in assigned)
         if entry["client"] not in assigned:
-            assert entry["round0"]["mask_equal"] is None
+            assert entry["in_round"]["mask_equal"] is None
             continue
         actual = assigned[entry["client"]]
         same = all(
@@ -251,7 +258,7 @@ def test_exported_masks_are_those_of_the_runs_round_0(policy: str, tmp_path: Pat
             for name, dims in entry["kept"].items()
             for a, e in zip(actual[name], dims, strict=True)
         )
-        assert entry["round0"]["mask_equal"] == same
+        assert entry["in_round"]["mask_equal"] == same
         if policy == "importance":  # independent of the other clients: always round 0's mask
             assert same
 
@@ -330,8 +337,12 @@ def test_cli_export_exit_codes(monkeypatch, tmp_path: Path, capsys) -> None:
     monkeypatch.setattr(radbo.export, "_masked_full_logits", lambda *args: real(*args) + 1e-3)
     assert main(["export", str(config), "--output", str(tmp_path / "fail")]) == 1
     err = capsys.readouterr().err
-    assert "export check failed" in err and "tolerance 1e-05" in err
+    # the derived bound of the three submodels (MLP 64-16-10 at r = 1 and 1/2), not 1e-5
+    assert "export check failed" in err and "tolerance 1e-05" not in err
     manifest = json.loads((tmp_path / "fail" / "manifest.json").read_text())
+    assert all(e["tolerance"] < 1e-3 for e in manifest["clients"])  # + 1e-3 fails
+    shown = ", ".join(f"{b:.3g}" for b in sorted({e["tolerance"] for e in manifest["clients"]}))
+    assert f"(tolerance {shown})" in err
     assert not manifest["check"]["passed"]
     assert manifest["check"]["failed_clients"] == [0, 1, 2]
 

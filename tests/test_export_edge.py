@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -38,12 +39,12 @@ from radbo.export import (
     export_submodels,
     forward_flops,
     load_exported,
+    logit_rounding_bound,
     read_manifest,
 )
 from radbo.masks.index import dense_mask
 from radbo.masks.structure import StructurePlan
 from tests.configs import DEMO, demo_dict
-from tests.test_export import logit_rounding_bound
 from tests.tolerances import unit_roundoff
 
 EDGE_PACKAGES = ("executorch", "onnx", "onnxscript", "onnxruntime")
@@ -109,7 +110,7 @@ def _round_trip_bound(model: nn.Module, inputs: torch.Tensor, torch_error: float
     """How far a runtime's float32 logits may be from PyTorch's float32 logits of the masked
     full model (both within it of each other, whatever the kernels).
 
-    :func:`tests.test_export.logit_rounding_bound`, the worst case derived from float32's unit
+    :func:`radbo.export.logit_rounding_bound`, the worst case derived from float32's unit
     roundoff and the operation count, wherever it is informative: below 1 % of the logits, so
     that a wrong channel (which moves logits by a sizeable part of them) still fails. That holds
     for every model but the zoo's ResNets (-m slow), whose worst case (every rounding aligned,
@@ -381,9 +382,62 @@ def test_inputs_of_another_shape_are_refused_naming_the_file(demo) -> None:
         f"export error: {out / 'client-0.onnx'} takes float32 inputs of shape (batch, 64), got "
         "torch.float32 (2, 65): the file is not this model's submodel"
     )
+
+
+@needs_edge
+def test_a_batch_past_max_batch_is_refused_naming_max_batch(demo) -> None:
+    # Arrange: the demo's programs, planned for batches of 1 to 32
+    _, out, result = demo
     pte = load_exported(out, 0, "pte")
-    with pytest.raises(ExportError, match="takes batches of 1 to 32, got 33"):
+    batch = torch.randn(70, 64, generator=torch.Generator().manual_seed(0))
+    assert result.clients[0]["pte"]["max_batch"] == pte.max_batch == 32
+    assert "max_batch" in result.manifest["edge"]["max_batch_rule"]
+
+    # Act
+    with pytest.raises(ExportError) as info:
+        pte(batch[:33])
+    chunks = pte.run_batches(batch)
+
+    # Assert: one line naming the bound and the way out, not ExecuTorch's "error 0x10"
+    assert str(info.value) == (
+        f"export error: {out / 'client-0.pte'} takes batches of at most max_batch = 32 "
+        "(ExecuTorch plans the program's memory for that bound), got 33; split the batch "
+        "(EdgeProgram.run_batches does) or export with a larger batch_size"
+    )
+    # run in chunks of 32, 32 and 6, each exactly what the program gives on that chunk
+    assert chunks.shape == (70, 10)
+    for start in (0, 32, 64):
+        assert torch.equal(chunks[start : start + 32], pte(batch[start : start + 32]))
+
+
+@needs_edge
+def test_the_runtimes_own_refusal_says_what_the_bound_is(demo) -> None:
+    # a program whose bound radbo was told wrongly: ExecuTorch itself refuses the batch
+    _, out, _ = demo
+    pte = load_exported(out, 0, "pte")
+    pte.max_batch = 64
+
+    with pytest.raises(ExportError) as info:
         pte(torch.zeros(33, 64))
+
+    assert "failed with error 0x10" in str(info.value)
+    assert str(info.value).endswith(
+        "; the program was planned for batches of at most 32: a larger batch, or another input "
+        "shape, is refused there"
+    )
+    assert "\n" not in str(info.value)
+
+
+def test_native_runtime_noise_is_silenced_and_other_lines_kept(capfd) -> None:
+    # what ExecuTorch's CPU probe writes to file descriptor 2, and a line that is not noise
+    with radbo.edge._native_stderr():
+        os.write(2, b"[cpuinfo_utils.cpp:71] Reading file /sys/devices/soc0/image_version\n")
+        os.write(2, b"[cpuinfo_utils.cpp:125] CPU info and manual query on # of cpus dont match.\n")
+        os.write(2, b"[method.cpp:1243] Error resizing tensor at input 0\n")
+
+    captured = capfd.readouterr()
+    assert captured.err == "[method.cpp:1243] Error resizing tensor at input 0\n"
+    assert captured.out == ""
 
 
 # ---------------------------------------------------------------- BatchNorm with running stats
@@ -460,7 +514,21 @@ def test_cli_export_writes_the_formats_asked_for(tmp_path: Path, capsys) -> None
         "client-1.onnx",
         "manifest.json",
     ]
-    assert "+ client-0.onnx (|diff|" in out and "us/sample)" in out
+    # the runtime table: per submodel its accuracy in PyTorch and ONNX Runtime and latency
+    manifest = read_manifest(tmp_path / "o")
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("submodel      PyTorch"))
+    assert lines[head].split() == ["submodel", "PyTorch", "ORT", "%", "ORT", "us"]
+    for row, first in zip(lines[head + 1 : head + 3], (0, 1), strict=True):
+        accuracy = manifest["clients"][first]["accuracy"]
+        latency = manifest["clients"][first]["onnx"]["latency"][-1]["per_sample_s"]
+        assert row.split() == [
+            f"client-{first}",
+            f"{100 * accuracy['pytorch']:.2f}",
+            f"{100 * accuracy['onnx']:.2f}",
+            f"{latency * 1e6:.1f}",
+        ]
+    assert all(len(line) <= 100 or "/" in line for line in lines)
     assert main(["export", str(config), "--format", "tflite", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == (

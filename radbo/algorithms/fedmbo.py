@@ -114,7 +114,9 @@ class FedMBOConfig(AlgorithmConfig):
         0.1, gt=0, allow_inf_nan=False, description="1 / l_g,1 (<= 1000 without --force)"
     )
     clients_per_phase: int | None = Field(None, ge=1, description="n; default all available")
-    max_hypergrad_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_hypergrad_norm: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="clip h to this norm before the x step (off)"
+    )
 
     estimator_uses: ClassVar[tuple[str, ...]] = ("products",)
     default_estimator: ClassVar[str | None] = "autograd"

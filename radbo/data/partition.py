@@ -729,7 +729,7 @@ class ShardsPartition(PartitionConfig):
     """FedAvg's shards: each client gets ``classes_per_client`` label-sorted shards."""
 
     kind: Literal["shards"] = "shards"
-    classes_per_client: int = Field(2, ge=1)
+    classes_per_client: int = Field(2, ge=1, description="label-sorted shards each client gets")
 
     def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
         return partition_shards(labels, num_clients, self.classes_per_client, generator)
@@ -759,7 +759,12 @@ class DirichletPartition(PartitionConfig):
     """Per class, client shares drawn from ``Dir(alpha)`` (every client keeps >= 2 examples)."""
 
     kind: Literal["dirichlet"] = "dirichlet"
-    alpha: float = Field(0.5, gt=0, allow_inf_nan=False)
+    alpha: float = Field(
+        0.5,
+        gt=0,
+        allow_inf_nan=False,
+        description="concentration of each class's Dir(alpha) shares",
+    )
 
     def split(self, labels: Tensor, num_clients: int, generator: torch.Generator) -> list[Tensor]:
         return partition_dirichlet(labels, num_clients, self.alpha, generator, min_size=2)

@@ -4,7 +4,10 @@ run it, save it.
 * :mod:`radbo.experiment.build` -- data, model, fleet, masks, algorithm, simulation;
 * :mod:`radbo.experiment.evaluation` -- the test-set evaluator and static-BN calibration;
 * :mod:`radbo.experiment.baseline` -- the paired full-model baseline run;
-* :mod:`radbo.experiment.runner` -- the round loop, checkpoints and results.
+* :mod:`radbo.experiment.runner` -- the round loop, checkpoints and results;
+* :mod:`radbo.experiment.logs` -- ``metrics.csv`` and TensorBoard scalars per round;
+* :mod:`radbo.experiment.summary` -- the summary ``radbo run`` prints;
+* :mod:`radbo.experiment.seeds` -- one config under several seeds, mean and 95 % interval.
 """
 
 from radbo.experiment.baseline import baseline_config
@@ -22,11 +25,19 @@ from radbo.experiment.build import (
     partition,
 )
 from radbo.experiment.evaluation import calibrate_batchnorm, calibration_inputs, make_evaluator
-from radbo.experiment.runner import RunResult, run, save_results
+from radbo.experiment.runner import (
+    RunResult,
+    check_run_folder,
+    run,
+    run_folder_contents,
+    save_results,
+)
+from radbo.experiment.seeds import SeedsResult, run_seeds
 
 __all__ = [
     "Experiment",
     "RunResult",
+    "SeedsResult",
     "baseline_config",
     "budget_planner",
     "build",
@@ -36,11 +47,14 @@ __all__ = [
     "build_policy",
     "calibrate_batchnorm",
     "calibration_inputs",
+    "check_run_folder",
     "client_budgets",
     "fleet_table",
     "load_data",
     "make_evaluator",
     "partition",
     "run",
+    "run_folder_contents",
+    "run_seeds",
     "save_results",
 ]

@@ -514,20 +514,35 @@ def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
     windows are open (``window_share``, 1 without windows), the share of time it is available
     (``available_share`` = window share x availability) and the expected round time at (r, τ)
     (what ``radbo fleet`` prints).
+
+    τ is ``local_steps``, how ``[fleet] local_steps`` sets it is ``local_steps_schedule``.
+    Drawn uniformly (``"uniform"``, ``"uniform_per_round"``), rows also hold the inclusive
+    ``local_steps_range``; drawn once per client, ``local_steps`` is the client's draw, which
+    it runs every round; drawn afresh every round it is ``None`` (no single value), and the
+    round time is its mean over the range.
     """
     exp = build(config)
+    sim = exp.simulation
+    schedule = config.fleet.local_steps
+    drawn = schedule in ("uniform", "uniform_per_round")
     rows = []
-    for i, budget in enumerate(exp.simulation.budgets):
+    for i, budget in enumerate(sim.round_budgets(0, range(len(sim.budgets)))):
+        steps = None if schedule == "uniform_per_round" else budget.local_steps
         row: dict[str, Any] = {
             "client": i,
             "device": "-",
             "tier": "-",
             "capacity": budget.capacity,
-            "local_steps": budget.local_steps,
+            "local_steps": steps,
+            "local_steps_schedule": schedule,
         }
+        if drawn:
+            row["local_steps_range"] = list(config.fleet.local_steps_range)
         if exp.fleet is not None and exp.device_budgets is not None and exp.planner is not None:
             profile = exp.fleet[i]
-            actual = exp.planner.at(profile, budget.capacity, budget.local_steps)
+            ends = (steps,) if steps is not None else config.fleet.local_steps_range
+            at = [exp.planner.at(profile, budget.capacity, t) for t in ends]
+            actual = at[0]
             row.update(
                 device=profile.name,
                 tier=profile.tier or profile.name,
@@ -538,7 +553,8 @@ def fleet_table(config: RunConfig) -> list[dict[str, Any]]:
                 availability=profile.availability,
                 window_share=profile.window_share,
                 available_share=profile.available_share,
-                round_time_s=actual.round_time_s,
+                # linear in τ: the mean of a uniform τ's round time is that of the ends'
+                round_time_s=sum(b.round_time_s for b in at) / len(at),
             )
         rows.append(row)
     return rows

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from radbo.checkpoint import (
     CheckpointError,
@@ -28,13 +27,29 @@ from radbo.checkpoint import (
 )
 from radbo.client import Backend
 from radbo.config import ConfigError, RunConfig
-from radbo.cost import LedgerEntry, as_dicts, savings, totals, totals_by_tier
+from radbo.cost import (
+    LedgerEntry,
+    as_dicts,
+    savings,
+    savings_at_accuracy,
+    totals,
+    totals_by_tier,
+)
 from radbo.experiment.baseline import baseline_config
-from radbo.experiment.build import build
+from radbo.experiment.build import Experiment, build
+from radbo.experiment.logs import RoundLogger, write_metrics_csv
+from radbo.experiment.progress import progress_bar
 from radbo.limits import caps_lifted
 from radbo.version import __version__
 
-__all__ = ["RunResult", "run", "save_results", "torch_threads"]
+__all__ = [
+    "RunResult",
+    "check_run_folder",
+    "run",
+    "run_folder_contents",
+    "save_results",
+    "torch_threads",
+]
 
 
 @dataclass
@@ -54,8 +69,16 @@ class RunResult:
         baseline: the paired full-model run's result (when ``baseline.enabled``).
         savings: this run's compute, bytes, simulated time and energy as fractions of the
             baseline's (:func:`radbo.cost.savings`).
+        savings_at_accuracy: what this run and the baseline each spent to first reach the
+            final accuracy of the worse of the two, and this run's as fractions of the
+            baseline's (:func:`radbo.cost.savings_at_accuracy`).
+        initial: the evaluation of the initial state, before round 0 (``test_`` keys), or
+            ``None`` when the run has no evaluator.
         resumed_from_fallback: ``None``, or why the newest checkpoint was refused when a resume
             continued from the previous one (``results.json`` has it then).
+        overrides: the command-line overrides the config was made with
+            (``"algorithm.inner_lr=0.2"``, :func:`radbo.config.apply_overrides`), as given;
+            ``results.json`` records them beside the merged config.
     """
 
     config: RunConfig
@@ -69,6 +92,9 @@ class RunResult:
     baseline: RunResult | None = None
     savings: dict[str, float] | None = None
     resumed_from_fallback: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    savings_at_accuracy: dict[str, Any] | None = None
+    initial: dict[str, float] | None = None
 
 
 def run(
@@ -79,6 +105,8 @@ def run(
     save: bool = True,
     resume: bool = False,
     backend_factory: Callable[[RunConfig], Backend] | None = None,
+    overwrite: bool = True,
+    overrides: Sequence[str] = (),
 ) -> RunResult:
     """Run ``config`` end to end (and its full-model baseline when ``baseline.enabled``).
 
@@ -89,8 +117,9 @@ def run(
 
     With ``config.checkpoint_every = N`` a checkpoint (safetensors + JSON, atomic) is written
     to ``<output_dir>/checkpoints/run`` (``.../baseline`` for the baseline) every N rounds and
-    after the last. ``resume=True`` continues from those checkpoints when they exist (else it
-    starts afresh): the result is the same as an uninterrupted run's, number for number. The
+    after the last. ``resume=True`` continues from those checkpoints (a folder without a
+    checkpoint of the run is a :class:`CheckpointError`: nothing is started afresh unasked):
+    the result is the same as an uninterrupted run's, number for number. The
     stored config must match ``config`` except ``rounds``, which may grow (``output_dir`` and
     ``checkpoint_every`` may differ too). One caveat when extending a finished run: its last
     round was evaluated even if ``eval_every`` does not divide it, so the extended
@@ -99,12 +128,22 @@ def run(
     ``backend_factory(run_config)``, when given, makes the backend that runs the client work of
     each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
     place of the simulation's default sequential backend.
+
+    ``overwrite=False`` refuses (:class:`ConfigError`, before anything is built) an output
+    folder that already holds a run (:func:`check_run_folder`; ``radbo run`` without
+    ``--overwrite``); the default writes over it. ``overrides`` are recorded in
+    ``results.json`` (:attr:`RunResult.overrides`), not applied: ``config`` has them already.
     """
     out = Path(output_dir if output_dir is not None else config.output_dir)
-    made = _make_output_dir(out) if save or config.checkpoint_every is not None else []
+    writes = save or config.checkpoint_every is not None
+    if writes or resume:
+        check_run_folder(out, resume=resume, overwrite=overwrite or not writes)
+    made = _make_output_dir(out) if writes else []
     try:
         with torch_threads(config.runtime.threads):
-            return _run(config, progress, output_dir, save, resume, backend_factory)
+            return _run(
+                config, progress, output_dir, save, resume, backend_factory, tuple(overrides)
+            )
     except BaseException:  # a refused config, a failed run: leave no empty folders behind
         for folder in made:
             with suppress(OSError):
@@ -134,6 +173,7 @@ def _run(
     save: bool,
     resume: bool,
     backend_factory: Callable[[RunConfig], Backend] | None,
+    overrides: tuple[str, ...] = (),
 ) -> RunResult:
     out = Path(output_dir if output_dir is not None else config.output_dir)
     checkpoints = out / "checkpoints"
@@ -144,6 +184,8 @@ def _run(
         checkpoints=checkpoints / "run",
         resume=resume,
         backend_factory=backend_factory,
+        final=checkpoints / "final" if save else None,
+        log_dir=out / "tensorboard" / "run" if save else None,
     )
     if config.baseline.enabled:
         with caps_lifted():  # config passed the caps (or was forced past them); so does this
@@ -155,17 +197,28 @@ def _run(
             checkpoints=checkpoints / "baseline",
             resume=resume,
             backend_factory=backend_factory,
+            log_dir=out / "tensorboard" / "baseline" if save else None,
         )
         result.baseline = base
         result.savings = savings(result.totals, base.totals)
+        result.savings_at_accuracy = savings_at_accuracy(
+            result.rounds,
+            result.final,
+            base.rounds,
+            base.final,
+            run_initial=result.initial,
+            baseline_initial=base.initial,
+        )
+    result.overrides = list(overrides)
     if save:
         save_results(result, out)
         result.output_dir = out
     return result
 
 
-# config keys a resumed run may change: the target length, where it writes, how often
-_RESUMABLE = ("rounds", "output_dir", "checkpoint_every")
+# config keys a resumed run may change: the target length, where it writes, how often,
+# what it logs besides results.json
+_RESUMABLE = ("rounds", "output_dir", "checkpoint_every", "logging")
 
 
 def _run_once(
@@ -176,7 +229,17 @@ def _run_once(
     checkpoints: Path | None = None,
     resume: bool = False,
     backend_factory: Callable[[RunConfig], Backend] | None = None,
+    final: Path | None = None,
+    log_dir: Path | None = None,
 ) -> RunResult:
+    """One run of ``config`` (the main run or its baseline). ``final``: where to write the
+    state after the last round as a checkpoint (what ``radbo export RUN_DIR`` exports) when
+    no checkpoint of ``checkpoints`` holds it already."""
+    # per-round TensorBoard scalars ([logging] tensorboard) to log_dir; a missing extra is
+    # a ConfigError before anything is built
+    board = RoundLogger(
+        log_dir, tensorboard=config.logging.tensorboard, clock=config.fleet.has_devices
+    )
     exp = build(config)
     sim = exp.simulation
     if backend_factory is not None:
@@ -206,14 +269,17 @@ def _run_once(
                 f"the checkpoint in {checkpoints} holds an engine state this run cannot "
                 f"restore: {err!r}"
             ) from None
+    initial = _initial_evaluation(exp)
+    board.start(rows, initial)
     every = config.checkpoint_every
-    bar = tqdm(total=config.rounds, initial=done, desc=desc, unit="round", disable=not progress)
+    bar = progress_bar(config.rounds, initial=done, desc=desc, enabled=progress)
     last_eval = _last_evaluation(rows)
     diverged = next((r["divergence"] for r in reversed(rows) if "divergence" in r), None)
     try:
         start = state
         for state, record in sim.iterate(start, config.rounds - done, done, clock_s):  # noqa: B007
             rows.append(record.as_dict())
+            board.log(rows[-1])
             ledger += as_dicts(record.ledger)
             if record.evaluation is not None:
                 last_eval = record.evaluation
@@ -251,7 +317,21 @@ def _run_once(
             bar.set_postfix(postfix)
     finally:
         bar.close()
+        board.close()
         _close(sim.backend)
+    if final is not None and (every is None or checkpoints is None):
+        sim_tensors, sim_meta = sim.state_dict()
+        save_checkpoint(
+            final,
+            config=config_data,
+            state=state,
+            rounds_done=len(rows),
+            clock_s=rows[-1]["sim_clock_s"] if rows else clock_s,
+            rows=rows,
+            ledger=ledger,
+            sim_tensors=sim_tensors,
+            sim_meta=sim_meta,
+        )
     entries = [LedgerEntry(**row) for row in ledger]
     run_totals = totals(entries)
     run_totals["communication_rounds"] = sum(r["communication_rounds"] for r in rows)
@@ -275,6 +355,7 @@ def _run_once(
         totals_by_tier=totals_by_tier(entries),
         ledger=ledger,
         resumed_from_fallback=fallback,
+        initial=initial,
     )
 
 
@@ -297,6 +378,54 @@ def _make_output_dir(out: Path) -> list[Path]:
     if problem is not None:
         raise ConfigError(f"config error: output_dir = {str(out)!r}: {problem}")
     return made
+
+
+def run_folder_contents(out: str | Path) -> list[str]:
+    """What in the folder ``out`` shows that a run wrote there: ``results.json`` and each
+    ``checkpoints/<name>`` that holds a checkpoint (``run``, ``baseline``, ...), relative to
+    ``out``; empty for a folder that holds no run (or does not exist)."""
+    out = Path(out)
+    found = ["results.json"] if (out / "results.json").is_file() else []
+    folder = out / "checkpoints"
+    if folder.is_dir():
+        with suppress(OSError):
+            found += sorted(
+                f"checkpoints/{d.name}"
+                for d in folder.iterdir()
+                if d.is_dir() and has_checkpoint(d)
+            )
+    return found
+
+
+def check_run_folder(out: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """The rules ``radbo run`` applies to its output folder ``out`` before round 0.
+
+    ``resume``: ``out`` must hold a checkpoint of the run (``checkpoints/run``), else a
+    :class:`CheckpointError` says so and how to start afresh. Otherwise, unless
+    ``overwrite``, a folder that holds a run (:func:`run_folder_contents`) is refused with a
+    :class:`ConfigError` naming it and the ways out.
+    """
+    out = Path(out)
+    found = run_folder_contents(out)
+    if resume:
+        if has_checkpoint(out / "checkpoints" / "run"):
+            return
+        if found:
+            raise CheckpointError(
+                f"nothing to resume in {out}: it holds a run ({', '.join(found)}) but no "
+                "checkpoint of it in checkpoints/run; run with "
+                "--overwrite instead of --resume to start it afresh"
+            )
+        raise CheckpointError(
+            f"nothing to resume in {out}: it holds no checkpoint (checkpoints/run); run "
+            "without --resume to start afresh, with checkpoint_every or --checkpoint-every N "
+            "to be able to resume"
+        )
+    if found and not overwrite:
+        raise ConfigError(
+            f"{out} already holds a run ({', '.join(found)}); pass --overwrite to replace it, "
+            "--resume to continue it, or --output-dir to write elsewhere"
+        )
 
 
 def _close(backend: Backend) -> None:
@@ -322,17 +451,23 @@ def _summary(result: RunResult) -> dict[str, Any]:
         "totals": result.totals,
         "totals_by_tier": result.totals_by_tier,
     }
+    if result.initial is not None:
+        summary["initial"] = result.initial
     if result.resumed_from_fallback is not None:  # only when a resume fell back
         summary["resumed_from_fallback"] = result.resumed_from_fallback
     return summary
 
 
 def save_results(result: RunResult, out: Path) -> None:
-    """``results.json`` (config, final, totals, totals per tier, per-round metrics, baseline
-    and savings), ``ledger.json`` (one row per client, phase and round) and ``accuracy.png``."""
+    """``results.json`` (config, initial evaluation, final, totals, totals per tier, per-round
+    metrics, baseline with its rounds, savings at equal rounds and at equal accuracy),
+    ``ledger.json`` (one row per client, phase and round), ``metrics.csv`` (one row per round,
+    :mod:`radbo.experiment.logs`; ``baseline_metrics.csv`` for the baseline) and
+    ``accuracy.png``."""
     payload: dict[str, Any] = {
         "radbo_version": _version(),
         "config": result.config.model_dump(mode="json"),
+        "overrides": result.overrides,
         **_summary(result),
         "rounds": result.rounds,
     }
@@ -340,13 +475,36 @@ def save_results(result: RunResult, out: Path) -> None:
         payload["baseline"] = {
             "config": result.baseline.config.model_dump(mode="json"),
             **_summary(result.baseline),
+            "rounds": result.baseline.rounds,
         }
         payload["savings"] = result.savings
+        payload["savings_at_accuracy"] = result.savings_at_accuracy
     atomic_write_text(out / "results.json", json.dumps(payload, indent=2, allow_nan=True))
     atomic_write_text(out / "ledger.json", json.dumps(result.ledger, allow_nan=True))
+    for each, name in ((result, "metrics.csv"), (result.baseline, "baseline_metrics.csv")):
+        if each is not None:
+            clock = each.config.fleet.has_devices
+            write_metrics_csv(out / name, each.rounds, initial=each.initial, clock=clock)
     from radbo.report import plot_accuracy
 
-    plot_accuracy(result.rounds, out / "accuracy.png", title=f"{result.config.algorithm.name}")
+    plot_accuracy(
+        result.rounds,
+        out / "accuracy.png",
+        title=f"{result.config.algorithm.name}",
+        initial=result.initial,
+        baseline=None if result.baseline is None else result.baseline.rounds,
+        baseline_initial=None if result.baseline is None else result.baseline.initial,
+    )
+
+
+def _initial_evaluation(exp: Experiment) -> dict[str, float] | None:
+    """The evaluation of ``exp``'s initial state (``test_`` keys; round 0 of the curves), or
+    ``None`` without an evaluator. Evaluators are pure: the run's numbers do not change."""
+    sim = exp.simulation
+    if sim.evaluate is None:
+        return None
+    metrics = sim.evaluate(sim.algorithm.model_state(exp.initial_state))
+    return {f"test_{k}": v for k, v in metrics.items()}
 
 
 def _version() -> str:

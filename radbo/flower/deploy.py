@@ -1,14 +1,15 @@
 """A Flower deployment on one machine: a SuperLink and N SuperNodes as real processes.
 
-:class:`LocalDeployment` is what ``examples/flower/deploy_local.sh`` and the deployment test
-run (through ``python -m radbo.flower.deploy``). It starts the same processes a deployment
-on real machines starts, with the flags of the installed Flower (1.41):
+:class:`LocalDeployment` is what ``radbo flower deploy-local`` (:func:`deploy_local`) and the
+deployment test run. It starts the same processes a deployment on real machines starts, with
+the flags of the installed Flower (1.41, 1.42), taking the programs from the environment radbo
+runs in (the folder of ``sys.executable`` first, then ``PATH``):
 
 * ``flower-superlink --insecure --disable-runtime-dependency-installation --host 127.0.0.1
   --port <P>``: since flwr 1.41 the SuperLink serves its Fleet, Control and Runtime APIs over
   HTTP on that one port. Dependency installation is disabled because the app's dependency,
   radbo, is already installed (the SuperLink would otherwise ``uv sync`` it).
-* one ``flower-superlink --insecure --superlink 127.0.0.1:<P> --port <Q_i> --node-config
+* one ``flower-supernode --insecure --superlink 127.0.0.1:<P> --port <Q_i> --node-config
   <node-i.toml>`` per node: ``--port`` is the node's own Runtime API port (each node needs its
   own), the node config (``partition-id = i`` by default) is written to a TOML file, which
   ``--node-config`` accepts as well as ``'k=v k=v'`` text.
@@ -27,11 +28,17 @@ deployment sends SIGTERM to its process groups, waits, sends SIGKILL, then waits
 for every recorded process to be gone; one that outlives its group by ``grace_s`` is killed
 by PID and listed in :attr:`LocalDeployment.stragglers`. :meth:`LocalDeployment.leftovers`
 lists the recorded processes still alive.
+
+:func:`deploy_local` is the whole job of ``radbo flower deploy-local``: it copies the Flower
+app radbo ships (:data:`APP_DIR`, whose ``pyproject.toml`` names radbo's ServerApp and
+ClientApp) to ``<output>/app``, writes each client's data to ``<output>/nodes`` when the config
+says ``[flower] data = "node"``, starts one SuperNode per client, runs the config and keeps
+every log in ``<output>/logs``.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import math
 import os
@@ -48,10 +55,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, TextIO
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TextIO
 
 import psutil
+
+if TYPE_CHECKING:
+    from radbo.config import RunConfig
 
 #: A run- or node-config value, as Flower's config records hold them.
 Scalar = str | int | float | bool
@@ -60,6 +70,12 @@ Scalar = str | int | float | bool
 CONNECTION = "radbo-local"
 #: ``flwr ls`` status of a run that finished without error.
 COMPLETED = "finished:completed"
+#: The Flower app radbo ships: a ``pyproject.toml`` naming ``radbo.flower.apps:server_app``
+#: and ``radbo.flower.clientapp:client_app`` and declaring the run config keys
+#: ``radbo-config``, ``output-dir`` and ``save``.
+APP_DIR = Path(__file__).resolve().parent / "app"
+#: Files in an output folder that mean a deployment already ran there.
+_RUN_FILES = ("results.json", "status.json", "logs")
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -489,8 +505,8 @@ class LocalDeployment:
             code = daemon.popen.poll()
             if code is not None and daemon.popen.pid not in self._killed:
                 raise DeploymentError(
-                    f"{daemon.name} exited with code {code}; its log "
-                    f"{daemon.log.name} ends:\n{_tail(Path(daemon.log.name))}"
+                    f"{daemon.name} exited with code {code} (log: {daemon.log.name}); its "
+                    f"last lines:\n{_tail(Path(daemon.log.name))}"
                 )
 
     def _wait_healthy(self, link: Daemon, deadline: float) -> None:
@@ -506,8 +522,8 @@ class LocalDeployment:
                 pass
             time.sleep(0.25)
         raise DeploymentError(
-            f"the SuperLink did not answer {url} within {self.start_timeout_s:.0f} s; its log "
-            f"{link.log.name} ends:\n{_tail(Path(link.log.name))}"
+            f"the SuperLink did not answer {url} within {self.start_timeout_s:.0f} s (log: "
+            f"{link.log.name}); its last lines:\n{_tail(Path(link.log.name))}"
         )
 
     def online_nodes(self) -> list[int]:
@@ -764,7 +780,7 @@ def _stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     proc.wait()
 
 
-# ----------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------ radbo flower deploy-local
 
 
 def node_config_template(template: str) -> Callable[[int], dict[str, Scalar]]:
@@ -792,99 +808,167 @@ def node_config_template(template: str) -> Callable[[int], dict[str, Scalar]]:
     return config
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m radbo.flower.deploy``: run a Flower app on a local deployment."""
-    parser = argparse.ArgumentParser(
-        prog="python -m radbo.flower.deploy",
-        description="Start a SuperLink and N SuperNodes on 127.0.0.1, run a Flower app "
-        "with `flwr run`, stop every process started. Exit code 0 when the run completed.",
-    )
-    parser.add_argument("app_dir", help="the Flower app folder (e.g. examples/flower)")
-    parser.add_argument("--nodes", type=int, default=3, help="SuperNodes (default 3)")
-    parser.add_argument(
-        "--config", help="radbo config TOML (run config key radbo-config; default: the app's)"
-    )
-    parser.add_argument(
-        "--output", help="output folder (run config key output-dir; default: the app's)"
-    )
-    parser.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another run config override (TOML value), repeatable",
-    )
-    parser.add_argument(
-        "--node-config",
-        default="partition-id={i}",
-        help="node i's config as 'k=v ...' with TOML values, {i} = node index "
-        "(default 'partition-id={i}')",
-    )
-    parser.add_argument("--flwr-home", help="FLWR_HOME for the flwr CLI (default: a temp dir)")
-    parser.add_argument("--log-dir", help="log folder (default: <flwr-home>/logs)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="run timeout, seconds")
-    parser.add_argument(
-        "--pid-file", help="append every PID started or seen to this file (for a shell trap)"
-    )
-    args = parser.parse_args(argv)
+def write_app(folder: str | Path) -> Path:
+    """Copy the Flower app radbo ships (:data:`APP_DIR`) to ``folder`` (made if missing) and
+    return it: the folder ``flwr run`` takes, with nothing else in it (``flwr run`` bundles
+    every ``.py``, ``.toml``, ``.md`` and ``.json`` file below the folder it is given)."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(APP_DIR / "pyproject.toml", out / "pyproject.toml")
+    return out
 
-    import tomllib
 
-    run_config: dict[str, Scalar] = {}
-    if args.config:
-        run_config["radbo-config"] = str(Path(args.config).resolve())
-    if args.output:
-        run_config["output-dir"] = str(Path(args.output).resolve())
-    for item in args.run_config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--run-config {item!r}: write KEY=VALUE")
-        run_config[key] = tomllib.loads(f"v = {value}")["v"]
+def check_flower() -> None:
+    """Raise :class:`DeploymentError` when Flower is not installed where radbo runs."""
+    if importlib.util.find_spec("flwr") is None:
+        raise DeploymentError(
+            f"Flower is not installed in the environment radbo runs in ({sys.executable}): "
+            "pip install 'radbo[flower]'"
+        )
 
-    def terminate(signum: int, frame: FrameType | None) -> None:
+
+@dataclass(frozen=True)
+class LocalRun:
+    """What :func:`deploy_local` did: how the run ended, where its files are, and the
+    deployment (stopped; its process records remain: :meth:`LocalDeployment.leftovers`)."""
+
+    status: RunStatus
+    output: Path
+    logs: Path
+    deployment: LocalDeployment
+
+
+def deploy_local(
+    config_path: str | Path,
+    output: str | Path | None = None,
+    *,
+    timeout_s: float = 1800.0,
+    node_config: Callable[[int], Mapping[str, Scalar]] | None = None,
+    env: Mapping[str, str] | None = None,
+    start_timeout_s: float = 120.0,
+    echo: TextIO | None = None,
+) -> LocalRun:
+    """Run the radbo config at ``config_path`` on a local Flower deployment: a SuperLink and
+    one SuperNode per client (``[fleet] num_clients``) on 127.0.0.1.
+
+    ``output`` (default: the config's ``output_dir``) receives what ``radbo run`` writes
+    (``results.json``, ``ledger.json``, checkpoints) and ``status.json``, plus ``app/`` (the
+    Flower app, :func:`write_app`), ``nodes/client-<i>`` (each client's data, when
+    ``[flower] data = "node"``) and ``logs/`` (one log per process, the node and run configs,
+    the run's log). An output folder that already holds a deployment's files is refused.
+    Node ``i`` gets ``node_config(i)``, by default ``partition-id = i`` and, with node data,
+    ``data-root = "<output>/nodes/client-<i>"``. Every process gets ``env`` on top of this
+    process's environment, with ``OMP_NUM_THREADS = 1`` unless set (one intra-op thread per
+    process, as ``radbo run`` is matched bit for bit). The run is stopped after
+    ``timeout_s``; every process started is stopped on return, error or interrupt.
+
+    Raises :class:`DeploymentError` (Flower missing, an output folder in use, a daemon that
+    does not start) and :class:`radbo.config.ConfigError` (the config)."""
+    from radbo.config import load_config
+
+    check_flower()
+    if not timeout_s > 0:
+        raise DeploymentError(f"timeout = {timeout_s:g} s: give a positive number of seconds")
+    config_file = Path(config_path).resolve()
+    config = load_config(config_file)
+    out = Path(output if output is not None else config.output_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise DeploymentError(f"{out} is a file, not a folder: give an output folder")
+    used = [name for name in _RUN_FILES if (out / name).exists()]
+    if used:
+        raise DeploymentError(
+            f"{out} already holds a deployment's files ({', '.join(used)}): give a new "
+            "output folder, or remove them"
+        )
+    app = write_app(out / "app")
+    if node_config is None:
+        node_config = _node_config(config, out / "nodes")
+    deployment = LocalDeployment(
+        app,
+        config.fleet.num_clients,
+        node_config,
+        log_dir=out / "logs",
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
+        start_timeout_s=start_timeout_s,
+        echo=echo,
+    )
+    with deployment:
+        status = deployment.run(
+            {"radbo-config": str(config_file), "output-dir": str(out), "save": True},
+            timeout_s=timeout_s,
+        )
+    return LocalRun(status, out, deployment.log_dir, deployment)
+
+
+def _node_config(config: RunConfig, nodes: Path) -> Callable[[int], dict[str, Scalar]]:
+    """Node ``i`` serves client ``i``; with ``[flower] data = "node"`` from the folder
+    :func:`radbo.flower.write_node_data` writes for it below ``nodes``."""
+    if config.flower.data != "node":
+        return lambda i: {"partition-id": i}
+    from radbo.flower.nodedata import write_node_data
+
+    folders = [str(folder) for folder in write_node_data(config, nodes)]
+    return lambda i: {"partition-id": i, "data-root": folders[i]}
+
+
+def deploy_local_command(
+    config_path: str,
+    output: str | None,
+    *,
+    timeout_s: float,
+    node_config: str | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``radbo flower deploy-local``: :func:`deploy_local` with the daemons' commands echoed
+    on ``err``, and its exit code: 0 when the run completed, 1 when it did not (Flower or
+    radbo says failed, or the timeout passed), 2 for a :class:`DeploymentError` (one line on
+    ``err``), 128 + the signal for SIGINT, SIGTERM or SIGHUP (every process started is
+    stopped first). A bad config raises :class:`radbo.config.ConfigError` for the caller to
+    report."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    previous = {}
+
+    def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGHUP, terminate)
-    deployment = LocalDeployment(
-        args.app_dir,
-        args.nodes,
-        node_config_template(args.node_config),
-        args.flwr_home,
-        args.log_dir,
-        echo=sys.stderr,
-        pid_file=args.pid_file,
-    )
-    status: RunStatus | None = None
     try:
-        with deployment:
-            status = deployment.run(run_config, timeout_s=args.timeout)
-    except DeploymentError as err:
-        print(f"error: {err}", file=sys.stderr)
+        template = None if node_config is None else node_config_template(node_config)
+        if template is not None:
+            template(0)  # a malformed template is refused before anything starts
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, stop)
+        done = deploy_local(
+            config_path, output, timeout_s=timeout_s, node_config=template, echo=err
+        )
+    except DeploymentError as error:
+        print(f"deploy error: {str(error).splitlines()[0]}", file=err)
         return 2
+    except KeyboardInterrupt:
+        print("deploy-local: interrupted; every process it started is stopped", file=err)
+        return 128 + signal.SIGINT
     finally:
-        counts = deployment.process_counts()
-        cpu = {k: round(v, 1) for k, v in sorted(deployment.cpu_seconds().items())}
-        print(
-            f"[deploy] processes started: {dict(sorted(counts.items()))}; CPU seconds: {cpu}; "
-            f"killed after their group stopped: {deployment.stragglers or 'none'}; "
-            f"still alive: {deployment.leftovers() or 'none'}",
-            file=sys.stderr,
-        )
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    status = done.status
+    alive = done.deployment.leftovers()
     print(
-        json.dumps(
-            {
-                "run-id": status.run_id,
-                "status": status.status,
-                "details": status.details,
-                "timed-out": status.timed_out,
-                "wall-s": round(status.wall_s, 1),
-                "radbo": status.radbo,
-            }
-        )
+        f"[deploy] processes: {dict(sorted(done.deployment.process_counts().items()))}; "
+        f"still alive: {alive or 'none'}",
+        file=err,
     )
-    return 0 if status.completed else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    if status.completed:
+        print(f"run {status.run_id} completed in {status.wall_s:.0f} s", file=out)
+        print(f"results: {done.output / 'results.json'}", file=out)
+        print(f"logs:    {done.logs}", file=out)
+        return 0
+    why = "timed out" if status.timed_out else status.status
+    radbo = str((status.radbo or {}).get("error") or status.details).strip()
+    radbo = radbo.splitlines()[0] if radbo else ""
+    print(
+        f"deploy error: run {status.run_id} did not complete ({why}{': ' if radbo else ''}"
+        f"{radbo}); see {done.logs} and {done.output / 'status.json'}",
+        file=err,
+    )
+    return 1

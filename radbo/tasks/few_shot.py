@@ -184,7 +184,12 @@ class FewShot(TaskConfig):
     shots: int = Field(5, ge=1, description="K: support examples per class")
     queries: int = Field(15, ge=1, description="Q: query examples per class")
     inner_l2: float = InnerL2(1e-2)
-    test_classes: list[int] | None = Field(None, min_length=2)
+    test_classes: list[int] | None = Field(
+        None,
+        min_length=2,
+        description="meta-test classes of a data set whose splits share their classes (default: "
+        "the upper half); unset for one whose splits are disjoint (Omniglot)",
+    )
     test_episodes: int = Field(600, ge=1, le=100_000, description="evaluation episodes")
     head_l2: float = Field(1e-2, ge=0, allow_inf_nan=False, description="L2 of the fitted heads")
     head_steps: int = Field(200, ge=1, le=100_000, description="gradient steps per head fit")
