@@ -19,54 +19,80 @@ kept too): the fallback.
 flushed, and renamed over the old one. A save writes the new tensor and history files, then
 copies the current index to ``checkpoint-prev.json`` (only when that index verifies -- its own
 hash and its files' -- and is of an earlier round), then renames the new ``checkpoint.json`` into
-place: that rename is the commit point. Files named by neither index are deleted after it. A
-crash at any moment leaves a ``checkpoint.json`` naming a complete checkpoint (or, when the save
-was rewriting the very round that index is at, an index whose file no longer matches its hash:
-then the previous checkpoint is used, see below).
+place: that rename is the commit point. Files named by neither index are deleted after it, and
+so are the temporary files that saves which crashed left (:func:`remove_temporary_files`; a
+resume removes them too). A crash at any moment leaves a ``checkpoint.json`` naming a complete
+checkpoint (or, when the save was rewriting the very round that index is at, an index whose
+file no longer matches its hash: then the previous checkpoint is used, see below). A write the
+system refuses (the disk is full, the folder is read-only: an ``OSError`` with an errno) is one
+:class:`CheckpointError` line naming the file; the save's temporary file and the new files no
+index names are removed, and the checkpoints written before stay as they were.
 
 **Loading** parses JSON and safetensors only: nothing in a checkpoint is ever executed or
 unpickled, and the state is rebuilt by filling a template state of the same run (its dataclass,
 names, shapes and dtypes are checked, and each scalar field's type), never by looking up a class
-named in the file. In order: the index is validated by a pydantic model
-(:class:`CheckpointIndex`: ``rounds_done`` an integer >= 0, ``clock_s`` finite, state scalars
-JSON scalars, file names plain names without separators, hashes 64 lowercase hex digits),
-then its own hash, then the config; each file must match its SHA-256; every floating-point
-tensor must be finite; the history is validated by :class:`CheckpointHistory` (round records
-and ledger rows with the types the run gives them). Anything damaged, malformed or non-finite
-raises :class:`CheckpointCorruptError`: one line naming the file and the problem.
+named in the file. Each file must be a regular file no larger than a cap derived from what a
+checkpoint of this run holds (the index and the history: from the config's rounds and clients,
+:data:`INDEX_BASE_BYTES` ...; the tensors: three times the state's bytes; never more than an
+eighth of the machine's memory), judged by its size on disk before a byte is read. In order:
+the index is validated by a pydantic model (:class:`CheckpointIndex`: ``rounds_done`` an
+integer >= 0, ``clock_s`` finite, state scalars JSON scalars, file names plain names without
+separators, hashes 64 lowercase hex digits), then its own hash, then the config; each file
+must match its SHA-256; every floating-point tensor must be finite; the history is validated by
+:class:`CheckpointHistory` (round records and ledger rows with the types the run gives them:
+times, costs and energies finite and not negative, floats written as floats, evaluations
+finite, coverage figures and counts of rejected, dropped and late clients those of the round's
+lists). Then the **meaning** (SHA-256 proves that a file is the one written, not that it makes
+sense: a checkpoint is a file a user can edit): ``rounds_done`` rounds numbered 0 to
+``rounds_done - 1``, on a clock that never runs back and ends at ``clock_s``; ledger rows of
+those rounds, in order, charging clients the round sampled; a coverage history of one entry
+per round that had clients, for the blocks the rounds report, equal to what they report; the
+divergence guard's rollbacks, last good round and diverging flag those the rounds give; every
+tensor of the state of its template's shape and dtype. Last, the caller's ``restore`` (the
+engine's :meth:`radbo.simulation.Simulation.load_state_dict`: coverage masks of the model's
+shapes, no tensor the engine does not have, each round's costs the sums of its ledger rows)
+runs as one more check. Anything damaged, malformed, non-finite or meaningless raises
+:class:`CheckpointCorruptError`: one line naming the file and the problem.
 
-**Fallback.** When the newest checkpoint is refused as damaged (:class:`CheckpointCorruptError`,
-or its index is missing), :func:`load_checkpoint` loads ``checkpoint-prev.json`` instead if that
-one passes every check, and says so: a :class:`CheckpointWarning` and
-:attr:`Checkpoint.fallback` (the reason, which :func:`radbo.run` records in ``results.json`` as
-``resumed_from_fallback``). When neither verifies, one error names both problems. A checkpoint
-from another config, or whose tensors do not fit the run, is refused outright (plain
-:class:`CheckpointError`, no fallback): that is a wrong folder, not a damaged file. A resumed run
-never continues from a state that did not verify.
+**Fallback.** When the newest checkpoint is unusable for any reason -- damaged, malformed,
+meaningless, of an older format, too large, unreadable, missing, or holding an engine state the
+run cannot restore -- :func:`load_checkpoint` loads ``checkpoint-prev.json`` instead if that one
+passes every check, and says so: a :class:`CheckpointWarning` and :attr:`Checkpoint.fallback`
+(the reason, which :func:`radbo.run` records in ``results.json`` as ``resumed_from_fallback``).
+When neither is usable, one error names both problems. Only a checkpoint from another config is
+refused outright (plain :class:`CheckpointError`, no fallback): the config changed or the folder
+is another run's, and the previous checkpoint is of the same config. A resumed run never
+continues from a state that did not verify.
 
-**Older checkpoints** (``radbo-checkpoint/1``, written before checksums) are refused with one line
-saying to start afresh: they cannot be verified, and a radbo run is reproducible from its config,
-so starting again costs time, never results.
+**Older checkpoints** (``radbo-checkpoint/1``, written before checksums) cannot be verified:
+the previous checkpoint is tried, and without one the error says to start afresh (a radbo run
+is reproducible from its config, so starting again costs time, never results).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
+import math
 import os
 import re
+import stat
 import tempfile
+import typing
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, NotRequired
+from typing import Annotated, Any, Literal, NotRequired, TypeGuard
 
 import torch
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -90,8 +116,10 @@ __all__ = [
     "CheckpointWarning",
     "atomic_write",
     "atomic_write_text",
+    "forget_end_of_run_evaluation",
     "has_checkpoint",
     "load_checkpoint",
+    "remove_temporary_files",
     "save_checkpoint",
     "state_from_tensors",
     "state_to_tensors",
@@ -212,7 +240,9 @@ def state_from_tensors(template: Any, tensors: Mapping[str, Tensor], scalars: Ma
             if f.name not in scalars:
                 raise CheckpointError(f"checkpoint has no value for state field {f.name!r}")
             value = scalars[f.name]
-            if not _scalar_fits(value, current):
+            if not _scalar_fits(value, current) or (
+                value is None and current is not None and not _admits_none(template, f.name)
+            ):
                 raise CheckpointCorruptError(
                     f"state field {f.name!r} is {_short(value)} in the checkpoint, not of "
                     f"this run's type ({type(current).__name__})"
@@ -225,9 +255,21 @@ def state_from_tensors(template: Any, tensors: Mapping[str, Tensor], scalars: Ma
     return dataclasses.replace(template, **values)
 
 
+def _admits_none(template: Any, name: str) -> bool:
+    """Whether the field ``name`` of the dataclass ``template`` is declared to hold ``None``
+    (``X | None``, ``Any``, ``object``); a declaration that cannot be resolved admits it."""
+    try:
+        hint = typing.get_type_hints(type(template)).get(name, Any)
+    except Exception:  # a forward reference that does not resolve: nothing to tell by
+        return True
+    if hint is Any or hint is object or hint is type(None):
+        return True
+    return type(None) in typing.get_args(hint)
+
+
 def _scalar_fits(saved: Any, current: Any) -> bool:
-    """Whether a stored scalar has the type of the template's value (``None`` fits anything:
-    optional fields)."""
+    """Whether a stored scalar has the type of the template's value (``None`` fits anything
+    here; :func:`state_from_tensors` accepts it only for a field declared optional)."""
     if saved is None or current is None:
         return True
     if isinstance(current, bool):
@@ -247,6 +289,21 @@ _HEX64 = r"^[0-9a-f]{64}$"
 # a plain file name in the checkpoint folder: no separators, no leading dot (so no "..")
 _PLAIN_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 _Count = Annotated[StrictInt, Field(ge=0)]
+# seconds, joules: finite and not negative
+
+
+def _written_as_float(value: Any) -> Any:
+    """Refuse an integer where radbo writes a float (``0`` for ``0.0``: an edit, which would
+    come out of a resumed run as another JSON number than the uninterrupted run's)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"{value!r} is an integer, where radbo writes a float")
+    return value
+
+
+_Float = BeforeValidator(_written_as_float)
+_Amount = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False), _Float]
+_Fraction = Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False), _Float]
+_Joules = Annotated[float | None, Strict(), Field(ge=0, allow_inf_nan=False), _Float]
 
 
 class _Model(BaseModel):
@@ -269,12 +326,12 @@ class LedgerRow(TypedDict):
     samples: _Count
     bytes_down: _Count
     bytes_up: _Count
-    compute_s: StrictFloat
-    comm_s: StrictFloat
+    compute_s: _Amount
+    comm_s: _Amount
     # joules, None when the device gave no figure; rows written before energy was accounted
     # lack the keys and read back as None (unknown)
-    energy_compute_j: NotRequired[Annotated[float | None, Strict()]]
-    energy_radio_j: NotRequired[Annotated[float | None, Strict()]]
+    energy_compute_j: NotRequired[_Joules]
+    energy_radio_j: NotRequired[_Joules]
 
 
 class CoverageRow(TypedDict):
@@ -286,32 +343,66 @@ class CoverageRow(TypedDict):
     min_coverage: _Count
     min_coverage_so_far: _Count
     histogram: list[_Count]
-    untrained_fraction: StrictFloat
-    never_trained_fraction: StrictFloat
+    untrained_fraction: _Fraction
+    never_trained_fraction: _Fraction
     numel: _Count
 
 
 class RoundRow(TypedDict):
-    """One round record (``RoundRecord.as_dict()``): the engine's fields typed, metrics free
-    (but evaluations, ``test_*``, are numbers)."""
+    """One round record (``RoundRecord.as_dict()``): the engine's fields typed (times finite
+    and not negative), the algorithm's metrics free (a NaN there means nothing was measured:
+    no client's result reached that phase), the rest checked by :func:`_row_values`."""
 
     __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
     round: _Count
-    clients: list[StrictInt]
-    unavailable: list[StrictInt]
-    rejected: dict[str, list[StrictInt]]
-    dropped: NotRequired[dict[str, list[StrictInt]]]
-    late: NotRequired[dict[str, list[StrictInt]]]
+    clients: list[_Count]
+    unavailable: list[_Count]
+    rejected: dict[str, list[_Count]]
+    dropped: NotRequired[dict[str, list[_Count]]]
+    late: NotRequired[dict[str, list[_Count]]]
     communication_rounds: _Count
-    wall_time_s: StrictFloat
-    sim_round_time_s: StrictFloat
-    sim_clock_s: StrictFloat
+    wall_time_s: _Amount
+    sim_round_time_s: _Amount
+    sim_clock_s: _Amount
 
 
-def _evaluations_are_numbers(row: RoundRow) -> RoundRow:
+# the engine's counters of a round (RoundRecord.metrics), each the size of one of its lists
+_ROUND_COUNTS = {
+    "rejected_updates": "rejected",
+    "dropped_clients": "dropped",
+    "late_clients": "late",
+}
+
+
+def _row_values(row: RoundRow) -> RoundRow:
+    """The values of a round record's free keys that radbo computes as numbers: evaluations
+    (``test_*``: finite, but a confidence interval of one episode, ``*_ci95``, is NaN), cost
+    counters (``cost_*``: finite, not negative), coverage figures and the engine's counts of
+    rejected, dropped and late clients (equal to its lists)."""
     for key, value in row.items():
-        if key.startswith("test_") and not _is_number(value):
-            raise ValueError(f"{key} = {_short(value)} is not a number")
+        if not isinstance(key, str):
+            continue
+        if key.startswith("test_"):
+            if not _is_number(value):
+                raise ValueError(f"{key} = {_short(value)} is not a number")
+            if not (_is_finite(value) or (key.endswith("_ci95") and math.isnan(value))):
+                raise ValueError(f"{key} = {_short(value)} is not a finite number")
+        elif key.startswith("cost_") or (key.startswith("coverage_") and key.endswith("_min")):
+            if not (_is_finite(value) and value >= 0):
+                raise ValueError(f"{key} = {_short(value)} is not a finite number >= 0")
+        elif key.startswith(("untrained_fraction_", "never_trained_fraction_")):
+            if not (_is_number(value) and 0 <= value <= 1):
+                raise ValueError(f"{key} = {_short(value)} is not a fraction in [0, 1]")
+        elif key.startswith("coverage_") and key.endswith("_histogram"):
+            if not (isinstance(value, list) and all(_is_count(v) for v in value)):
+                raise ValueError(f"{key} = {_short(value)} is not a list of counts")
+        elif key in _ROUND_COUNTS:
+            listed = row.get(_ROUND_COUNTS[key], {})
+            size = sum(len(c) for c in listed.values()) if isinstance(listed, dict) else None
+            if not _is_count(value) or value != size:
+                raise ValueError(
+                    f"{key} = {_short(value)}, but the round lists {size} such clients"
+                )
     return row
 
 
@@ -382,12 +473,21 @@ class CheckpointIndex(_Model):
 class CheckpointHistory(_Model):
     """The history file (``history-NNNNNN.json``): every round record and ledger row so far."""
 
-    rows: list[Annotated[RoundRow, AfterValidator(_evaluations_are_numbers)]]
+    rows: list[Annotated[RoundRow, AfterValidator(_row_values)]]
     ledger: list[LedgerRow]
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> TypeGuard[int | float]:
+    """A finite number (an int of any size is finite; a JSON float is at most 1.8e308)."""
+    return _is_number(value) and (isinstance(value, int) or math.isfinite(value))
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -499,6 +599,11 @@ def save_checkpoint(
     ``config`` is the run's config as JSON data; :func:`load_checkpoint` compares it. The
     checkpoint that was the newest becomes ``checkpoint-prev.json`` when it verifies and is of
     an earlier round (see the module docstring for the order of the writes).
+
+    A write the system refuses (an :class:`OSError` with an errno: the disk is full, the folder
+    is read-only) raises :class:`CheckpointError`, one line naming the file; its temporary file
+    and the new files no index names are removed, and the checkpoints written before are
+    intact. Temporary files left by saves that crashed are removed after the commit.
     """
     directory = Path(directory)
     tensors, scalars = state_to_tensors(state)
@@ -514,64 +619,140 @@ def save_checkpoint(
         save_file(tensors, str(tmp))
         digests["tensors"] = _sha256(tmp.read_bytes())
 
-    atomic_write(directory / names["tensors"], write_tensors)
-    history = _dump({"rows": rows, "ledger": ledger}).encode("utf-8")
-    digests["history"] = _sha256(history)
-    atomic_write(directory / names["history"], lambda tmp: tmp.write_bytes(history))
-    previous = _keep_as_previous(directory, rounds_done)
-    body: dict[str, Any] = {
-        "format": FORMAT,
-        "config": config,
-        "rounds_done": rounds_done,
-        "clock_s": clock_s,
-        "files": {k: {"file": names[k], "sha256": digests[k]} for k in names},
-        "state_scalars": scalars,
-        "simulation": dict(sim_meta),
-    }
-    # the digest is that of the JSON text a loader re-dumps (so tuples become lists first)
-    body = json.loads(_dump(body))
-    index = {"format": FORMAT, "index_sha256": _index_digest(body), **body}
-    atomic_write_text(directory / INDEX, _dump(index))  # the commit point
+    try:
+        with _writing(directory / names["tensors"]):
+            atomic_write(directory / names["tensors"], write_tensors)
+        history = _dump({"rows": rows, "ledger": ledger}).encode("utf-8")
+        digests["history"] = _sha256(history)
+        with _writing(directory / names["history"]):
+            atomic_write(directory / names["history"], lambda tmp: tmp.write_bytes(history))
+        with _writing(directory / PREVIOUS):
+            previous = _keep_as_previous(directory, rounds_done, config, state)
+        body: dict[str, Any] = {
+            "format": FORMAT,
+            "config": config,
+            "rounds_done": rounds_done,
+            "clock_s": clock_s,
+            "files": {k: {"file": names[k], "sha256": digests[k]} for k in names},
+            "state_scalars": scalars,
+            "simulation": dict(sim_meta),
+        }
+        # the digest is that of the JSON text a loader re-dumps (so tuples become lists first)
+        body = json.loads(_dump(body))
+        index = {"format": FORMAT, "index_sha256": _index_digest(body), **body}
+        with _writing(directory / INDEX):
+            atomic_write_text(directory / INDEX, _dump(index))  # the commit point
+    except BaseException:
+        # the files of this save that no index names (a crash between two writes leaves them
+        # for the next save to delete)
+        cap = _index_cap(config)
+        named = _named_files(directory / INDEX, cap) | _named_files(directory / PREVIOUS, cap)
+        for name in names.values():
+            if name not in named:
+                with suppress(OSError):
+                    (directory / name).unlink(missing_ok=True)
+        raise
     keep = set(names.values()) | previous
     for pattern in ("state-*.safetensors", "history-*.json"):
         for old in directory.glob(pattern):
             if old.name not in keep:
-                old.unlink(missing_ok=True)
+                with suppress(OSError):
+                    old.unlink(missing_ok=True)
+    remove_temporary_files(directory)
     return directory / INDEX
 
 
-def _keep_as_previous(directory: Path, rounds_done: int) -> set[str]:
-    """Copy the current index to ``checkpoint-prev.json`` if it verifies (its own hash and its
-    files') and is of an earlier round than ``rounds_done``, else leave the previous one as it
-    is; returns the names of the files the previous index names."""
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Turn an :class:`OSError` the system raised while writing ``path`` (one with an errno:
+    ``ENOSPC``, ``EACCES``, ``EROFS``, ...) into one :class:`CheckpointError` line naming it."""
     try:
-        raw = (directory / INDEX).read_bytes()
-        index = _verified_index(directory, raw)
+        yield
+    except OSError as err:
+        if err.errno is None:
+            raise
+        reason = err.strerror or errno.errorcode.get(err.errno, str(err.errno))
+        where: Any = path
+        named = err.filename if isinstance(err.filename, str) else None
+        if named and err.errno in _PATH_ERRORS and not _TEMPORARY.match(Path(named).name):
+            where = named  # the folder that cannot be made or written
+        raise CheckpointError(
+            f"cannot write the checkpoint file {where}: {reason}; the checkpoints written "
+            "before are kept"
+        ) from None
+
+
+# errors about the path an OSError names (a folder that cannot be made or written) rather
+# than about the data written to it
+_PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENAMETOOLONG)
+
+# the temporary names atomic_write gives the files of a checkpoint: ".NAME.RANDOM.tmp"
+_TEMPORARY = re.compile(
+    r"^\.(state-\d+\.safetensors|history-\d+\.json|checkpoint\.json|checkpoint-prev\.json)"
+    r"\.[A-Za-z0-9_]+\.tmp$"
+)
+
+
+def remove_temporary_files(directory: str | Path) -> list[Path]:
+    """Delete the temporary files that saves which crashed left in the checkpoint folder
+    ``directory`` (regular files named as :func:`atomic_write` names a checkpoint file's
+    temporary copy; nothing else is touched); returns those deleted. Only the run that writes
+    the folder may call this: a temporary file is a save in progress until its rename."""
+    directory = Path(directory)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _TEMPORARY.match(entry.name):
+            continue
+        with suppress(OSError):
+            if entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _keep_as_previous(
+    directory: Path, rounds_done: int, config: Mapping[str, Any], state: Any
+) -> set[str]:
+    """Copy the current index to ``checkpoint-prev.json`` if it verifies (its own hash and its
+    files', each no larger than a checkpoint of the run of ``config`` and ``state`` needs) and
+    is of an earlier round than ``rounds_done``, else leave the previous one as it is; returns
+    the names of the files the previous index names."""
+    cap = _index_cap(config)
+    try:
+        raw = _read(directory / INDEX, cap)
+        caps = {"tensors": _tensor_cap(state), "history": _history_cap(config)}
+        index = _verified_index(directory, raw, caps)
     except (OSError, CheckpointError):
-        return _named_files(directory / PREVIOUS)  # no current index, or not one to keep
+        return _named_files(directory / PREVIOUS, cap)  # no current index, or not one to keep
     if index.rounds_done >= rounds_done:
-        return _named_files(directory / PREVIOUS)
+        return _named_files(directory / PREVIOUS, cap)
     atomic_write(directory / PREVIOUS, lambda tmp: tmp.write_bytes(raw))
     return {index.files.tensors.file, index.files.history.file}
 
 
-def _verified_index(directory: Path, raw: bytes) -> CheckpointIndex:
-    """The index whose bytes are ``raw``, if it and the files it names match their hashes."""
+def _verified_index(directory: Path, raw: bytes, caps: Mapping[str, int]) -> CheckpointIndex:
+    """The index whose bytes are ``raw``, if it and the files it names (each at most its
+    ``caps`` bytes) match their hashes."""
     index, _ = _parse_index(directory / INDEX, raw)
-    for ref in (index.files.tensors, index.files.history):
-        if _sha256((directory / ref.file).read_bytes()) != ref.sha256:
+    for kind, ref in (("tensors", index.files.tensors), ("history", index.files.history)):
+        if _sha256(_read(directory / ref.file, caps[kind])) != ref.sha256:
             raise CheckpointCorruptError(f"{directory / ref.file} is damaged")
     return index
 
 
-def _named_files(path: Path) -> set[str]:
-    """The files an index names, read leniently (none if it cannot be read)."""
+def _named_files(path: Path, cap: int) -> set[str]:
+    """The files an index (at most ``cap`` bytes) names, read leniently (none if it cannot
+    be read)."""
     try:
-        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        files = json.loads(_read(path, cap).decode("utf-8"))["files"]
         return {
             files[k]["file"] for k in ("tensors", "history") if isinstance(files[k]["file"], str)
         }
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+    except (CheckpointError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
         return set()
 
 
@@ -581,34 +762,46 @@ def load_checkpoint(
     template: Any,
     config: Mapping[str, Any] | None = None,
     ignore: tuple[str, ...] = (),
+    restore: Callable[[Checkpoint], object] | None = None,
 ) -> Checkpoint:
     """Read the checkpoint in ``directory`` into a state shaped like ``template``.
 
     With ``config``, the stored config must equal it except for the top-level keys in
     ``ignore`` (e.g. ``rounds``, which a resumed run may raise); a difference raises
-    :class:`CheckpointError` naming the first differing key.
+    :class:`CheckpointError` naming the first differing key. ``config`` also sizes the caps
+    on the files' sizes (:func:`_index_cap`, :func:`_history_cap`).
 
-    Every check of the module docstring runs; when the newest checkpoint is damaged
-    (:class:`CheckpointCorruptError`) the previous one is loaded if it passes them all, with a
-    :class:`CheckpointWarning` and :attr:`Checkpoint.fallback` set. When neither verifies, one
-    :class:`CheckpointCorruptError` names both problems.
+    ``restore(checkpoint)``, when given, is the last check of a checkpoint: it restores what
+    the caller keeps beside the algorithm state (the engine's state,
+    :meth:`radbo.simulation.Simulation.load_state_dict`), raising :class:`CheckpointError` or
+    ``ValueError`` / ``KeyError`` / ``TypeError`` (...) for a state that does not fit; it
+    must leave nothing half-restored when it raises, since the previous checkpoint's restore
+    follows.
+
+    Every check of the module docstring runs; when the newest checkpoint is unusable for any
+    reason but a config that differs, the previous one is loaded if it passes them all, with
+    a :class:`CheckpointWarning` and :attr:`Checkpoint.fallback` set. When neither is usable,
+    one :class:`CheckpointCorruptError` names both problems; without a previous checkpoint,
+    the newest one's error is raised as it is.
     """
     directory = Path(directory)
     if not has_checkpoint(directory):
         raise CheckpointError(f"no checkpoint in {directory} (no {INDEX})")
     try:
-        return _load(directory, INDEX, template, config, ignore)
-    except CheckpointCorruptError as err:
-        refused = str(err)
+        return _load(directory, INDEX, template, config, ignore, restore)
+    except _ConfigMismatch as err:
+        raise CheckpointError(str(err)) from None
+    except CheckpointError as err:
+        refused = err
     if not (directory / PREVIOUS).is_file():
-        raise CheckpointCorruptError(refused)
+        raise refused
     try:
-        ckpt = _load(directory, PREVIOUS, template, config, ignore)
+        ckpt = _load(directory, PREVIOUS, template, config, ignore, restore)
     except CheckpointError as err:
         raise CheckpointCorruptError(
             f"{refused}; the previous checkpoint is refused too: {err}"
         ) from None
-    ckpt.fallback = refused
+    ckpt.fallback = str(refused)
     warnings.warn(
         f"{refused}; resuming from the previous checkpoint ({directory / PREVIOUS}, "
         f"after round {ckpt.rounds_done}) instead",
@@ -618,35 +811,106 @@ def load_checkpoint(
     return ckpt
 
 
+def forget_end_of_run_evaluation(ckpt: Checkpoint, eval_every: int, smoothing: float) -> bool:
+    """Make the checkpoint of a finished run continue as a longer run would: drop the
+    evaluation its last round got only for being the last (``rounds_done`` not a multiple of
+    ``eval_every``), from the round's record and from the divergence guard's running test loss
+    (``ckpt.sim_meta["divergence"]``, replayed from the rounds that passed the guard without
+    it; ``smoothing`` is the guard's weight of the past,
+    :data:`radbo.simulation.divergence.SMOOTHING`), so that extending a run of N rounds to M
+    equals a run of M rounds. Returns whether there was such an evaluation. A regular
+    evaluation (every ``eval_every`` rounds) stays."""
+    if not ckpt.rows or ckpt.rounds_done % eval_every == 0:
+        return False
+    last = ckpt.rows[-1]
+    tests = [k for k in last if isinstance(k, str) and k.startswith("test_")]
+    if not tests:
+        return False
+    for key in tests:
+        del last[key]
+    divergence = last.get("divergence")
+    if isinstance(divergence, dict):  # a rollback keeps the diverged evaluation
+        divergence.pop("evaluation", None)
+    guard = ckpt.sim_meta.get("divergence")
+    if divergence is None and isinstance(guard, dict):  # the round passed: the guard took it
+        _replay_test_loss(guard, ckpt.rows, smoothing)
+    return True
+
+
+def _replay_test_loss(guard: dict[str, Any], rows: list[dict[str, Any]], smoothing: float) -> None:
+    """Set the guard's first, smoothed and lowest ``test_loss`` to what
+    :meth:`radbo.simulation.divergence.DivergenceGuard.accept` makes of the test losses of
+    ``rows`` that passed the guard (rows without ``divergence``), in order."""
+    first: float | None = None
+    smoothed: float | None = None
+    lowest: float | None = None
+    for row in rows:
+        value = row.get("test_loss")
+        if "divergence" in row or not _is_finite(value):
+            continue
+        value = float(value)
+        if first is None:
+            first = value
+        past = value if smoothed is None else smoothed
+        smoothed = smoothing * past + (1.0 - smoothing) * value
+        lowest = smoothed if lowest is None else min(lowest, smoothed)
+    for part, figure in (("first", first), ("smoothed", smoothed), ("lowest", lowest)):
+        values = guard[part]
+        if figure is None:
+            values.pop("test_loss", None)
+        else:
+            values["test_loss"] = figure
+
+
+class _ConfigMismatch(CheckpointError):
+    """The checkpoint was written by another config: a wrong folder or a changed config, not
+    a damaged checkpoint, so :func:`load_checkpoint` does not fall back."""
+
+
+# what a restore callback raises for an engine state it cannot take
+_RESTORE_ERRORS = (
+    AttributeError,
+    IndexError,
+    KeyError,
+    OverflowError,
+    RecursionError,
+    TypeError,
+    ValueError,
+)
+
+
 def _load(
     directory: Path,
     name: str,
     template: Any,
     config: Mapping[str, Any] | None,
     ignore: tuple[str, ...],
+    restore: Callable[[Checkpoint], object] | None = None,
 ) -> Checkpoint:
     path = directory / name
     if not path.is_file():
         raise CheckpointCorruptError(f"{path} is missing")
-    index, data = _parse_index(path, _read(path))
+    index, data = _parse_index(path, _read(path, _index_cap(config)))
     if config is not None:
         differences = _config_differences(index.config, dict(config), ignore)
         if differences:
             shown = "; ".join(differences[:_SHOWN_DIFFERENCES])
             if len(differences) > _SHOWN_DIFFERENCES:
                 shown += f"; and {len(differences) - _SHOWN_DIFFERENCES} more"
-            raise CheckpointError(
+            raise _ConfigMismatch(
                 f"the checkpoint in {directory} was written by a different config ({shown}); "
                 "use another output_dir, or start afresh without resume (radbo run "
                 "--overwrite)"
             )
     tensors_path = directory / index.files.tensors.file
+    raw = _read_verified(tensors_path, index.files.tensors.sha256, _tensor_cap(template))
     try:
-        tensors = load_bytes(_read_verified(tensors_path, index.files.tensors.sha256))
-    except CheckpointError:
-        raise
+        tensors = load_bytes(raw)
+    except MemoryError:
+        raise CheckpointCorruptError(f"{tensors_path} does not fit in memory") from None
     except Exception as err:  # safetensors raises its own error types
         raise CheckpointCorruptError(f"cannot read {tensors_path}: {_one_line(str(err))}") from None
+    del raw
     for key, t in tensors.items():
         if not (t.is_floating_point() or t.is_complex()):
             continue
@@ -659,18 +923,25 @@ def _load(
         if not finite:
             raise CheckpointCorruptError(f"{tensors_path}: tensor {key!r} holds NaN or Inf")
     history_path = directory / index.files.history.file
-    content = _read_verified(history_path, index.files.history.sha256)
+    content = _read_verified(history_path, index.files.history.sha256, _history_cap(config))
     history = _parse_json(history_path, content, "checkpoint history")
+    del content
     try:
         CheckpointHistory.model_validate(history)
     except ValidationError as err:
         raise CheckpointCorruptError(
             f"{history_path} is a malformed checkpoint history: {_describe(err)}"
         ) from None
+    _check_counters(path, index, data, history, history_path)
     sim_tensors = {k[4:]: t for k, t in tensors.items() if k.startswith("sim/")}
     state_tensors = {k: t for k, t in tensors.items() if not k.startswith("sim/")}
-    state = state_from_tensors(template, state_tensors, index.state_scalars)
-    return Checkpoint(
+    try:
+        state = state_from_tensors(template, state_tensors, index.state_scalars)
+    except CheckpointCorruptError:
+        raise
+    except CheckpointError as err:  # the config is this run's: its tensors must fit
+        raise CheckpointCorruptError(f"{path}: {err}") from None
+    ckpt = Checkpoint(
         rounds_done=index.rounds_done,
         clock_s=float(index.clock_s),
         state=state,
@@ -679,20 +950,306 @@ def _load(
         sim_tensors=sim_tensors,
         sim_meta=data["simulation"],
     )
+    if restore is not None:
+        try:
+            restore(ckpt)
+        except CheckpointError as err:
+            raise CheckpointCorruptError(
+                f"{path} holds an engine state this run cannot restore: {err}"
+            ) from None
+        except _RESTORE_ERRORS as err:
+            detail = _one_line(str(err))
+            if isinstance(err, KeyError) or not detail:
+                detail = f"{type(err).__name__} {detail}".strip()
+            if len(detail) > 300:
+                detail = detail[:297] + "..."
+            raise CheckpointCorruptError(
+                f"{path} holds an engine state this run cannot restore: {detail}"
+            ) from None
+    return ckpt
 
 
-def _read(path: Path) -> bytes:
+def _check_counters(
+    path: Path,
+    index: CheckpointIndex,
+    data: Mapping[str, Any],
+    history: Mapping[str, Any],
+    history_path: Path,
+) -> None:
+    """The counters of the index against the history it names: ``rounds_done`` rounds,
+    numbered 0 to ``rounds_done - 1``, on a clock that never runs back and ends at
+    ``clock_s``; ledger rows of those rounds (in order, of their clients); a coverage history
+    of one entry per round that had clients, for the blocks the rows report; the divergence
+    guard's good rounds among those done."""
+    rows, ledger = history["rows"], history["ledger"]
+    done = index.rounds_done
+    if len(rows) != done:
+        raise CheckpointCorruptError(
+            f"{path} says {done} rounds are done, but its history {history_path.name} holds "
+            f"{len(rows)}"
+        )
+    clock = 0.0
+    for i, row in enumerate(rows):
+        if row["round"] != i:
+            raise CheckpointCorruptError(
+                f"{history_path}: rows[{i}] is of round {row['round']}, not {i}"
+            )
+        if row["sim_clock_s"] < clock:
+            raise CheckpointCorruptError(
+                f"{history_path}: rows[{i}].sim_clock_s = {row['sim_clock_s']!r} is before "
+                f"the round before ({clock!r})"
+            )
+        clock = row["sim_clock_s"]
+    if index.clock_s < 0 or index.clock_s != clock:
+        raise CheckpointCorruptError(
+            f"{path}: clock_s = {index.clock_s!r}, but the clock after round {done - 1} is "
+            f"{clock!r}"
+            if rows
+            else f"{path}: clock_s = {index.clock_s!r} before any round, not 0.0"
+        )
+    clients = [set(row["clients"]) for row in rows]
+    last = 0
+    for i, entry in enumerate(ledger):
+        q = entry["round"]
+        if not last <= q < done:
+            raise CheckpointCorruptError(
+                f"{history_path}: ledger[{i}] is of round {q}, "
+                + (f"after round {last}'s rows" if q < last else f"but {done} rounds are done")
+            )
+        if entry["client"] not in clients[q]:
+            raise CheckpointCorruptError(
+                f"{history_path}: ledger[{i}] charges client {entry['client']}, which round "
+                f"{q} did not sample"
+            )
+        last = q
+    simulation = data["simulation"]
+    coverage = simulation.get("coverage") or {}
+    busy = [row for row in rows if row["clients"]]
+    reported = {
+        k[len("coverage_") : -len("_min")]
+        for row in busy
+        for k in row
+        if isinstance(k, str) and k.startswith("coverage_") and k.endswith("_min")
+    }
+    if busy and set(coverage) != reported:
+        raise CheckpointCorruptError(
+            f"{path}: the engine tracks coverage of {sorted(coverage)}, the rounds report "
+            f"{sorted(reported)}"
+        )
+    for block, tracker in coverage.items():
+        rounds = [entry["round"] for entry in tracker["history"]]
+        if rounds != list(range(len(busy))):
+            raise CheckpointCorruptError(
+                f"{path}: the coverage history of {block!r} has {len(rounds)} rounds numbered "
+                f"{_short(rounds)}, but {len(busy)} rounds had clients"
+            )
+        _check_coverage(path, block, tracker["history"], busy)
+    guard = simulation.get("divergence")
+    if isinstance(guard, dict):
+        _check_guard(path, guard, rows)
+    elif any("divergence" in row for row in rows):
+        raise CheckpointCorruptError(
+            f"{path}: rounds record divergences, but the engine state has no divergence guard"
+        )
+    meter = index.simulation.flop_meter
+    if meter is not None and meter.measurements < len(meter.cache):
+        raise CheckpointCorruptError(
+            f"{path}: the FLOP meter made {meter.measurements} measurements but caches "
+            f"{len(meter.cache)}"
+        )
+
+
+def _check_coverage(
+    path: Path, block: str, history: list[dict[str, Any]], busy: list[dict[str, Any]]
+) -> None:
+    """Each entry of a coverage history against the round record that reports it (its C*,
+    fractions and histogram), and each running C* against the entries before it."""
+    lowest = 0  # the smallest running C* so far that is not 0
+    for entry, row in zip(history, busy, strict=True):
+        reported = {
+            f"coverage_{block}_min": float(entry["min_coverage"]),
+            f"untrained_fraction_{block}": entry["untrained_fraction"],
+            f"never_trained_fraction_{block}": entry["never_trained_fraction"],
+            f"coverage_{block}_histogram": entry["histogram"],
+        }
+        wrong = [k for k, v in reported.items() if row.get(k) != v or type(row[k]) is not type(v)]
+        if wrong:
+            raise CheckpointCorruptError(
+                f"{path}: round {row['round']} reports {wrong[0]} = {_short(row.get(wrong[0]))}, "
+                f"its coverage history {_short(reported[wrong[0]])}"
+            )
+        now = entry["min_coverage"]
+        trained = [c for c in (lowest, now) if c > 0]
+        expected = min(trained) if trained else 0
+        if entry["min_coverage_so_far"] != expected:
+            raise CheckpointCorruptError(
+                f"{path}: the coverage history of {block!r} has C* so far "
+                f"{entry['min_coverage_so_far']} in its round {entry['round']}, not {expected}"
+            )
+        lowest = expected
+
+
+def _check_guard(path: Path, guard: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The divergence guard's counters against the rounds: its rollbacks are the rounds that
+    rolled back, its last good round the one the rounds leave (each round that passed moves
+    it to its end, a rollback to where it rolled back to), and it is diverging when the last
+    round diverged."""
+    good: Any = 0
+    rollbacks = 0
+    for row in rows:
+        divergence = row.get("divergence")
+        if divergence is None:
+            good = row["round"] + 1
+        elif not isinstance(divergence, dict) or divergence.get("action") not in (
+            "rollback",
+            "warn",
+        ):
+            raise CheckpointCorruptError(
+                f"{path}: round {row['round']}'s divergence is {_short(divergence)}"
+            )
+        elif divergence["action"] == "rollback":
+            rollbacks += 1
+            good = divergence.get("rolled_back_to")
+    diverging = bool(rows) and "divergence" in rows[-1]
+    found = {
+        "good_rounds": good,
+        "rollbacks": rollbacks,
+        "diverging": diverging,
+    }
+    for key, value in found.items():
+        saved = guard.get(key)
+        if saved != value or type(saved) is not type(value):
+            raise CheckpointCorruptError(
+                f"{path}: the divergence guard's {key} is {_short(saved)}, but the rounds "
+                f"give {value!r}"
+            )
+
+
+# -- size caps ----------------------------------------------------------------------------
+
+#: What an index holds besides the per-round coverage history: the config, the state's
+#: scalars, the FLOP meter's cache, the divergence guard's values (measured: 4 KB after 3
+#: rounds of a 3-client run, 8 KB after 4 rounds of the 10-client demo), with a wide margin.
+INDEX_BASE_BYTES = 16 << 20
+#: An index's coverage history per round: one entry per tracked block (about 250 bytes with a
+#: histogram of a few counts), whose histogram holds up to one count per client.
+INDEX_ROUND_BYTES = 4 << 10
+INDEX_CLIENT_BYTES = 64
+#: A history per round: its record (about 2 KB, one id per client in its lists) and one ledger
+#: row (about 300 bytes) per client and phase.
+HISTORY_BASE_BYTES = 16 << 20
+HISTORY_ROUND_BYTES = 64 << 10
+HISTORY_CLIENT_BYTES = 4 << 10
+#: A tensor file holds the state, the state before it (the divergence guard's) and one bool
+#: mask per model tensor (coverage), besides its header (a few hundred bytes per tensor).
+TENSOR_HEADER_BYTES = 1 << 20
+TENSOR_KEY_BYTES = 4 << 10
+
+
+def _config_size(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """``(rounds, clients)`` of ``config`` when it says both, else ``None``."""
+    if config is None:
+        return None
+    rounds = config.get("rounds")
+    fleet = config.get("fleet")
+    clients = fleet.get("num_clients") if isinstance(fleet, Mapping) else None
+    if not (_is_count(rounds) and _is_count(clients)):
+        return None
+    return rounds, clients
+
+
+def _index_cap(config: Mapping[str, Any] | None) -> int:
+    """The largest index (bytes) a run of ``config`` writes, with a wide margin (an unknown
+    size: what memory can take, :func:`_memory_ceiling`)."""
+    size = _config_size(config)
+    if size is None:
+        return _memory_ceiling()
+    rounds, clients = size
+    extra = 4 * len(_dump(config))
+    cap = INDEX_BASE_BYTES + extra + rounds * (INDEX_ROUND_BYTES + INDEX_CLIENT_BYTES * clients)
+    return min(cap, _memory_ceiling())
+
+
+def _history_cap(config: Mapping[str, Any] | None) -> int:
+    """The largest history file (bytes) a run of ``config`` writes, with a wide margin."""
+    size = _config_size(config)
+    if size is None:
+        return _memory_ceiling()
+    rounds, clients = size
+    cap = HISTORY_BASE_BYTES + rounds * (HISTORY_ROUND_BYTES + HISTORY_CLIENT_BYTES * clients)
+    return min(cap, _memory_ceiling())
+
+
+def _tensor_cap(template: Any) -> int:
+    """The largest tensor file (bytes) a run whose state is shaped like ``template`` writes:
+    three times the state's bytes (itself, the state before, bool masks) and the header."""
+    nbytes = keys = 0
+    if dataclasses.is_dataclass(template) and not isinstance(template, type):
+        for f in dataclasses.fields(template):
+            value = getattr(template, f.name)
+            if isinstance(value, Mapping):
+                for t in value.values():
+                    if isinstance(t, Tensor):
+                        nbytes += t.numel() * t.element_size()
+                        keys += 1
+    cap = 3 * nbytes + TENSOR_HEADER_BYTES + 3 * keys * TENSOR_KEY_BYTES
+    return min(cap, _memory_ceiling())
+
+
+def _memory_ceiling() -> int:
+    """An eighth of the machine's memory (at least 64 MiB): a JSON file takes several times
+    its size once parsed, so a larger checkpoint file could not be loaded anyway."""
     try:
-        return path.read_bytes()
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        total = 8 << 30
+    return max(total // 8, 64 << 20)
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def _read(path: Path, cap: int) -> bytes:
+    """The bytes of the regular file ``path``, refused (:class:`CheckpointCorruptError`) when
+    it is larger than ``cap`` by its size on disk, before anything is read, or is not a regular
+    file (a FIFO is opened without blocking and refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
         raise CheckpointCorruptError(f"cannot read {path}: {err.strerror or err}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointCorruptError(f"{path} is not a regular file")
+        if info.st_size > cap:
+            raise CheckpointCorruptError(
+                f"{path} is {info.st_size:,} bytes, more than the {cap:,} any checkpoint of "
+                "this run needs"
+            )
+        chunks = []
+        size = 0
+        while size <= cap:
+            chunk = os.read(fd, min(cap + 1 - size, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > cap:
+            raise CheckpointCorruptError(f"{path} grew past {cap:,} bytes while it was read")
+        return b"".join(chunks)
+    except OSError as err:
+        raise CheckpointCorruptError(f"cannot read {path}: {err.strerror or err}") from None
+    except MemoryError:
+        raise CheckpointCorruptError(f"{path} does not fit in memory") from None
+    finally:
+        os.close(fd)
 
 
-def _read_verified(path: Path, sha256: str) -> bytes:
-    """The bytes of ``path`` after checking their SHA-256."""
+def _read_verified(path: Path, sha256: str, cap: int) -> bytes:
+    """The bytes of ``path`` (at most ``cap``) after checking their SHA-256."""
     if not path.is_file():
         raise CheckpointCorruptError(f"{path} is missing")
-    content = _read(path)
+    content = _read(path, cap)
     if _sha256(content) != sha256:
         raise CheckpointCorruptError(
             f"{path} does not match the SHA-256 its index records: the file is damaged"
@@ -703,6 +1260,8 @@ def _read_verified(path: Path, sha256: str) -> bytes:
 def _parse_json(path: Path, raw: bytes, what: str) -> Any:
     try:
         return json.loads(raw.decode("utf-8"))
+    except MemoryError:
+        raise CheckpointCorruptError(f"{path} does not fit in memory") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         detail = "nested too deeply" if isinstance(err, RecursionError) else _one_line(str(err))
         raise CheckpointCorruptError(f"{path} is not a readable {what}: {detail}") from None
@@ -713,6 +1272,7 @@ def _parse_index(path: Path, raw: bytes) -> tuple[CheckpointIndex, dict[str, Any
     model and the parsed JSON (the simulation state as written, in its key order)."""
     data = _parse_json(path, raw, "checkpoint index")
     if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
+        # not a damaged file, but not one to continue from: the previous checkpoint is tried
         raise CheckpointError(
             f"{path} is a {data['format']} checkpoint, written before checkpoints carried "
             f"checksums, so it cannot be verified; start the run afresh (delete {path.parent} "
@@ -728,7 +1288,7 @@ def _parse_index(path: Path, raw: bytes) -> tuple[CheckpointIndex, dict[str, Any
         ) from None
     try:
         intact = _index_digest(data) == index.index_sha256
-    except RecursionError:
+    except (RecursionError, ValueError):
         intact = False
     if not intact:
         raise CheckpointCorruptError(

@@ -19,6 +19,7 @@ from radbo.version import __version__
 if TYPE_CHECKING:
     from radbo.config import RunConfig
     from radbo.experiment import RunResult
+    from radbo.experiment.stop import RunStopped
 
 EXIT_CONFIG = 2
 EXIT_CHECK = 1
@@ -42,6 +43,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("radbo.devices.budget", "DeviceTooSmallError"),
     ("radbo.data.partition", "FleetTooLargeError"),
     ("radbo.checkpoint", "CheckpointError"),
+    ("radbo.experiment.lock", "RunFolderError"),  # a ConfigError too; named for the reader
     ("radbo.report", "ReportError"),
     ("radbo.export", "ExportError"),
     ("radbo.simulation.divergence", "DivergenceError"),
@@ -292,22 +294,71 @@ def _run(args: argparse.Namespace) -> int:
         if v is not None
     }
     config = _load(args, settings)
-    if seeds is not None:
-        return _run_seeds(args, config, seeds)
     from radbo.experiment import run
+    from radbo.experiment.stop import RunAborted, RunStopped, exit_code, stop_on_signals
 
-    result = run(
-        config,
-        progress=not args.quiet,
-        output_dir=args.output_dir,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        overrides=args.overrides,
-    )
+    # SIGINT / SIGTERM: finish the round, write a checkpoint and the results so far, one line
+    try:
+        with stop_on_signals():
+            if seeds is not None:
+                return _run_seeds(args, config, seeds)
+            result = run(
+                config,
+                progress=not args.quiet,
+                output_dir=args.output_dir,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                overrides=args.overrides,
+            )
+    except RunStopped as stop:
+        print(_stopped_line(args, seeds, stop), file=sys.stderr)
+        return exit_code(stop.signum)
+    except RunAborted as abort:  # a second signal while stopping
+        out = args.output_dir if args.output_dir is not None else config.output_dir
+        print(
+            f"radbo: {abort}, mid-round; {Path(out) / 'checkpoints'} keeps the last checkpoint "
+            f"written, if any: {_resume_command(args, seeds)} continues from it",
+            file=sys.stderr,
+        )
+        return exit_code(abort.signum)
     from radbo.experiment.summary import summary_lines
 
     print("\n".join(summary_lines(result)))
     return 0
+
+
+def _resume_command(args: argparse.Namespace, seeds: list[int] | None) -> str:
+    """The ``radbo run`` command that continues this one: its config, overrides and flags,
+    ``--resume`` in place of ``--overwrite``."""
+    import shlex
+
+    words = ["radbo", "run", args.config, *(args.overrides or [])]
+    if seeds is not None:
+        words += ["--seeds", *(str(s) for s in seeds)]
+    for flag, value in (
+        ("--output-dir", args.output_dir),
+        ("--rounds", args.rounds),
+        ("--seed", args.seed),
+        ("--checkpoint-every", args.checkpoint_every),
+    ):
+        if value is not None:
+            words += [flag, str(value)]
+    words += [flag for flag, on in (("--quiet", args.quiet), ("--force", args.force)) if on]
+    return shlex.join([*words, "--resume"])
+
+
+def _stopped_line(args: argparse.Namespace, seeds: list[int] | None, stop: RunStopped) -> str:
+    """The one line ``radbo run`` prints when SIGINT / SIGTERM stopped it: when, where its
+    checkpoint and results are, and the command that continues it."""
+    line = f"radbo: {stop}"
+    out = stop.output_dir
+    if out is None:  # pragma: no cover - radbo run always saves
+        return line
+    saved = f"; results so far in {out / 'results.json'}" if stop.result.output_dir else ""
+    return (
+        f"{line}: checkpoint in {out / 'checkpoints'}{saved}; continue with "
+        f"{_resume_command(args, seeds)}"
+    )
 
 
 def _seeds(args: argparse.Namespace) -> list[int] | None:
@@ -604,6 +655,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # --force lifts the caps for the whole command: the config, and the checks a run
         # makes when it is built (local steps a device budget gives)
         with caps_lifted(getattr(args, "force", False)):
+            _check_paths(args)
             return commands[args.command](args)
     except Exception as err:
         if not is_user_error(err):
@@ -612,6 +664,48 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_CONFIG
     finally:
         warnings.showwarning = shown
+
+
+#: The path arguments of each command (``args`` attribute, how the message names it).
+_PATH_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "run": (("config", "config file"), ("output_dir", "--output-dir")),
+    "fleet": (("config", "config file"),),
+    "report": (("runs", "run folder"), ("output", "--output")),
+    "export": (
+        ("config", "config file or run folder"),
+        ("checkpoint", "--checkpoint"),
+        ("output", "--output"),
+    ),
+    "flower": (("config", "config file"), ("out", "--out"), ("output", "--output")),
+}
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Each path on the command line that no file system accepts (a NUL character, a name
+    too long, a file where a folder is named, a loop of links): a :class:`ConfigError`
+    naming it, before anything reads or writes it. A path that does not exist yet passes."""
+    for attr, label in _PATH_ARGS.get(args.command, ()):
+        value = getattr(args, attr, None)
+        for path in value if isinstance(value, list) else [value]:
+            if path is not None:
+                _check_path(path, label)
+
+
+def _check_path(path: str, label: str) -> None:
+    problem = None
+    if "\0" in path:
+        problem = "a path cannot hold a NUL character"
+    else:
+        try:
+            os.lstat(path)
+        except FileNotFoundError:  # made by the command, or refused by it with its reason
+            pass
+        except OSError as err:
+            problem = err.strerror or str(err)
+        except ValueError as err:  # a name the file system encoding cannot hold
+            problem = str(err)
+    if problem is not None:
+        raise ConfigError(f"config error: {label} {path!r}: {problem}")
 
 
 def _one_line_warning(

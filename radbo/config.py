@@ -9,7 +9,10 @@ algorithm's config in the algorithm's file) and declares its settings once. ``[f
 
 Every model forbids unknown keys, so a typo is an error that names the field. Validation
 errors are turned into one line per problem by :func:`format_validation_error`:
-``config error: algorithm.inner_lr = -1.0: Input should be greater than 0``.
+``config error: algorithm.inner_lr = -1.0: Input should be greater than 0`` (at most
+:data:`radbo.limits.MAX_ERROR_LINES` lines, then ``config error: and K more problems``).
+Values are taken as typed (:func:`parse_config`): a boolean or a string is not a number,
+``rounds = true`` and ``seed = "0"`` are errors.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import difflib
 import re
 import reprlib
 import tomllib
+import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -34,7 +38,15 @@ from pydantic import (
 from radbo.algorithms import ALGORITHMS, AlgorithmConfig, RABOConfig
 from radbo.data import DATA, PARTITIONS, DataConfig, DigitsData, DirichletPartition, PartitionConfig
 from radbo.hypergrad import ESTIMATORS, Estimator
-from radbo.limits import MAX_CLIENTS, MAX_ROUNDS, Steps, StepSize, capped, caps_lifted
+from radbo.limits import (
+    MAX_CLIENTS,
+    MAX_ERROR_LINES,
+    MAX_ROUNDS,
+    Steps,
+    StepSize,
+    capped,
+    caps_lifted,
+)
 from radbo.masks.policies import POLICIES
 from radbo.models import MODELS, MLPConfig, ModelConfig
 from radbo.registry import ConfigError, Registry, Section, all_tags
@@ -404,34 +416,7 @@ class RunConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _default_tags(cls, data: Any) -> Any:
-        # A section given without its tag key means the default kind, as when it is absent;
-        # an algorithm that uses an estimator gets its default one when [estimator] is absent.
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for section, key, kind in _DEFAULT_TAGS:
-            value = data.get(section)
-            if isinstance(value, dict) and key not in value:
-                data[section] = {key: kind, **value}
-        algorithm = data.get("algorithm", {"name": "rabo"})
-        name = (
-            algorithm.get("name")
-            if isinstance(algorithm, dict)
-            else getattr(algorithm, "name", None)
-        )
-        default = None
-        settings: dict[str, Any] = {}
-        if isinstance(name, str) and name in ALGORITHMS:
-            default = ALGORITHMS[name].default_estimator
-            settings = ALGORITHMS[name].default_estimator_settings
-            if name == "rafbo":
-                default = "finite_difference"
-        estimator = data.get("estimator")
-        if estimator is None and default is not None:
-            data["estimator"] = {"name": default, **settings}
-        elif isinstance(estimator, dict) and "name" not in estimator:
-            data["estimator"] = {"name": default or "cg", **estimator}
-        return data
+        return _with_default_tags(data)
 
     @model_validator(mode="after")
     def _check_task_and_model(self) -> RunConfig:
@@ -512,13 +497,148 @@ _DEFAULT_TAGS = (
     ("task", "name", "hyper_representation"),
 )
 
+
+def _with_default_tags(data: Any) -> Any:
+    """``data`` (a run config mapping) with the tags it leaves out: a section given without
+    its tag key means the default kind, as when it is absent; an algorithm that uses an
+    estimator gets its default one when ``[estimator]`` is absent."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for section, key, kind in _DEFAULT_TAGS:
+        value = data.get(section)
+        if isinstance(value, dict) and key not in value:
+            data[section] = {key: kind, **value}
+    algorithm = data.get("algorithm", {"name": "rabo"})
+    name = (
+        algorithm.get("name") if isinstance(algorithm, dict) else getattr(algorithm, "name", None)
+    )
+    default = None
+    settings: dict[str, Any] = {}
+    if isinstance(name, str) and name in ALGORITHMS:
+        default = ALGORITHMS[name].default_estimator
+        settings = ALGORITHMS[name].default_estimator_settings
+        if name == "rafbo":
+            default = "finite_difference"
+    estimator = data.get("estimator")
+    if estimator is None and default is not None:
+        data["estimator"] = {"name": default, **settings}
+    elif isinstance(estimator, dict) and "name" not in estimator:
+        data["estimator"] = {"name": default or "cg", **estimator}
+    return data
+
+
+# -- strict scalars ---------------------------------------------------------------------------
+class _Refused:
+    """A value that pydantic's lax mode would convert but a config field does not take: a
+    boolean or a string for a number (``rounds = true``, ``seed = "0"``), a number or a
+    string for a boolean, a float for an integer (``rounds = 2.0``). Put in the value's place
+    before validation (:func:`_strict_section`), it fails the field's type check, so the
+    error names the key like any other; messages show the value as given and ``hint``."""
+
+    __slots__ = ("hint", "value")
+
+    def __init__(self, value: Any, hint: str) -> None:
+        self.value = value
+        self.hint = hint
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types a value of ``annotation`` may have: a union's members, ``Annotated`` unwrapped."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [m for arg in get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _strict_scalar(value: Any, members: list[Any]) -> Any:
+    """``value``, or a :class:`_Refused` for it where ``members`` (scalar types and literals)
+    take it only by a lax conversion."""
+    kinds: set[type] = set()
+    for member in members:
+        if get_origin(member) is Literal:
+            kinds.update(type(v) for v in get_args(member))
+        elif member in _SCALARS:
+            kinds.add(member)
+        else:  # a model, a path, Any, ...: its own rules
+            return value
+    numbers = bool(kinds & {int, float})
+    if isinstance(value, bool):
+        if numbers and bool not in kinds:
+            return _Refused(value, "a boolean is not a number")
+    elif isinstance(value, int | float):
+        if bool in kinds and not numbers:
+            return _Refused(value, "a number is not a boolean: write true or false")
+        if isinstance(value, float) and int in kinds and float not in kinds:
+            return _Refused(value, "an integer is written without a decimal point")
+    elif isinstance(value, str) and str not in kinds:
+        if numbers:
+            return _Refused(value, "a string is not a number: write it without quotes")
+        if bool in kinds:
+            return _Refused(value, "a string is not a boolean: write true or false, unquoted")
+    return value
+
+
+def _strict_value(value: Any, annotation: Any, metadata: Sequence[Any] = ()) -> Any:
+    """``value`` (given for a field of ``annotation``) with every scalar in it that the field
+    would take only by a lax conversion replaced by a :class:`_Refused`."""
+    section = _section_type(annotation, metadata)
+    if isinstance(value, dict) and section is not None:
+        if isinstance(section, Registry):
+            tag = value.get(section.key)
+            if not isinstance(tag, str) or tag not in section:
+                return value  # an unknown kind: pydantic says so
+            section = section[tag]
+        return _strict_section(value, section)
+    members = _members(annotation)
+    if isinstance(value, list):
+        for member in members:
+            args = get_args(member)
+            if get_origin(member) is list or (
+                get_origin(member) is tuple and len(args) == 2 and args[1] is Ellipsis
+            ):
+                return [_strict_value(v, args[0]) for v in value]
+            if get_origin(member) is tuple and len(args) == len(value):
+                return [_strict_value(v, a) for v, a in zip(value, args, strict=True)]
+        return value
+    if isinstance(value, dict):
+        for member in members:
+            if get_origin(member) is dict:
+                item = get_args(member)[1]
+                return {k: _strict_value(v, item) for k, v in value.items()}
+        return value
+    return _strict_scalar(value, members)
+
+
+def _strict_section(data: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """``data`` (the settings of a section ``model``) with the values its fields would take
+    only by a lax conversion replaced by :class:`_Refused` (:func:`_strict_value`): in a
+    config, a boolean is never a number nor a number a boolean, a string is neither, and an
+    integer field takes no float (a float field takes an integer)."""
+    out = dict(data)
+    fields = model.model_fields
+    for key, value in data.items():
+        field = fields.get(key) if isinstance(key, str) else None
+        if field is not None:
+            out[key] = _strict_value(value, field.annotation, field.metadata)
+    return out
+
+
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "float_type", "int_type", "string_type"}
 
 
-def _location(loc: tuple[Any, ...]) -> str:
+def _location(loc: tuple[Any, ...], tags: set[str] | None = None) -> str:
     # pydantic puts discriminator tags and union member types ("list[...]") in the location
     # of union members; drop both.
-    tags = all_tags()
+    tags = all_tags() if tags is None else tags
     parts = [
         str(p)
         for p in loc
@@ -587,37 +707,59 @@ def _section_type(annotation: Any, metadata: Sequence[Any]) -> type[BaseModel] |
     return None
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One line per problem: ``config error: FIELD = VALUE: what is allowed``.
+def format_validation_error(
+    error: ValidationError, *, max_lines: int | None = MAX_ERROR_LINES
+) -> str:
+    """One line per problem: ``config error: FIELD = VALUE: what is allowed``; at most
+    ``max_lines`` of them (:data:`radbo.limits.MAX_ERROR_LINES`; ``None``: all), then one
+    line ``config error: and K more problems``.
 
     For a field that accepts several types (a union), errors saying "not this type" are
     dropped when another member reports a real problem, and merged into one line otherwise.
     """
+    tags = all_tags()
     rows = []
-    for e in error.errors():
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = _unknown_field(tuple(e["loc"]))
-        rows.append((_location(tuple(e["loc"])), e.get("input"), msg, e["type"] in _TYPE_ERRORS))
-    specific = [where for where, _, _, is_type in rows if not is_type]
-    problems: dict[tuple[str, int], tuple[Any, list[str]]] = {}
-    for i, (where, value, msg, is_type) in enumerate(rows):
+    for e in error.errors(include_url=False, include_context=False):
+        loc = tuple(e["loc"])
+        # an unknown key's message (a did-you-mean search) is made only for the lines shown
+        msg = None if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        # a refused scalar (a boolean for a number, ...) is a real problem, not a union member
+        # saying "not my type"
+        is_type = e["type"] in _TYPE_ERRORS and not isinstance(value, _Refused)
+        rows.append((_location(loc, tags), loc, value, msg, is_type))
+    # every field holding a real problem, and the fields it lies in
+    specific: set[str] = set()
+    for where, _, _, _, is_type in rows:
+        if not is_type:
+            parts = where.split(".")
+            specific.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    problems: dict[tuple[str, int], tuple[Any, list[tuple[tuple[Any, ...], str | None]]]] = {}
+    for i, (where, loc, value, msg, is_type) in enumerate(rows):
         if is_type:
-            if any(o == where or o.startswith(where + ".") for o in specific):
+            if where in specific:
                 continue
             key = (where, -1)  # type errors of one field share a line
+        elif isinstance(value, _Refused):
+            key = (where, -2)  # as the union members refusing it
         else:
             key = (where, i)
-        problems.setdefault(key, (value, []))[1].append(msg)
-    lines = []
-    for (where, _), (value, msgs) in problems.items():
-        value_text = _value_text(value)
+        problems.setdefault(key, (value, []))[1].append((loc, msg))
+    lines: list[str] = []
+    for (where, _), (value, found) in problems.items():
+        if max_lines is not None and len(lines) == max_lines:
+            more = len(problems) - max_lines
+            lines.append(f"config error: and {more:,} more problem{'s' if more > 1 else ''}")
+            break
+        msgs = [_unknown_field(loc) if msg is None else msg for loc, msg in found]
         rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
         text = " or ".join([msgs[0], *rest])
+        if isinstance(value, _Refused):
+            text += f" ({value.hint})"
         if where == "<root>":  # a rule across sections: no single field to name
             lines.append(f"config error: {text}")
         else:
-            lines.append(f"config error: {where} = {value_text}: {text}")
+            lines.append(f"config error: {where} = {_value_text(value)}: {text}")
     return "\n".join(lines)
 
 
@@ -625,12 +767,18 @@ def parse_config(data: dict[str, Any], *, force: bool = False) -> RunConfig:
     """Validate a config mapping; raises :class:`ConfigError` with a readable message.
 
     ``force`` lifts the caps on values that would hang a run (:mod:`radbo.limits`: rounds,
-    steps per round, fleet size, step sizes); the physical bounds hold regardless."""
+    steps per round, fleet size, step sizes); the physical bounds hold regardless.
+
+    Scalars are taken as they are typed: a boolean is not a number (``rounds = true``), a
+    string is not a number (``seed = "0"``), a number is not a boolean, and an integer field
+    takes no float (``rounds = 2.0``); a float field takes an integer. Each is one line
+    naming the key, as every other problem."""
     if not isinstance(data, dict):
         raise ConfigError(
             f"config error: a run config is a table of settings, got {type(data).__name__}"
         )
     try:
+        data = _strict_section(_with_default_tags(data), RunConfig)
         with caps_lifted(force):
             return RunConfig.model_validate(data)
     except ValidationError as err:

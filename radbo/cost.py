@@ -394,26 +394,69 @@ def as_dicts(entries: Sequence[LedgerEntry]) -> list[dict[str, Any]]:
     return [asdict(e) for e in entries]
 
 
+#: what each total a savings fraction divides by is, in the reasons of undefined fractions
+_TOTAL_NAMES = {
+    "flops": "compute (FLOPs)",
+    "bytes": "bytes",
+    "bytes_up": "uplink bytes",
+    "bytes_down": "downlink bytes",
+    "sim_time_s": "simulated time",
+    "energy_j": "known energy",
+    "energy_compute_j": "known compute energy",
+    "energy_radio_j": "known radio energy",
+}
+
+
+def _zero_total_reason(key: str, spent: Mapping[str, Any]) -> str:
+    """Why a fraction of the baseline's total ``key`` (from ``spent``) is undefined."""
+    what = _TOTAL_NAMES.get(key, key)
+    if key not in spent:
+        return f"undefined: the baseline has no {what} figure"
+    if key == "sim_time_s":
+        why = "the fleet has no device profiles (no simulated clock) or no client of it ran"
+    elif key.startswith("energy"):
+        why = "its devices have no energy figures or no client of it ran"
+    else:
+        why = "no client of it ran (none was available?)"
+    return f"undefined: the baseline's {what} is 0: {why}"
+
+
 def savings(run_totals: Mapping[str, float], baseline_totals: Mapping[str, float]) -> dict:
     """Fractions of a baseline's compute, bytes, simulated time and energy that a run used
     (``nan`` where the baseline's figure is 0 or absent, e.g. energy on a fleet without energy
-    figures). The energy fractions compare known joules: they are exact when neither run has
-    unpriced FLOPs or bytes (``energy_unpriced_*`` in the totals)."""
+    figures, or everything when no client was ever available; then ``reasons`` maps each such
+    fraction to why, and ``results.json`` holds ``null`` for it). The energy fractions compare
+    known joules: they are exact when neither run has unpriced FLOPs or bytes
+    (``energy_unpriced_*`` in the totals).
 
-    def frac(key: str) -> float:
+    >>> sv = savings({"flops": 0, "bytes": 0}, {"flops": 0, "bytes": 4})
+    >>> sv["bytes_fraction"], sv["compute_fraction"]
+    (0.0, nan)
+    >>> sv["reasons"]["compute_fraction"]
+    "undefined: the baseline's compute (FLOPs) is 0: no client of it ran (none was available?)"
+    """
+    reasons: dict[str, str] = {}
+
+    def frac(name: str, key: str) -> float:
         base = baseline_totals.get(key, 0.0)
-        return float(run_totals.get(key, 0.0)) / base if base else float("nan")
+        if base:
+            return float(run_totals.get(key, 0.0)) / base
+        reasons[name] = _zero_total_reason(key, baseline_totals)
+        return float("nan")
 
-    return {
-        "compute_fraction": frac("flops"),
-        "bytes_fraction": frac("bytes"),
-        "bytes_up_fraction": frac("bytes_up"),
-        "bytes_down_fraction": frac("bytes_down"),
-        "time_fraction": frac("sim_time_s"),
-        "energy_fraction": frac("energy_j"),
-        "energy_compute_fraction": frac("energy_compute_j"),
-        "energy_radio_fraction": frac("energy_radio_j"),
+    out: dict[str, Any] = {
+        "compute_fraction": frac("compute_fraction", "flops"),
+        "bytes_fraction": frac("bytes_fraction", "bytes"),
+        "bytes_up_fraction": frac("bytes_up_fraction", "bytes_up"),
+        "bytes_down_fraction": frac("bytes_down_fraction", "bytes_down"),
+        "time_fraction": frac("time_fraction", "sim_time_s"),
+        "energy_fraction": frac("energy_fraction", "energy_j"),
+        "energy_compute_fraction": frac("energy_compute_fraction", "energy_compute_j"),
+        "energy_radio_fraction": frac("energy_radio_fraction", "energy_radio_j"),
     }
+    if reasons:
+        out["reasons"] = reasons
+    return out
 
 
 def first_reaching(
@@ -483,7 +526,8 @@ def savings_at_accuracy(
     Returns ``target_accuracy``, ``run`` and ``baseline`` (what each spent, or ``None``:
     "not reached") and ``compute_fraction``, ``bytes_fraction``, ``time_fraction``,
     ``energy_fraction`` (``nan`` when either did not reach it or the baseline's figure is 0,
-    e.g. time and energy without device profiles); ``None`` when either run has no final
+    e.g. time and energy without device profiles; then ``reasons`` maps each such fraction to
+    why, and ``results.json`` holds ``null`` for it); ``None`` when either run has no final
     test accuracy.
 
     >>> run = [{"round": 0, "communication_rounds": 1, "cost_flops": 2, "cost_bytes": 4,
@@ -504,17 +548,31 @@ def savings_at_accuracy(
     mine = first_reaching(run_rounds, target, run_initial)
     base = first_reaching(baseline_rounds, target, baseline_initial)
 
-    def frac(key: str) -> float:
-        if mine is None or base is None or not base[key]:
+    reasons: dict[str, str] = {}
+    missed = [who for who, spent in (("run", mine), ("baseline", base)) if spent is None]
+
+    def frac(name: str, key: str) -> float:
+        if missed:
+            reasons[name] = f"undefined: the {' and the '.join(missed)} never reached the target"
+            return float("nan")
+        assert mine is not None and base is not None
+        if not base[key]:
+            reasons[name] = (
+                f"undefined: the baseline's {_TOTAL_NAMES[key]} until it reached the target "
+                "is 0 (it reached it at its initial evaluation, or has no figure for it)"
+            )
             return float("nan")
         return float(mine[key]) / base[key]
 
-    return {
+    out: dict[str, Any] = {
         "target_accuracy": target,
         "run": mine,
         "baseline": base,
-        "compute_fraction": frac("flops"),
-        "bytes_fraction": frac("bytes"),
-        "time_fraction": frac("sim_time_s"),
-        "energy_fraction": frac("energy_j"),
+        "compute_fraction": frac("compute_fraction", "flops"),
+        "bytes_fraction": frac("bytes_fraction", "bytes"),
+        "time_fraction": frac("time_fraction", "sim_time_s"),
+        "energy_fraction": frac("energy_fraction", "energy_j"),
     }
+    if reasons:
+        out["reasons"] = reasons
+    return out

@@ -123,6 +123,7 @@ from radbo.edge import (
 )
 from radbo.experiment import Experiment, build
 from radbo.flops import count_flops, meta_training_inputs, training_step_flops
+from radbo.jsonio import dumps as json_dumps
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.masks.index import dense_mask, extract
 from radbo.masks.policies import RoundPreparedPolicy
@@ -1133,7 +1134,7 @@ def _export(
     }
     manifest_path = out / "manifest.json"
     try:
-        atomic_write_text(manifest_path, json.dumps(manifest, indent=2, allow_nan=True) + "\n")
+        atomic_write_text(manifest_path, json_dumps(manifest, indent=2) + "\n")
     except OSError as err:
         raise ExportError(
             f"export error: cannot write {manifest_path}: {err.strerror or err}"

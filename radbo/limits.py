@@ -50,6 +50,8 @@ __all__ = [
     "MAX_BATCH_SIZE",
     "MAX_BUDGET_STEPS",
     "MAX_CLIENTS",
+    "MAX_CONFIG_BYTES",
+    "MAX_ERROR_LINES",
     "MAX_ROUNDS",
     "MAX_STEPS",
     "MAX_STEP_SIZE",
@@ -128,6 +130,13 @@ StepSize = Annotated[
 MAX_BATCH_SIZE = 1_000_000_000
 #: A batch size, at most :data:`MAX_BATCH_SIZE` (always; ``--force`` does not lift it).
 BatchSize = Annotated[int, Field(le=MAX_BATCH_SIZE)]
+
+
+#: The largest config file radbo reads (bytes, checked from its size before it is read): the
+#: shipped configs are a few kB; a 53 MB file of 3 million keys took 5 GB to validate.
+MAX_CONFIG_BYTES = 1_000_000
+#: Problems a config error lists at most, one line each, then one line "and K more problems".
+MAX_ERROR_LINES = 20
 
 
 #: Timed runs per latency figure of an exported program by default, after two untimed warm-up

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from radbo.checkpoint import atomic_write, atomic_write_text
+from radbo.jsonio import dumps as json_dumps
 
 __all__ = [
     "FORMATS",
@@ -134,7 +135,9 @@ def _accuracy_points(
     points = []
     if initial is not None and _is_number(initial.get("test_accuracy")):
         points.append((0, initial["test_accuracy"]))
-    points += [(r["round"] + 1, r["test_accuracy"]) for r in rounds if "test_accuracy" in r]
+    points += [
+        (r["round"] + 1, r["test_accuracy"]) for r in rounds if _is_number(r.get("test_accuracy"))
+    ]
     return points
 
 
@@ -270,10 +273,11 @@ def _validate(path: Path, data: Any) -> None:
 def _check_rounds(path: Path, where: str, rounds: list[Any]) -> None:
     for i, row in enumerate(rounds):
         _check_numbers(path, f"{where}[{i}]", row, _ROUND_KEYS)
-        for key in ("test_accuracy", "test_loss"):
-            if key in row and not _is_number(row[key]):
+        for key in ("test_accuracy", "test_loss"):  # null: undefined (a NaN written as null)
+            if row.get(key) is not None and not _is_number(row[key]):
                 raise ReportError(
-                    f"report error: {path}: {where}[{i}].{key} must be a number, got {row[key]!r}"
+                    f"report error: {path}: {where}[{i}].{key} must be a number or null, got "
+                    f"{row[key]!r}"
                 )
 
 
@@ -283,9 +287,10 @@ def _check_initial(path: Path, where: str, initial: Any) -> None:
     if not isinstance(initial, dict):
         raise ReportError(f"report error: {path}: {where!r} must be an object")
     for key in ("test_accuracy", "test_loss"):
-        if key in initial and not _is_number(initial[key]):
+        if initial.get(key) is not None and not _is_number(initial[key]):
             raise ReportError(
-                f"report error: {path}: {where}.{key} must be a number, got {initial[key]!r}"
+                f"report error: {path}: {where}.{key} must be a number or null, got "
+                f"{initial[key]!r}"
             )
 
 
@@ -1257,7 +1262,7 @@ def compare(
         plots = _draw(figures, out, fmts)
         md_path, json_path = out / "report.md", out / "report.json"
         atomic_write_text(md_path, markdown)
-        atomic_write_text(json_path, json.dumps(data, indent=2, allow_nan=True) + "\n")
+        atomic_write_text(json_path, json_dumps(data, indent=2) + "\n")
     except OSError as err:
         where = err.filename or out
         raise ReportError(f"report error: {where}: cannot write: {err.strerror or err}") from None

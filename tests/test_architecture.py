@@ -43,7 +43,7 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: The layers of radbo, lowest first. A module may import its own package and any package of a
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
-    {"typing", "randomness", "registry", "version", "limits", "lazy"},
+    {"typing", "randomness", "registry", "version", "limits", "lazy", "jsonio"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
     {"client", "data"},
@@ -79,7 +79,9 @@ def imports_of(path: Path) -> list[str]:
                 module = f"{base}.{n.module}" if n.module else base
             else:
                 module = n.module or ""
-            if module.split(".")[0] == "radbo":
+            if module == "radbo":  # from radbo import jsonio: the modules named
+                found += [f"radbo.{a.name}" for a in n.names]
+            elif module.split(".")[0] == "radbo":
                 found += [module]
     return found
 

@@ -127,20 +127,43 @@ def test_crash_in_the_baseline_resumes_both_runs(tmp_path, monkeypatch):
     assert comparable(tmp_path / "whole") == comparable(tmp_path / "cut")
 
 
-def test_extending_a_finished_run_equals_running_longer(tmp_path):
-    """The run and its baseline both continue from their last checkpoints (rounds 2 -> 3)."""
+@pytest.mark.parametrize(("short", "longer"), [(2, 3), (3, 5)])
+def test_extending_a_finished_run_equals_running_longer(tmp_path, short, longer):
+    """The run and its baseline both continue from their last checkpoints; every round record
+    (metrics, evaluations, costs), the totals, the ledger and the state equal those of a run
+    made at the longer length at once. With eval_every = 2, a run of 2 rounds ends on a
+    regular evaluation, which stays; a run of 3 evaluated its last round only for being the
+    last (issue 28, item 7): extended, that evaluation goes, from the record and from the
+    divergence guard's running test loss."""
     long = run(
-        small_config(rounds=3, checkpoint_every=2), progress=False, output_dir=tmp_path / "a"
+        small_config(rounds=longer, checkpoint_every=2),
+        progress=False,
+        output_dir=tmp_path / "a",
     )
-    run(small_config(rounds=2, checkpoint_every=2), progress=False, output_dir=tmp_path / "b")
+    first = run(
+        small_config(rounds=short, checkpoint_every=2), progress=False, output_dir=tmp_path / "b"
+    )
+    assert any(k.startswith("test_") for k in first.rounds[-1])  # the last round is evaluated
     extended = run(
-        small_config(rounds=3, checkpoint_every=2),
+        small_config(rounds=longer, checkpoint_every=2),
         progress=False,
         output_dir=tmp_path / "b",
         resume=True,
     )
     assert comparable(tmp_path / "a") == comparable(tmp_path / "b")
-    assert_same_state(long.state, extended.state)
+    for whole, resumed in ((long, extended), (long.baseline, extended.baseline)):
+        assert whole is not None and resumed is not None
+        strip = [{k: v for k, v in r.items() if k != "wall_time_s"} for r in whole.rounds]
+        assert strip == [{k: v for k, v in r.items() if k != "wall_time_s"} for r in resumed.rounds]
+        assert whole.totals == resumed.totals and whole.final == resumed.final
+        assert_same_state(whole.state, resumed.state)
+    evaluated = [r["round"] for r in extended.rounds if "test_accuracy" in r]
+    assert evaluated == [q for q in range(longer) if (q + 1) % 2 == 0 or q == longer - 1]
+    # the engine's state in the last checkpoint is the longer run's too (the guard's values)
+    index = [
+        json.loads((tmp_path / d / "checkpoints/run/checkpoint.json").read_text()) for d in "ab"
+    ]
+    assert index[0]["simulation"] == index[1]["simulation"]
 
 
 def test_resume_without_checkpoint_is_refused_not_started_afresh(tmp_path):
@@ -221,7 +244,8 @@ def save(tmp_path, state, rounds_done=1):
         state=state,
         rounds_done=rounds_done,
         clock_s=1.5,
-        rows=[{**ROW, "loss": float("nan")}],
+        # a NaN metric: nothing measured (no client result reached that phase)
+        rows=[{**ROW, "round": r, "loss": float("nan")} for r in range(rounds_done)],
         ledger=[],
         sim_tensors={"coverage/x/w": torch.tensor([True, False])},
         sim_meta={"coverage": {}},

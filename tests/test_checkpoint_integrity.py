@@ -72,7 +72,8 @@ def save(folder, k: int):
         state=state(k),
         rounds_done=k,
         clock_s=1.5 * k,
-        rows=[{**ROW, "round": r} for r in range(k)],
+        # the clock after round r is 1.5 (r + 1): the loader checks clock_s against the rows
+        rows=[{**ROW, "round": r, "sim_clock_s": 1.5 * (r + 1)} for r in range(k)],
         ledger=[{**LEDGER_ROW, "round": r} for r in range(k)],
         sim_tensors={"coverage/x/w": torch.tensor([True, False])},
         sim_meta={"coverage": {}, "flop_meter": None},

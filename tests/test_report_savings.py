@@ -175,3 +175,15 @@ def test_report_table_of_savings_at_equal_accuracy(tmp_path: Path) -> None:
     # target 0.7: the run and the baseline reach it in round 2, the run with 20 FLOPs, the
     # baseline with 40; bytes, clock and joules per round are the same for both
     assert "| rabo | 0.7000 | 2 / 2 | 50.0% | 100.0% | 100.0% | 100.0% |" in markdown
+
+
+def test_summary_of_one_test_episode_prints_no_interval() -> None:
+    # few-shot: the 95 % interval of a mean over one test episode is undefined (NaN): the
+    # summary leaves it out instead of printing "± nan"
+    result = _result(None)
+    result.final = {"test_accuracy": 0.8, "test_loss": 0.5, "test_accuracy_ci95": math.nan}
+    many = _result(None)
+    many.final = {**result.final, "test_accuracy_ci95": 0.0125, "test_episodes": 300.0}
+
+    assert summary_lines(result)[0] == "final test accuracy: 0.8000"
+    assert summary_lines(many)[0] == ("final test accuracy: 0.8000 ± 0.0125 (95% CI, 300 episodes)")

@@ -149,7 +149,13 @@ class FileData(DataConfig):
             if limit is not None:
                 split = stratified_subset(split, limit, generator(seed, Stream.SUBSET, i))
             parts.append(split)
-        return parts[0], parts[1]
+        train, test = parts
+        if train.input_shape != test.input_shape:  # e.g. an IDX header's rows or columns
+            raise ValueError(
+                f"{train.name} holds examples of shape {train.input_shape} but {test.name} "
+                f"of shape {test.input_shape}; expected the same shape in both splits"
+            )
+        return train, test
 
 
 @DATA.register
@@ -258,7 +264,9 @@ class LibSVMData(DataConfig):
 
     def _read(self, field: Literal["path", "test_path"]) -> tuple[np.ndarray, np.ndarray]:
         path = str(getattr(self, field))
-        if not Path(path).is_file():  # name the field (a run's error names only data.name)
+        # name the field (a run's error names only data.name); exists(), not is_file(): a
+        # FIFO or device is refused by read_libsvm, by what it is, not reported missing
+        if not Path(path).exists():
             raise FileNotFoundError(
                 f"data.{field} = {path!r} is missing; expected a LIBSVM text file "
                 "('<label> <index>:<value> ...' lines, 1-based indices)"

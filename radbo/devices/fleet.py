@@ -27,8 +27,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from radbo.data.readers import open_regular_file, read_at_most
 from radbo.devices.catalog import load_catalog, unknown_device_message
 from radbo.devices.profile import DAY_S, DeviceProfile, ProfileError, parse_profile
+from radbo.limits import caps_are_lifted
 
 __all__ = ["FLEET_FORMAT", "Fleet", "WindowSchedule", "largest_remainder_counts"]
 
@@ -40,6 +42,12 @@ _TRACE_FIELDS = ("computation", "communication")
 # finish_time; duration and model are read past (FedScale does not use them for availability)
 _BEHAVIOR_FIELDS = ("active", "inactive", "finish_time")
 _BEHAVIOR_IGNORED = ("duration", "model")
+#: The largest fleet file, trace or behaviour trace read without ``radbo run --force``:
+#: 256 MiB, about 190,000 device profiles as :meth:`Fleet.to_file` writes them (1.4 kB each
+#: with the catalog's source notes) or 4 million trace clients. Parsed, such a file takes
+#: several times its size in memory; a file far larger is a mistake (or a sparse file of
+#: gigabytes). With ``--force`` a file may take up to a quarter of this machine's memory.
+MAX_TABLE_FILE_BYTES = 256 << 20
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:
@@ -182,14 +190,70 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _table_file_cap() -> int:
+    """:data:`MAX_TABLE_FILE_BYTES`, or a quarter of this machine's memory under ``--force``."""
+    if not caps_are_lifted():
+        return MAX_TABLE_FILE_BYTES
+    import psutil
+
+    return max(MAX_TABLE_FILE_BYTES, int(psutil.virtual_memory().total) // 4)
+
+
+def _read_file(path: Path, what: str) -> bytearray:
+    """The bytes of ``path``, a fleet file, trace or behaviour trace.
+
+    Bounded: only a regular file is opened (a FIFO would block the read forever, a device
+    such as ``/dev/zero`` never end: both refused before opening, by what they are), and its
+    size is checked against :data:`MAX_TABLE_FILE_BYTES` before anything is read (a sparse
+    30 GiB file costs a stat). Errors are one :class:`ProfileError` line naming the file.
+    """
+    try:
+        handle, size = open_regular_file(path, what)
+    except FileNotFoundError:
+        raise ProfileError(
+            f"device profile error: {what} {path} does not exist or is not a file"
+        ) from None
+    except ValueError as err:  # a special file, a NUL in the name, a name too long
+        raise ProfileError(f"device profile error: {err}") from None
+    cap = _table_file_cap()
+    with handle:
+        if size > cap:
+            lift = "" if caps_are_lifted() else "; radbo run --force lifts this cap"
+            raise ProfileError(
+                f"device profile error: {what} {path} holds {size} bytes, more than the {cap} "
+                f"a {what} may hold (about 190,000 device profiles or 4 million trace "
+                f"clients){lift}"
+            )
+        try:
+            raw = read_at_most(handle, cap + 1)
+        except OSError as err:
+            raise ProfileError(
+                f"device profile error: {what} {path} cannot be read: {err.strerror or err}"
+            ) from None
+        except MemoryError:
+            raise ProfileError(
+                f"device profile error: {what} {path} does not fit in the memory free now"
+            ) from None
+    if len(raw) > cap:  # the file grew while it was read
+        raise ProfileError(f"device profile error: {what} {path} grew past {cap} bytes")
+    return raw
+
+
+def _text(raw: bytearray) -> str:
+    """``raw`` decoded as UTF-8, newlines translated as :meth:`Path.read_text` does."""
+    text = raw.decode("utf-8")
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
 def _read_table(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
-    """Parse a JSON or TOML file (by suffix) into a dict; errors are :class:`ProfileError`."""
+    """Parse a JSON or TOML file (by suffix) into a dict; errors are :class:`ProfileError`
+    lines naming the file (a special file, a file above the size cap: see :func:`_read_file`)."""
     path = Path(path)
     suffix = _suffix(path)
-    if not path.is_file():
-        raise ProfileError(f"device profile error: {what} {path} does not exist or is not a file")
+    raw = _read_file(path, what)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _text(raw)
+        del raw
         if suffix == ".json":
             data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         else:

@@ -5,6 +5,8 @@ run it, save it.
 * :mod:`radbo.experiment.evaluation` -- the test-set evaluator and static-BN calibration;
 * :mod:`radbo.experiment.baseline` -- the paired full-model baseline run;
 * :mod:`radbo.experiment.runner` -- the round loop, checkpoints and results;
+* :mod:`radbo.experiment.lock` -- one writer per run folder (``radbo.lock``), path errors;
+* :mod:`radbo.experiment.stop` -- SIGINT / SIGTERM: stop after the round, resumable;
 * :mod:`radbo.experiment.logs` -- ``metrics.csv`` and TensorBoard scalars per round;
 * :mod:`radbo.experiment.summary` -- the summary ``radbo run`` prints;
 * :mod:`radbo.experiment.seeds` -- one config under several seeds, mean and 95 % interval.
@@ -25,6 +27,7 @@ from radbo.experiment.build import (
     partition,
 )
 from radbo.experiment.evaluation import calibrate_batchnorm, calibration_inputs, make_evaluator
+from radbo.experiment.lock import RunFolderBusyError, RunFolderError
 from radbo.experiment.runner import (
     RunResult,
     check_run_folder,
@@ -33,10 +36,15 @@ from radbo.experiment.runner import (
     save_results,
 )
 from radbo.experiment.seeds import SeedsResult, run_seeds
+from radbo.experiment.stop import RunAborted, RunStopped, stop_on_signals
 
 __all__ = [
     "Experiment",
+    "RunAborted",
+    "RunFolderBusyError",
+    "RunFolderError",
     "RunResult",
+    "RunStopped",
     "SeedsResult",
     "baseline_config",
     "budget_planner",
@@ -57,4 +65,5 @@ __all__ = [
     "run_folder_contents",
     "run_seeds",
     "save_results",
+    "stop_on_signals",
 ]

@@ -8,10 +8,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,17 @@ from radbo.cost import (
 )
 from radbo.experiment.baseline import baseline_config
 from radbo.experiment.build import Experiment, build
+from radbo.experiment.lock import (
+    LOCK_FILE,
+    RunFolderError,
+    lock_run_folder,
+    path_errors,
+    path_problem,
+)
 from radbo.experiment.logs import RoundLogger, write_metrics_csv
 from radbo.experiment.progress import progress_bar
+from radbo.experiment.stop import RunStopped, signal_name, stop_requested
+from radbo.jsonio import dumps as json_dumps
 from radbo.limits import caps_lifted
 from radbo.version import __version__
 
@@ -79,6 +87,9 @@ class RunResult:
         overrides: the command-line overrides the config was made with
             (``"algorithm.inner_lr=0.2"``, :func:`radbo.config.apply_overrides`), as given;
             ``results.json`` records them beside the merged config.
+        stopped: ``None``, or, for a run stopped early by SIGINT / SIGTERM
+            (:mod:`radbo.experiment.stop`), when: ``"SIGTERM after round 3 of 60"``
+            (``results.json`` has it then: its rounds are those run so far).
     """
 
     config: RunConfig
@@ -95,6 +106,12 @@ class RunResult:
     overrides: list[str] = field(default_factory=list)
     savings_at_accuracy: dict[str, Any] | None = None
     initial: dict[str, float] | None = None
+    stopped: str | None = None
+    # writes this run's state after its last round as a checkpoint into a folder (a stop in
+    # the baseline keeps the finished main run resumable from checkpoints/run)
+    _write_checkpoint: Callable[[Path], object] | None = field(
+        default=None, repr=False, compare=False
+    )
 
 
 def run(
@@ -121,9 +138,9 @@ def run(
     checkpoint of the run is a :class:`CheckpointError`: nothing is started afresh unasked):
     the result is the same as an uninterrupted run's, number for number. The
     stored config must match ``config`` except ``rounds``, which may grow (``output_dir`` and
-    ``checkpoint_every`` may differ too). One caveat when extending a finished run: its last
-    round was evaluated even if ``eval_every`` does not divide it, so the extended
-    ``results.json`` has one more evaluation row than a run made at the new length at once.
+    ``checkpoint_every`` may differ too). Extending a finished run equals running the longer
+    run at once: the evaluation its last round got only because it was last is dropped
+    (:func:`radbo.checkpoint.forget_end_of_run_evaluation`).
 
     ``backend_factory(run_config)``, when given, makes the backend that runs the client work of
     each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
@@ -133,22 +150,50 @@ def run(
     folder that already holds a run (:func:`check_run_folder`; ``radbo run`` without
     ``--overwrite``); the default writes over it. ``overrides`` are recorded in
     ``results.json`` (:attr:`RunResult.overrides`), not applied: ``config`` has them already.
+
+    A run that writes takes the lock of its output folder first (``radbo.lock``,
+    :mod:`radbo.experiment.lock`) and releases it at the end: a second run into a folder
+    another process is running into is refused (``RunFolderBusyError``, naming its PID).
+    Paths the system refuses (a name too long, a NUL character), a folder where the run
+    writes a file or the reverse, and results that cannot be written (disk full, a read-only
+    folder) are a ``RunFolderError`` naming the path, each found before round 0 where it
+    can be.
+
+    Under :func:`radbo.experiment.stop.stop_on_signals` (what ``radbo run`` does), SIGINT and
+    SIGTERM stop the run after its current round: it writes a checkpoint to
+    ``<output_dir>/checkpoints/run`` (``.../baseline`` in the baseline; with or without
+    ``checkpoint_every``), saves the results so far (with ``save``) and raises
+    :class:`~radbo.experiment.stop.RunStopped`; ``resume=True`` then continues it to the
+    numbers an uninterrupted run gives. A stop in the main run stops its baseline too.
     """
     out = Path(output_dir if output_dir is not None else config.output_dir)
     writes = save or config.checkpoint_every is not None
-    if writes or resume:
-        check_run_folder(out, resume=resume, overwrite=overwrite or not writes)
     made = _make_output_dir(out) if writes else []
     try:
-        with torch_threads(config.runtime.threads):
-            return _run(
-                config, progress, output_dir, save, resume, backend_factory, tuple(overrides)
-            )
+        # the lock first: a run in progress is named as such, not as a folder holding a run
+        with _locked(out) if writes else nullcontext():
+            if writes or resume:
+                check_run_folder(out, resume=resume, overwrite=overwrite or not writes)
+            with torch_threads(config.runtime.threads):
+                return _run(
+                    config, progress, output_dir, save, resume, backend_factory, tuple(overrides)
+                )
     except BaseException:  # a refused config, a failed run: leave no empty folders behind
         for folder in made:
             with suppress(OSError):
                 folder.rmdir()  # only if still empty
         raise
+
+
+@contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """The lock of the run folder ``out`` held inside the block (released on the way out)."""
+    with path_errors(out, "run folder error: cannot lock the output folder"):
+        lock = lock_run_folder(out)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextmanager
@@ -177,6 +222,7 @@ def _run(
 ) -> RunResult:
     out = Path(output_dir if output_dir is not None else config.output_dir)
     checkpoints = out / "checkpoints"
+    keeps = save or config.checkpoint_every is not None  # a stopped run leaves a checkpoint
     result = _run_once(
         config,
         progress=progress,
@@ -186,34 +232,69 @@ def _run(
         backend_factory=backend_factory,
         final=checkpoints / "final" if save else None,
         log_dir=out / "tensorboard" / "run" if save else None,
+        checkpoint_on_stop=keeps,
     )
-    if config.baseline.enabled:
-        with caps_lifted():  # config passed the caps (or was forced past them); so does this
-            base_config = baseline_config(config)
-        base = _run_once(
-            base_config,
-            progress=progress,
-            desc="baseline",
-            checkpoints=checkpoints / "baseline",
-            resume=resume,
-            backend_factory=backend_factory,
-            log_dir=out / "tensorboard" / "baseline" if save else None,
-        )
-        result.baseline = base
-        result.savings = savings(result.totals, base.totals)
-        result.savings_at_accuracy = savings_at_accuracy(
-            result.rounds,
-            result.final,
-            base.rounds,
-            base.final,
-            run_initial=result.initial,
-            baseline_initial=base.initial,
-        )
+    if config.baseline.enabled and result.stopped is None:
+        signum = stop_requested()
+        if signum is not None:  # between the two runs: the baseline is not begun
+            result.stopped = (
+                f"{signal_name(signum)} after round {config.rounds} of {config.rounds}, "
+                "before the baseline"
+            )
+        else:
+            with caps_lifted():  # config passed the caps (or was forced past them); so does this
+                base_config = baseline_config(config)
+            base = _run_once(
+                base_config,
+                progress=progress,
+                desc="baseline",
+                checkpoints=checkpoints / "baseline",
+                resume=resume,
+                backend_factory=backend_factory,
+                log_dir=out / "tensorboard" / "baseline" if save else None,
+                checkpoint_on_stop=keeps,
+            )
+            result.baseline = base
+            if base.stopped is not None:  # savings of a part of the baseline would mislead
+                result.stopped = f"{base.stopped} of the baseline"
+            else:
+                result.savings = savings(result.totals, base.totals)
+                result.savings_at_accuracy = savings_at_accuracy(
+                    result.rounds,
+                    result.final,
+                    base.rounds,
+                    base.final,
+                    run_initial=result.initial,
+                    baseline_initial=base.initial,
+                )
+        if result.stopped is not None and keeps and config.checkpoint_every is None:
+            # the finished main run's state where --resume looks for it (with
+            # checkpoint_every its last checkpoint there holds it already)
+            assert result._write_checkpoint is not None, "a finished run keeps its writer"
+            result._write_checkpoint(checkpoints / "run")
     result.overrides = list(overrides)
     if save:
-        save_results(result, out)
+        _save(result, out)
         result.output_dir = out
+    if result.stopped is not None:
+        signum = stop_requested()
+        raise RunStopped(signum if signum is not None else 0, out if keeps else None, result)
     return result
+
+
+def _save(result: RunResult, out: Path) -> None:
+    """:func:`save_results`, with a write the system refuses (disk full, a read-only folder)
+    as a :class:`RunFolderError` naming the file, not a traceback after the last round."""
+    try:
+        save_results(result, out)
+    except OSError as err:
+        name = f" ({err.filename})" if err.filename else ""
+        kept = ""
+        if has_checkpoint(out / "checkpoints" / "run"):
+            kept = "; its checkpoints are intact: make room and continue with --resume"
+        raise RunFolderError(
+            f"run folder error: cannot write the results to {out}{name}: {path_problem(err)}{kept}"
+        ) from None
 
 
 # config keys a resumed run may change: the target length, where it writes, how often,
@@ -231,10 +312,16 @@ def _run_once(
     backend_factory: Callable[[RunConfig], Backend] | None = None,
     final: Path | None = None,
     log_dir: Path | None = None,
+    checkpoint_on_stop: bool = False,
 ) -> RunResult:
     """One run of ``config`` (the main run or its baseline). ``final``: where to write the
     state after the last round as a checkpoint (what ``radbo export RUN_DIR`` exports) when
-    no checkpoint of ``checkpoints`` holds it already."""
+    no checkpoint of ``checkpoints`` holds it already.
+
+    When a stop is requested (:func:`radbo.experiment.stop.stop_requested`) the run ends
+    after the round in progress, its checkpoint written to ``checkpoints`` with
+    ``checkpoint_on_stop`` (as the regular checkpoint of that round would be), and the
+    result says so (:attr:`RunResult.stopped`)."""
     # per-round TensorBoard scalars ([logging] tensorboard) to log_dir; a missing extra is
     # a ConfigError before anything is built
     board = RoundLogger(
@@ -250,10 +337,35 @@ def _run_once(
     ledger: list[dict[str, Any]] = []
     fallback: str | None = None
     if resume and checkpoints is not None and has_checkpoint(checkpoints):
-        # verified (SHA-256, index model, finite tensors); falls back to the previous
-        # checkpoint with a CheckpointWarning when the newest is damaged
+        from radbo.checkpoint import (
+            Checkpoint,
+            forget_end_of_run_evaluation,
+            remove_temporary_files,
+        )
+        from radbo.simulation.divergence import SMOOTHING
+
+        remove_temporary_files(checkpoints)  # left by saves that crashed
+
+        def restore(ckpt: Checkpoint) -> None:
+            if ckpt.rounds_done < config.rounds:  # extending a finished run: as a longer run
+                forget_end_of_run_evaluation(ckpt, config.eval_every, SMOOTHING)
+            sim.load_state_dict(
+                ckpt.sim_tensors,
+                ckpt.sim_meta,
+                template=exp.initial_state,
+                rows=ckpt.rows,
+                ledger=ckpt.ledger,
+            )
+
+        # verified (SHA-256, index model, finite tensors) and checked for sense (shapes,
+        # counters against the history), the engine's state restored as its last check; falls
+        # back to the previous checkpoint with a CheckpointWarning when the newest is unusable
         ckpt = load_checkpoint(
-            checkpoints, template=exp.initial_state, config=config_data, ignore=_RESUMABLE
+            checkpoints,
+            template=exp.initial_state,
+            config=config_data,
+            ignore=_RESUMABLE,
+            restore=restore,
         )
         if ckpt.rounds_done > config.rounds:
             raise CheckpointError(
@@ -262,19 +374,13 @@ def _run_once(
             )
         state, clock_s, done = ckpt.state, ckpt.clock_s, ckpt.rounds_done
         rows, ledger, fallback = ckpt.rows, ckpt.ledger, ckpt.fallback
-        try:
-            sim.load_state_dict(ckpt.sim_tensors, ckpt.sim_meta)
-        except (AttributeError, KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(
-                f"the checkpoint in {checkpoints} holds an engine state this run cannot "
-                f"restore: {err!r}"
-            ) from None
     initial = _initial_evaluation(exp)
     board.start(rows, initial)
     every = config.checkpoint_every
     bar = progress_bar(config.rounds, initial=done, desc=desc, enabled=progress)
     last_eval = _last_evaluation(rows)
     diverged = next((r["divergence"] for r in reversed(rows) if "divergence" in r), None)
+    stopped: str | None = None
     try:
         start = state
         for state, record in sim.iterate(start, config.rounds - done, done, clock_s):  # noqa: B007
@@ -284,8 +390,15 @@ def _run_once(
             if record.evaluation is not None:
                 last_eval = record.evaluation
             completed = record.round + 1
-            if every is not None and checkpoints is not None:
-                if completed % every == 0 or completed == config.rounds:
+            # read once: a signal may come at any moment; a stop after the last round is none
+            signum = stop_requested() if completed < config.rounds else None
+            if signum is not None:
+                stopped = f"{signal_name(signum)} after round {completed} of {config.rounds}"
+            if checkpoints is not None:
+                regular = every is not None and (
+                    completed % every == 0 or completed == config.rounds
+                )
+                if regular or (stopped is not None and checkpoint_on_stop):
                     sim_tensors, sim_meta = sim.state_dict()
                     save_checkpoint(
                         checkpoints,
@@ -315,14 +428,18 @@ def _run_once(
                 if diverged["action"] == "rollback":
                     postfix["diverged"] += f" rolled back, lr x{diverged['lr_scale']:g}"
             bar.set_postfix(postfix)
+            if stopped is not None:
+                break
     finally:
         bar.close()
         board.close()
         _close(sim.backend)
-    if final is not None and (every is None or checkpoints is None):
+
+    def write_checkpoint(directory: Path) -> Path:
+        """The state after the last round run, as a checkpoint in ``directory``."""
         sim_tensors, sim_meta = sim.state_dict()
-        save_checkpoint(
-            final,
+        return save_checkpoint(
+            directory,
             config=config_data,
             state=state,
             rounds_done=len(rows),
@@ -332,6 +449,10 @@ def _run_once(
             sim_tensors=sim_tensors,
             sim_meta=sim_meta,
         )
+
+    # a stopped run is not finished: no final state to export
+    if stopped is None and final is not None and (every is None or checkpoints is None):
+        write_checkpoint(final)
     entries = [LedgerEntry(**row) for row in ledger]
     run_totals = totals(entries)
     run_totals["communication_rounds"] = sum(r["communication_rounds"] for r in rows)
@@ -356,6 +477,8 @@ def _run_once(
         ledger=ledger,
         resumed_from_fallback=fallback,
         initial=initial,
+        stopped=stopped,
+        _write_checkpoint=None if stopped is not None else write_checkpoint,
     )
 
 
@@ -363,21 +486,73 @@ def _make_output_dir(out: Path) -> list[Path]:
     """Create the output folder before round 0, so that a folder that cannot be made or
     written is a :class:`ConfigError` naming it, not a traceback after the last round.
     Returns the folders it created, deepest first."""
-    made = [p for p in (out, *out.parents) if not p.exists()]
+    _check_path(out)
     problem = None
-    if out.exists() and not out.is_dir():
-        problem = "it is a file, not a folder"
-    else:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            problem = f"the folder cannot be created ({err.strerror or err})"
+    with path_errors(out, "config error: output_dir ="):
+        made = [p for p in (out, *out.parents) if not p.exists()]
+        if out.exists() and not out.is_dir():
+            problem = "it is a file, not a folder"
         else:
-            if not os.access(out, os.W_OK | os.X_OK):
-                problem = "the folder is not writable"
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                problem = f"the folder cannot be created ({err.strerror or err})"
+            else:
+                if not os.access(out, os.W_OK | os.X_OK):
+                    problem = "the folder is not writable"
     if problem is not None:
         raise ConfigError(f"config error: output_dir = {str(out)!r}: {problem}")
     return made
+
+
+def _check_path(out: Path) -> None:
+    """A :class:`RunFolderError` for an output folder path no system accepts (a NUL
+    character), before anything looks it up (``Path.exists`` says ``False`` to it)."""
+    if "\0" in str(out):
+        raise RunFolderError(
+            f"config error: output_dir = {str(out)!r}: a path cannot hold a NUL character"
+        )
+
+
+#: What a run writes in its folder, by kind: a file or folder of another kind there is
+#: refused before round 0 (it would stop the run at its first checkpoint or after its last
+#: round, the results lost).
+_RUN_FILES = (
+    "results.json",
+    "ledger.json",
+    "metrics.csv",
+    "baseline_metrics.csv",
+    "accuracy.png",
+    LOCK_FILE,
+)
+_RUN_FOLDERS = (
+    "checkpoints",
+    "checkpoints/run",
+    "checkpoints/baseline",
+    "checkpoints/final",
+    "tensorboard",
+)
+
+
+def _check_layout(out: Path) -> None:
+    """A :class:`RunFolderError` when ``out`` holds a folder where a run writes a file
+    (``results.json``, ...) or something else than a folder where it writes one
+    (``checkpoints``, ...)."""
+    for name in _RUN_FILES:
+        path = out / name
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise RunFolderError(
+                f"run folder error: {path} is {kind}, where the run writes a file; move it "
+                "away, or write elsewhere (--output-dir)"
+            )
+    for name in _RUN_FOLDERS:
+        path = out / name
+        if path.exists() and not path.is_dir():
+            raise RunFolderError(
+                f"run folder error: {path} is a file, where the run writes a folder; move it "
+                "away, or write elsewhere (--output-dir)"
+            )
 
 
 def run_folder_contents(out: str | Path) -> list[str]:
@@ -403,12 +578,18 @@ def check_run_folder(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     ``resume``: ``out`` must hold a checkpoint of the run (``checkpoints/run``), else a
     :class:`CheckpointError` says so and how to start afresh. Otherwise, unless
     ``overwrite``, a folder that holds a run (:func:`run_folder_contents`) is refused with a
-    :class:`ConfigError` naming it and the ways out.
+    :class:`ConfigError` naming it and the ways out. Always: a path the system refuses, and a
+    folder where the run writes a file (``results.json``, ...) or a file where it writes a
+    folder (``checkpoints``, ...), are a :class:`RunFolderError` naming it.
     """
     out = Path(out)
-    found = run_folder_contents(out)
+    _check_path(out)
+    with path_errors(out, "config error: output_dir ="):
+        _check_layout(out)
+        found = run_folder_contents(out)
+        resumable = has_checkpoint(out / "checkpoints" / "run")
     if resume:
-        if has_checkpoint(out / "checkpoints" / "run"):
+        if resumable:
             return
         if found:
             raise CheckpointError(
@@ -455,6 +636,8 @@ def _summary(result: RunResult) -> dict[str, Any]:
         summary["initial"] = result.initial
     if result.resumed_from_fallback is not None:  # only when a resume fell back
         summary["resumed_from_fallback"] = result.resumed_from_fallback
+    if result.stopped is not None:  # only for a run stopped early: its rounds so far
+        summary["stopped"] = result.stopped
     return summary
 
 
@@ -479,8 +662,8 @@ def save_results(result: RunResult, out: Path) -> None:
         }
         payload["savings"] = result.savings
         payload["savings_at_accuracy"] = result.savings_at_accuracy
-    atomic_write_text(out / "results.json", json.dumps(payload, indent=2, allow_nan=True))
-    atomic_write_text(out / "ledger.json", json.dumps(result.ledger, allow_nan=True))
+    atomic_write_text(out / "results.json", json_dumps(payload, indent=2))
+    atomic_write_text(out / "ledger.json", json_dumps(result.ledger))
     for each, name in ((result, "metrics.csv"), (result.baseline, "baseline_metrics.csv")):
         if each is not None:
             clock = each.config.fleet.has_devices

@@ -14,7 +14,7 @@ The runs differ only in ``seed``: each ``results.json`` holds the same config bu
 
 from __future__ import annotations
 
-import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from radbo.experiment.runner import (
     run,
     run_folder_contents,
 )
+from radbo.jsonio import dumps as json_dumps
 from radbo.report import mean_ci95
 from radbo.version import __version__
 
@@ -77,12 +78,15 @@ def seed_folder(output_dir: str | Path, seed: int) -> Path:
 
 
 def _summary(values: list[float]) -> dict[str, Any]:
-    mean, half = mean_ci95(values)  # the interval radbo report draws, Student's t
+    """Mean, CI half-width, std and ``n`` of the finite ``values`` (a fraction that is 0 / 0
+    for a seed, NaN, is left out: ``None`` when every one is), and every value."""
+    known = [v for v in values if math.isfinite(v)]
+    mean, half = mean_ci95(known) if known else (None, None)  # Student's t, as radbo report
     return {
         "mean": mean,
         "ci95": half,
-        "std": statistics.stdev(values) if len(values) > 1 else None,
-        "n": len(values),
+        "std": statistics.stdev(known) if len(known) > 1 else None,
+        "n": len(known),
         "values": values,
     }
 
@@ -108,7 +112,10 @@ def aggregate_runs(
     per final metric (``final``), run total (``totals``), baseline final metric
     (``baseline_final``) and savings fraction (``savings``), the mean, the half-width of
     the 95 % confidence interval of the mean (``ci95``, Student's t; ``None`` for one seed),
-    the standard deviation, ``n`` and the per-seed values, in the order of ``seeds``."""
+    the standard deviation, ``n`` and the per-seed values, in the order of ``seeds``. A
+    value that is undefined for a seed (NaN: a savings fraction of 0 / 0 when no client was
+    ever available) counts in none of the figures, ``n`` included, and is ``null`` among the
+    values of ``aggregate.json``; the figures are ``None`` when it is so for every seed."""
     config = results[0].config.model_dump(mode="json")
     config.pop("seed", None)
     return {
@@ -129,7 +136,7 @@ def aggregate_runs(
 def _figure(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.4g}" if value == value else "nan"
+    return f"{value:.4g}" if math.isfinite(value) else "-"
 
 
 def aggregate_table(aggregate: dict[str, Any]) -> list[str]:
@@ -185,7 +192,7 @@ def write_aggregate(aggregate: dict[str, Any], output_dir: str | Path) -> tuple[
     """Write ``aggregate.json`` and ``aggregate.md`` to ``output_dir`` (atomically)."""
     out = Path(output_dir)
     paths = (out / AGGREGATE_JSON, out / AGGREGATE_MD)
-    atomic_write_text(paths[0], json.dumps(aggregate, indent=2, allow_nan=True))
+    atomic_write_text(paths[0], json_dumps(aggregate, indent=2))
     atomic_write_text(paths[1], _markdown(aggregate))
     return paths
 

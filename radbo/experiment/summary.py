@@ -45,7 +45,9 @@ def summary_lines(result: RunResult) -> list[str]:
     (:func:`radbo.cost.savings_at_accuracy`), and the files written."""
     final = result.final
     accuracy = f"{final.get('test_accuracy', float('nan')):.4f}"
-    if "test_accuracy_ci95" in final:  # few-shot: mean over test episodes and its 95 % interval
+    ci95 = final.get("test_accuracy_ci95")
+    # few-shot: mean over test episodes and its 95 % interval (none from one episode: NaN)
+    if ci95 is not None and math.isfinite(ci95):
         accuracy += (
             f" ± {final['test_accuracy_ci95']:.4f} (95% CI, {int(final['test_episodes'])} episodes)"
         )

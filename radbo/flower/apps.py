@@ -59,6 +59,7 @@ from radbo.flower.codec import (
     config_sha256,
 )
 from radbo.flower.node import DISCOVERY, PARTITION, NodeHandler
+from radbo.jsonio import dumps as json_dumps
 
 __all__ = [
     "CONFIG_KEY",
@@ -283,7 +284,7 @@ def write_status(out: Path, status: str, **fields: Any) -> None:
     """``<out>/status.json``: the run's status (``running``, ``completed``, ``failed``)."""
     out.mkdir(parents=True, exist_ok=True)
     body = {"status": status, "time": time.time(), **fields}
-    atomic_write_text(out / STATUS_FILE, json.dumps(body, indent=1) + "\n")
+    atomic_write_text(out / STATUS_FILE, json_dumps(body, indent=1) + "\n")
 
 
 def _exit_on_sigterm() -> Callable[[], None]:

@@ -12,6 +12,7 @@ read-only :class:`ClientRuntime`; it keeps no hidden state, so any backend can r
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import warnings
@@ -326,29 +327,147 @@ class Simulation(Generic[State]):
                 data["divergence_previous"] = scalars
         return tensors, data
 
-    def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (from a run of the same config)."""
-        self._trackers.clear()
-        for block, data in meta.get("coverage", {}).items():
+    def load_state_dict(
+        self,
+        tensors: Mapping[str, Tensor],
+        meta: Mapping[str, Any],
+        template: Any = None,
+        *,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+        ledger: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Restore :meth:`state_dict` output (from a run of the same config).
+
+        Everything is checked against this run before anything changes, so a state that does
+        not fit raises and leaves the engine as it was (``ValueError``, or
+        :class:`~radbo.checkpoint.CheckpointError` from the state before the last good one):
+        the coverage blocks and tensor names this run tracks, each never-trained mask a bool
+        tensor of its model tensor's shape (present once a round had clients) whose count of
+        never-trained entries is the one the coverage history ends with, and the history's
+        sizes this run's; no tensor other than those and the divergence guard's state before
+        the last good one, shaped like ``template`` (the run's initial state) when given; a
+        FLOP meter state exactly when this run has a meter, a divergence guard state only when
+        its guard is on (one written before the guard existed has none: the guard starts
+        afresh), each of which loads. With ``rows`` and ``ledger`` (the round records and
+        ledger rows the state comes with), every round's ``cost_*`` figures must be the sums
+        (:func:`radbo.cost.totals`) of its ledger rows.
+        """
+        trackers: dict[str, CoverageTracker] = {}
+        coverage = meta.get("coverage") or {}
+        if not isinstance(coverage, Mapping):
+            raise ValueError(f"the engine's coverage state is {type(coverage).__name__}")
+        known: set[str] = set()
+        for block, data in coverage.items():
+            if block not in self.coverage:
+                raise ValueError(
+                    f"coverage of block {block!r} is tracked, which this run does not track"
+                )
+            names = list(self.coverage[block])
             prefix = f"coverage/{block}/"
             masks = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
-            tracker = CoverageTracker(data["names"])
+            expected = names if data.get("history") else []  # masks exist after a round
+            if sorted(masks) != sorted(expected):
+                raise ValueError(
+                    f"the never-trained masks of block {block!r} are of {sorted(masks)}, this "
+                    f"run tracks {sorted(names)}"
+                )
+            for name, t in masks.items():
+                shape = tuple(self.shapes[name])
+                if t.dtype != torch.bool or tuple(t.shape) != shape:
+                    raise ValueError(
+                        f"tensor '{prefix}{name}' is {t.dtype} {tuple(t.shape)}, this run's "
+                        f"mask of {name!r} is torch.bool {shape}"
+                    )
+            history = data.get("history") or []
+            numel = sum(math.prod(self.shapes[n]) for n in names)
+            if any(entry["numel"] != numel for entry in history):
+                raise ValueError(
+                    f"the coverage history of block {block!r} counts other than this run's "
+                    f"{numel} entries"
+                )
+            if history:
+                never = sum(int((~masks[n]).sum()) for n in names)
+                if history[-1]["never_trained_fraction"] != (never / numel if numel else 0.0):
+                    raise ValueError(
+                        f"the never-trained masks of block {block!r} hold {never} of {numel} "
+                        "entries never trained, not the fraction its coverage history ends with"
+                    )
+            tracker = CoverageTracker(names)
             tracker.load_state_dict(masks, data)
-            self._trackers[block] = tracker
-        saved = meta.get("flop_meter")
-        if self.flop_meter is not None and saved is not None:
-            self.flop_meter.load_state_dict(saved)
-        guard = self._divergence_guard()
+            trackers[block] = tracker
+            known.update(f"{prefix}{n}" for n in masks)
+        if trackers and set(trackers) != set(self.coverage):
+            missing = sorted(set(self.coverage) - set(trackers))
+            raise ValueError(f"the coverage of block(s) {missing} is not in the engine state")
+        meter_saved = meta.get("flop_meter")
+        if (self.flop_meter is None) != (meter_saved is None):
+            held = "no" if meter_saved is None else "a"
+            raise ValueError(
+                f"the engine state has {held} FLOP meter state; this run's FLOP meter is "
+                + ("off" if self.flop_meter is None else "on")
+            )
+        if self.flop_meter is not None and meter_saved is not None:
+            copy.copy(self.flop_meter).load_state_dict(meter_saved)  # raises before it counts
+        undamped = self.algorithm if self._undamped is None else self._undamped
+        guard = DivergenceGuard.of(undamped)
+        algorithm = undamped
+        if guard is None and meta.get("divergence") is not None:
+            raise ValueError("the engine state has a divergence guard state; this run's is off")
         if guard is not None and meta.get("divergence") is not None:
+            # (a state written before the guard existed has none: it starts afresh, as then)
             guard.load_state_dict(meta["divergence"])
-            self._damp(guard)
-        self._previous = None
-        self._previous_saved = None
+            if guard.rollbacks:
+                damped = getattr(undamped, "damped", None)
+                if damped is None:
+                    raise ValueError(
+                        f"the divergence guard rolled back {guard.rollbacks} times, but "
+                        f"{type(undamped).__name__} has no step sizes to damp"
+                    )
+                algorithm = damped(guard.lr_scale)
+        previous_saved = None
         if guard is not None and meta.get("divergence_previous") is not None:
             previous = {
                 k[len(_PREVIOUS) :]: t for k, t in tensors.items() if k.startswith(_PREVIOUS)
             }
-            self._previous_saved = (previous, dict(meta["divergence_previous"]))
+            scalars = meta["divergence_previous"]
+            if not isinstance(scalars, Mapping):
+                raise ValueError("the divergence guard's previous state has no scalars")
+            if template is not None:  # the state it must fit (iterate rebuilds it from this)
+                state_from_tensors(template, previous, scalars)
+            previous_saved = (previous, dict(scalars))
+            known.update(f"{_PREVIOUS}{k}" for k in previous)
+        unknown = sorted(set(tensors) - known)
+        if unknown:
+            raise ValueError(f"the engine state holds tensors this run does not: {unknown[:5]}")
+        if rows is not None and ledger is not None:  # a round's costs are its ledger rows'
+            charged: dict[Any, list[LedgerEntry]] = {}
+            for entry in ledger:
+                charged.setdefault(entry["round"], []).append(LedgerEntry(**entry))
+            for row in rows:
+                spent = totals(charged.get(row["round"], []))
+                # (rows written before a total existed lack its key)
+                recorded = {k[5:]: v for k, v in row.items() if k.startswith("cost_")}
+                differ = sorted(
+                    f"cost_{k}"
+                    for k, v in recorded.items()
+                    if spent.get(k) != v or type(spent.get(k)) is not type(v)
+                )
+                if differ:
+                    raise ValueError(
+                        f"round {row['round']}'s {', '.join(differ[:3])} are not the sums of "
+                        "its ledger rows"
+                    )
+        # everything fits: restore it
+        self._trackers.clear()
+        self._trackers.update(trackers)
+        if self.flop_meter is not None and meter_saved is not None:
+            self.flop_meter.load_state_dict(meter_saved)
+        self._guard = guard
+        if algorithm is not undamped:
+            self._undamped = undamped
+        self.algorithm = algorithm
+        self._previous = None
+        self._previous_saved = previous_saved
 
     def _divergence_guard(self) -> DivergenceGuard | None:
         """The divergence guard of this run (``None`` when off), made from the algorithm's

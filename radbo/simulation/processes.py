@@ -48,8 +48,10 @@ import io
 import multiprocessing
 import os
 import pickle
+import queue
 import selectors
 import signal
+import threading
 import traceback
 import weakref
 from collections import deque
@@ -137,11 +139,10 @@ def _serve(conn: Connection, catalog: Catalog, inherited: Sequence[Connection]) 
         other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(1)
+    inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(conn, inbox), name="radbo-inbox", daemon=True).start()
     while True:
-        try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):  # the parent is gone
-            return
+        message = inbox.get()
         if message == _STOP:
             return
         kind, entry, *payload = pickle.loads(message)
@@ -154,6 +155,25 @@ def _serve(conn: Connection, catalog: Catalog, inherited: Sequence[Connection]) 
         except Exception as err:  # noqa: BLE001 - every failure goes back to the parent
             answer = _failure(err, traceback.format_exc())
         conn.send_bytes(answer)
+
+
+def _receive(conn: Connection, inbox: queue.SimpleQueue[bytes]) -> None:
+    """A worker's reader: every message from the parent into ``inbox`` as it arrives, and
+    :data:`_STOP` when the parent asks to stop or is gone.
+
+    A pipe holds a few hundred kB (a Unix socket's buffer). A worker that read only between
+    tasks would, while sending a large result, leave the parent blocked in sending it the next
+    task (:data:`_QUEUE`): each side waiting for the other to read, for ever. Reading on a
+    thread of its own, a worker takes every message in while it computes or sends, so the
+    parent's sends always finish and it goes on to read the result: messages of any size."""
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent is gone
+            message = _STOP
+        inbox.put(message)
+        if message == _STOP:
+            return
 
 
 def _failure(err: Exception, trace: str) -> bytes:
