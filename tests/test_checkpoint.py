@@ -166,6 +166,27 @@ def test_extending_a_finished_run_equals_running_longer(tmp_path, short, longer)
     assert index[0]["simulation"] == index[1]["simulation"]
 
 
+def test_a_run_finished_without_checkpoints_continues_from_its_final_state(tmp_path):
+    """Without checkpoint_every a run writes only checkpoints/final (what radbo export reads);
+    --resume continues from it: extended to more rounds it equals the longer run made at once
+    (its baseline, which has no checkpoint, runs again from round 0: the same numbers), and
+    resumed at its own length it is the same run. This is what lets `radbo run --seeds ...
+    --resume` pass over the seeds an interrupted command had finished."""
+    long = run(small_config(rounds=3), progress=False, output_dir=tmp_path / "a")
+    run(small_config(rounds=2), progress=False, output_dir=tmp_path / "b")
+    assert not (tmp_path / "b/checkpoints/run").exists()
+
+    extended = run(small_config(rounds=3), progress=False, output_dir=tmp_path / "b", resume=True)
+    again = run(small_config(rounds=3), progress=False, output_dir=tmp_path / "b", resume=True)
+
+    assert comparable(tmp_path / "a") == comparable(tmp_path / "b")
+    for resumed in (extended, again):
+        strip = [{k: v for k, v in r.items() if k != "wall_time_s"} for r in long.rounds]
+        assert strip == [{k: v for k, v in r.items() if k != "wall_time_s"} for r in resumed.rounds]
+        assert long.totals == resumed.totals and long.final == resumed.final
+        assert_same_state(long.state, resumed.state)
+
+
 def test_resume_without_checkpoint_is_refused_not_started_afresh(tmp_path):
     """Issue 27: a resume with nothing to resume is an error that says how to start afresh,
     raised before anything is built or written (it used to start from round 0 silently)."""

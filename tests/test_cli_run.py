@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,7 +142,11 @@ def test_an_existing_run_folder_is_refused_unless_overwrite(tiny, tmp_path, caps
     )
     assert (out / "results.json").read_bytes() == before  # untouched
 
-    # a finished run without checkpoints cannot be resumed: the line says what to do
+    # a finished run continues from its final state, checkpoints/final (nothing left to run)
+    assert main([*args, "--resume"]) == 0
+    capsys.readouterr()
+    # one without any checkpoint cannot be resumed: the line says what to do
+    shutil.rmtree(out / "checkpoints")
     assert main([*args, "--resume"]) == 2
     assert "run with --overwrite instead of --resume" in one_line(capsys.readouterr().err)
 

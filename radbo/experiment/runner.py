@@ -336,7 +336,12 @@ def _run_once(
     rows: list[dict[str, Any]] = []
     ledger: list[dict[str, Any]] = []
     fallback: str | None = None
-    if resume and checkpoints is not None and has_checkpoint(checkpoints):
+    source = checkpoints
+    if resume and final is not None and (checkpoints is None or not has_checkpoint(checkpoints)):
+        # a run finished without checkpoint_every: its final state, checkpoints/final, is
+        # where it continues from (extended, or resumed as a --seeds run's finished seed)
+        source = final
+    if resume and source is not None and has_checkpoint(source):
         from radbo.checkpoint import (
             Checkpoint,
             forget_end_of_run_evaluation,
@@ -344,7 +349,7 @@ def _run_once(
         )
         from radbo.simulation.divergence import SMOOTHING
 
-        remove_temporary_files(checkpoints)  # left by saves that crashed
+        remove_temporary_files(source)  # left by saves that crashed
 
         def restore(ckpt: Checkpoint) -> None:
             if ckpt.rounds_done < config.rounds:  # extending a finished run: as a longer run
@@ -361,7 +366,7 @@ def _run_once(
         # counters against the history), the engine's state restored as its last check; falls
         # back to the previous checkpoint with a CheckpointWarning when the newest is unusable
         ckpt = load_checkpoint(
-            checkpoints,
+            source,
             template=exp.initial_state,
             config=config_data,
             ignore=_RESUMABLE,
@@ -369,7 +374,7 @@ def _run_once(
         )
         if ckpt.rounds_done > config.rounds:
             raise CheckpointError(
-                f"the checkpoint in {checkpoints} is after round {ckpt.rounds_done}, past "
+                f"the checkpoint in {source} is after round {ckpt.rounds_done}, past "
                 f"rounds = {config.rounds}; raise rounds to continue it"
             )
         state, clock_s, done = ckpt.state, ckpt.clock_s, ckpt.rounds_done
@@ -575,7 +580,8 @@ def run_folder_contents(out: str | Path) -> list[str]:
 def check_run_folder(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     """The rules ``radbo run`` applies to its output folder ``out`` before round 0.
 
-    ``resume``: ``out`` must hold a checkpoint of the run (``checkpoints/run``), else a
+    ``resume``: ``out`` must hold a checkpoint of the run (``checkpoints/run``, or the final
+    state of a run finished without ``checkpoint_every``, ``checkpoints/final``), else a
     :class:`CheckpointError` says so and how to start afresh. Otherwise, unless
     ``overwrite``, a folder that holds a run (:func:`run_folder_contents`) is refused with a
     :class:`ConfigError` naming it and the ways out. Always: a path the system refuses, and a
@@ -587,7 +593,9 @@ def check_run_folder(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     with path_errors(out, "config error: output_dir ="):
         _check_layout(out)
         found = run_folder_contents(out)
-        resumable = has_checkpoint(out / "checkpoints" / "run")
+        resumable = has_checkpoint(out / "checkpoints" / "run") or has_checkpoint(
+            out / "checkpoints" / "final"
+        )
     if resume:
         if resumable:
             return
