@@ -518,8 +518,6 @@ def _with_default_tags(data: Any) -> Any:
     if isinstance(name, str) and name in ALGORITHMS:
         default = ALGORITHMS[name].default_estimator
         settings = ALGORITHMS[name].default_estimator_settings
-        if name == "rafbo":
-            default = "finite_difference"
     estimator = data.get("estimator")
     if estimator is None and default is not None:
         data["estimator"] = {"name": default, **settings}

@@ -275,14 +275,20 @@ def _tagged_section(name: str, registry: Registry[Any], field: FieldInfo) -> lis
     lines = [head, "", f"| `{key}` | key | default | allowed | meaning |", "|---|---|---|---|---|"]
     for k in shared:
         lines.append(_row(k, classes[0].model_fields[k], "every kind"))
+    # kinds with the same keys, defaults, values and meanings (a variant such as RAFBO, which
+    # is RABO with another estimator) share their rows, labelled with every kind's tag
+    groups: dict[tuple[Any, ...], tuple[list[Any], list[tuple[str, FieldInfo]]]] = {}
     for cls in classes:
-        tags = get_args(cls.model_fields[key].annotation)
+        own = [(k, f) for k, f in cls.model_fields.items() if k != key and k not in shared]
+        signature = tuple((k, _signature(f)) for k, f in own)
+        tags, _ = groups.setdefault(signature, ([], own))
+        tags.extend(get_args(cls.model_fields[key].annotation))
+    for tags, own in groups.values():
         label = ", ".join(f"`{json.dumps(t)}`" for t in tags)
-        keys = [k for k in cls.model_fields if k != key and k not in shared]
-        if not keys:
+        if not own:
             lines.append(f"| {label} | | | | no settings |")
-        for i, k in enumerate(keys):
-            lines.append(_row(k, cls.model_fields[k], label if i == 0 else ""))
+        for i, (k, f) in enumerate(own):
+            lines.append(_row(k, f, label if i == 0 else ""))
     lines.append("")
     return lines
 

@@ -30,8 +30,8 @@ Adding a kind therefore needs its file and one decorator, nothing else:
 Circle(kind='circle', radius=1.0)
 """
 
-from collections.abc import Iterator
-from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origin
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -42,7 +42,7 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema, core_schema
 
-__all__ = ["ConfigError", "Registry", "Section", "all_tags", "registries"]
+__all__ = ["ConfigError", "Named", "Registry", "Section", "all_tags", "registries"]
 
 
 class ConfigError(ValueError):
@@ -156,6 +156,67 @@ class Registry(Generic[S]):
 
     def __repr__(self) -> str:
         return f"Registry({self.section!r}, {sorted(self._classes)})"
+
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+
+class Named(Generic[T]):
+    """The choices of a config setting that names one (``[runtime] backend = "batched"``):
+    each registered under its name, looked up by it -- the setting's value picks a registered
+    class or function, with no ladder of ``if value == ...`` anywhere.
+
+    >>> GREETINGS: Named[Callable[[str], str]] = Named("greeting")
+    >>> @GREETINGS.register("hello")
+    ... def hello(who: str) -> str:
+    ...     return f"hello {who}"
+    >>> GREETINGS["hello"]("you")
+    'hello you'
+    >>> GREETINGS["bye"]
+    Traceback (most recent call last):
+    ...
+    radbo.registry.ConfigError: config error: greeting = 'bye': unknown; registered: hello
+
+    Args:
+        setting: the setting's dotted name in a run config (``"runtime.backend"``), used in
+            messages.
+    """
+
+    def __init__(self, setting: str) -> None:
+        self.setting = setting
+        self._choices: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[C], C]:
+        """Register the decorated class or function as the choice ``name`` (a name registered
+        twice by different things is an error); the decorated thing itself is returned."""
+
+        def add(choice: C) -> C:
+            other = self._choices.get(name)
+            if other is not None and other is not choice:
+                raise ValueError(f"{self.setting} {name!r} is already registered by {other!r}")
+            self._choices[name] = cast(T, choice)
+            return choice
+
+        return add
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._choices[name]
+        except KeyError:
+            raise ConfigError(
+                f"config error: {self.setting} = {name!r}: unknown; registered: "
+                f"{', '.join(sorted(self._choices))}"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._choices
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._choices)
+
+    def __repr__(self) -> str:
+        return f"Named({self.setting!r}, {sorted(self._choices)})"
 
 
 def registries() -> "list[Registry[Any]]":

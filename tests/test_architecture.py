@@ -2,7 +2,8 @@
 
 1. Every import in ``radbo/`` (module level or inside a function) goes from a higher layer to a
    lower one (or stays inside its own package): no package imports one above it, so there is
-   no import cycle between packages.
+   no import cycle between packages. Inside a package, the modules' imports form no cycle
+   either (as ``simfbo.py`` <-> ``shrofbo.py`` once did).
 2. A toy algorithm defined and registered in this file alone runs through ``radbo.run`` from a
    plain config mapping, on the sequential and the batched backend, and checkpoints -- adding
    an algorithm is its file plus its registration, nothing else.
@@ -65,8 +66,10 @@ def node(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def imports_of(path: Path) -> list[str]:
-    """Every radbo module ``path`` imports, at any depth of the file."""
+def imports_of(path: Path, submodules: bool = False) -> list[str]:
+    """Every radbo module ``path`` imports, at any depth of the file. With ``submodules``,
+    ``from radbo.pkg import name`` is the module ``radbo.pkg.name`` when ``name`` is one (the
+    module that import needs), else ``radbo.pkg``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = ".".join(("radbo", *path.relative_to(ROOT).with_suffix("").parts))
     found = []
@@ -81,6 +84,11 @@ def imports_of(path: Path) -> list[str]:
                 module = n.module or ""
             if module == "radbo":  # from radbo import jsonio: the modules named
                 found += [f"radbo.{a.name}" for a in n.names]
+            elif module.split(".")[0] == "radbo" and submodules:
+                folder = ROOT.joinpath(*module.split(".")[1:])
+                for a in n.names:
+                    sub = (folder / f"{a.name}.py").is_file() or (folder / a.name).is_dir()
+                    found.append(f"{module}.{a.name}" if sub else module)
             elif module.split(".")[0] == "radbo":
                 found += [module]
     return found
@@ -119,6 +127,73 @@ def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
         assert imports_of(path) == ["radbo.experiment", "radbo.cli"]
     finally:
         path.unlink()
+
+
+def module_name(path: Path) -> str:
+    """``radbo.x.y`` for ``radbo/x/y.py`` (``radbo.x`` for ``radbo/x/__init__.py``)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("radbo", *parts))
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles a depth-first search of ``graph`` meets (each as its path, first node
+    repeated at the end)."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for other in sorted(graph[module]):
+            if state.get(other) == 1:
+                found.append([*path[path.index(other) :], other])
+            elif other not in state:
+                visit(other)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def package_import_graph() -> dict[str, set[str]]:
+    """Each module of a radbo package and the modules of the same package it imports (at any
+    depth of the file; ``from radbo.pkg import sub`` as ``radbo.pkg.sub``; ``radbo.pkg``
+    alone is the package's ``__init__``)."""
+    # root modules are packages of their own: the layer test covers them
+    paths = [p for p in sorted(ROOT.rglob("*.py")) if p.parent != ROOT]
+    graph = {module_name(p): set[str]() for p in paths}
+    for path in paths:
+        module = module_name(path)
+        graph[module] = {
+            m
+            for m in imports_of(path, submodules=True)
+            if m in graph and node(m) == node(module) and m != module
+        }
+    return graph
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    cycles = import_cycles(package_import_graph())
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle_inside_a_package() -> None:
+    """The check sees the lazy import ``simfbo.py`` once made of ``shrofbo.py``."""
+    graph = package_import_graph()
+    assert "radbo.algorithms.simfbo" in graph["radbo.algorithms.shrofbo"]
+    graph["radbo.algorithms.simfbo"] = {
+        *graph["radbo.algorithms.simfbo"],
+        "radbo.algorithms.shrofbo",
+    }
+    assert import_cycles(graph) == [
+        ["radbo.algorithms.shrofbo", "radbo.algorithms.simfbo", "radbo.algorithms.shrofbo"]
+    ]
 
 
 # ------------------------------------------------------------------- a toy algorithm, here only

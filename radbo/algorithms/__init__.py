@@ -9,10 +9,16 @@ from radbo.algorithms.base import ALGORITHMS, AlgorithmConfig, Wiring
 from radbo.algorithms.fedavg import FedAvg, FedAvgConfig, FedAvgState
 from radbo.algorithms.fedmbo import FedMBO, FedMBOConfig, FedMBOState
 from radbo.algorithms.fedmsa import FedMSA, FedMSAConfig, FedMSAState
-from radbo.algorithms.fednest import FedNest, FedNestConfig, FedNestState, LFedNest
+from radbo.algorithms.fednest import (
+    FedNest,
+    FedNestConfig,
+    FedNestState,
+    LFedNest,
+    LFedNestConfig,
+)
 from radbo.algorithms.fedsvrbgd_fo import FedSVRBGD, FedSVRBGDConfig, FedSVRBGDState
-from radbo.algorithms.rabo import RABO, RABOConfig, RABOState
-from radbo.algorithms.shrofbo import ShroFBO
+from radbo.algorithms.rabo import RABO, RAFBO, RABOConfig, RABOState, RAFBOConfig
+from radbo.algorithms.shrofbo import ShroFBO, ShroFBOConfig
 from radbo.algorithms.simfbo import SimFBO, SimFBOConfig, SimFBOState
 
 __all__ = [
@@ -38,9 +44,13 @@ __all__ = [
     "FedSVRBGDConfig",
     "FedSVRBGDState",
     "LFedNest",
+    "LFedNestConfig",
     "RABOConfig",
     "RABOState",
+    "RAFBO",
+    "RAFBOConfig",
     "ShroFBO",
+    "ShroFBOConfig",
     "SimFBO",
     "SimFBOConfig",
     "SimFBOState",

@@ -95,6 +95,8 @@ class AlgorithmConfig(Section):
         default_estimator: the estimator it runs with when the config has no ``[estimator]``.
         default_estimator_settings: settings of that default estimator other than its own
             defaults (FedSVRBGD-FO: the paper's penalty ``lam = 50``).
+        estimators: the only estimator names it takes (RAFBO: ``("finite_difference",)``), or
+            ``None`` (default): every registered estimator offering one of ``estimator_uses``.
         full_model: it trains the full model on every client (masks are refused).
         flower_actions: the ``train.<action>`` Flower message types its phases use besides
             ``train`` (see :func:`radbo.flower.message_type`).
@@ -146,6 +148,7 @@ class AlgorithmConfig(Section):
     estimator_uses: ClassVar[tuple[str, ...]] = ()
     default_estimator: ClassVar[str | None] = None
     default_estimator_settings: ClassVar[dict[str, Any]] = {}
+    estimators: ClassVar[tuple[str, ...] | None] = None
     full_model: ClassVar[bool] = False
     flower_actions: ClassVar[tuple[str, ...]] = ()
     step_sizes: ClassVar[tuple[str, ...]] = ("inner_lr", "outer_lr")
@@ -161,9 +164,13 @@ class AlgorithmConfig(Section):
         outer_batch_size: int
 
     def accepted_estimators(self) -> tuple[str, ...]:
-        """The registered estimator names this config accepts."""
+        """The registered estimator names this config accepts (those of :attr:`estimators`
+        among them, when it names some)."""
         return tuple(
-            tag for tag in ESTIMATORS if ESTIMATORS[tag].capabilities & set(self.estimator_uses)
+            tag
+            for tag in ESTIMATORS
+            if ESTIMATORS[tag].capabilities & set(self.estimator_uses)
+            and (self.estimators is None or tag in self.estimators)
         )
 
     def estimator_use(self, estimator: Estimator) -> str | None:
@@ -229,7 +236,8 @@ class AlgorithmConfig(Section):
 class AlgorithmBase(Section):
     """Fields every algorithm class adds to its config: the wiring of a run. Constructing an
     algorithm checks the wiring: x and y are disjoint, and its ``estimator`` (if it has one)
-    offers one of the config's ``estimator_uses``."""
+    offers one of the config's ``estimator_uses`` and is one of its ``estimators`` (when the
+    config names some)."""
 
     outer_names: tuple[str, ...]
     inner_names: tuple[str, ...]
@@ -247,6 +255,11 @@ class AlgorithmBase(Section):
             raise ValueError(
                 f"{owner} needs an estimator offering {' or '.join(map(repr, uses))}; "
                 f"{estimator.name!r} offers {sorted(estimator.capabilities)}"
+            )
+        only: tuple[str, ...] | None = getattr(self, "estimators", None)
+        if estimator is not None and only is not None and estimator.name not in only:
+            raise ValueError(
+                f"{owner} takes estimator {' or '.join(map(repr, only))}; got {estimator.name!r}"
             )
         return self
 

@@ -39,8 +39,9 @@ rises (``BENCHMARKS.md``, "RABO on Omniglot"). Each step costs one gradient of g
 S steps (:meth:`radbo.models.BilevelModel.reusing_body`), so on Conv-4 S = 100 adds about 7 %
 to RABO's FLOPs. Default ``0``: Alg. 1 as printed.
 
-**RAFBO** (Alg. 2) is RABO with the finite-difference estimator (``name = "rafbo"`` requires
-``[estimator] name = "finite_difference"``).
+**RAFBO** (Alg. 2) is RABO with the finite-difference estimator: its own kind,
+:class:`RAFBOConfig` (``name = "rafbo"``), whose only estimator is ``[estimator] name =
+"finite_difference"`` (its default); :class:`RAFBO` refuses any other.
 
 BatchNorm running statistics (buffers) are returned by the clients after the inner phase and
 averaged coordinate-wise over the clients holding them, like parameters.
@@ -78,12 +79,12 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.flops import new_scope, repeated
-from radbo.hypergrad import Estimator, ImplicitCG, init_state
+from radbo.hypergrad import Estimator, FiniteDifference, ImplicitCG, init_state
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
-__all__ = ["RABO", "RABOConfig", "RABOState"]
+__all__ = ["RABO", "RAFBO", "RABOConfig", "RABOState", "RAFBOConfig"]
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,9 @@ class RABOState:
 
 @ALGORITHMS.register
 class RABOConfig(AlgorithmConfig):
-    """RABO hyperparameters (Alg. 1 of the RABO paper); ``rafbo`` is RABO with the
-    finite-difference estimator (Alg. 2)."""
+    """RABO hyperparameters (Alg. 1 of the RABO paper)."""
 
-    name: Literal["rabo", "rafbo"] = "rabo"
+    name: Literal["rabo"] = "rabo"
     inner_lr: StepSize = Field(
         0.1,
         gt=0,
@@ -134,9 +134,6 @@ class RABOConfig(AlgorithmConfig):
     estimator_uses: ClassVar[tuple[str, ...]] = ("hypergradient",)
     default_estimator: ClassVar[str | None] = "cg"
     flower_actions: ClassVar[tuple[str, ...]] = ("inner", "outer")
-
-    def accepted_estimators(self) -> tuple[str, ...]:
-        return ("finite_difference",) if self.name == "rafbo" else super().accepted_estimators()
 
     @property
     def local_steps_default(self) -> int:
@@ -383,3 +380,26 @@ class RABO(RABOConfig, AlgorithmBase):
             aux = apply_mean(aux, coverage_weighted_mean(updates, aux_sets, aux_shapes, weights))
         metrics = {"outer_loss": mean_metric(results, "outer_loss")}
         return replace(state, x=x, aux=aux, round=state.round + 1), metrics
+
+
+@ALGORITHMS.register
+class RAFBOConfig(RABOConfig):
+    """RAFBO hyperparameters (Alg. 2 of the RABO paper): RABO's, with the finite-difference
+    estimator as its only one."""
+
+    # its own tag: RABO's narrowed to a kind of its own, which the type checker calls unsafe
+    name: Literal["rafbo"] = "rafbo"  # type: ignore[assignment]
+
+    default_estimator: ClassVar[str | None] = "finite_difference"
+    estimators: ClassVar[tuple[str, ...] | None] = ("finite_difference",)
+
+    def build(self, wiring: Wiring) -> RAFBO:
+        return self.bind(RAFBO, wiring, use_budget_steps=wiring.budget_steps)
+
+
+class RAFBO(RAFBOConfig, RABO):
+    """RAFBO (Alg. 2 of ``papers/rabo_rafbo.txt``): RABO whose local hypergradient is the
+    finite-difference estimator (default :class:`~radbo.hypergrad.FiniteDifference`; any other
+    is refused)."""
+
+    estimator: Estimator = Field(default_factory=FiniteDifference)

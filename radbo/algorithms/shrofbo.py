@@ -39,19 +39,36 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from radbo.aggregation import CoverageMean, apply_normalized_step, apply_step
-from radbo.algorithms.simfbo import SimFBO, SimFBOState, V, normalize
+from radbo.algorithms.base import ALGORITHMS, Wiring
+from radbo.algorithms.simfbo import SimFBO, SimFBOConfig, SimFBOState, V, normalize
 from radbo.typing import Params
 
-__all__ = ["ShroFBO"]
+__all__ = ["ShroFBO", "ShroFBOConfig"]
 
 
-class ShroFBO(SimFBO):
+@ALGORITHMS.register
+class ShroFBOConfig(SimFBOConfig):
+    """ShroFBO hyperparameters (Alg. 1, eqs. (6)-(8) of ``papers/simfbo_shrofbo.txt``):
+    SimFBO's, and rho."""
+
+    # its own tag: SimFBO's narrowed to a kind of its own, which the type checker calls unsafe
+    name: Literal["shrofbo"] = "shrofbo"  # type: ignore[assignment]
+    rho: Literal["holders", "printed"] = Field(
+        "holders",
+        description="ShroFBO's rho: per coordinate over its holders (radbo), or eq. (8) as "
+        "printed (sum_j p_j ||a_j||_1 over all n clients)",
+    )
+
+    def build(self, wiring: Wiring) -> ShroFBO:
+        return self.bind(ShroFBO, wiring, population_steps=wiring.population_steps)
+
+
+class ShroFBO(ShroFBOConfig, SimFBO):
     """ShroFBO: SimFBO's local steps, normalized messages, rho-scaled coverage-weighted step.
 
     ``population_steps`` (``sum_j p_j tau_j`` over the whole population, wired by the run) is
     what ``rho = "printed"`` needs."""
 
-    name: Literal["simfbo", "shrofbo"] = "shrofbo"
     population_steps: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")

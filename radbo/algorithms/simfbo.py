@@ -112,9 +112,10 @@ class SimFBOState:
 
 @ALGORITHMS.register
 class SimFBOConfig(AlgorithmConfig):
-    """SimFBO / ShroFBO hyperparameters (Alg. 1 of ``papers/simfbo_shrofbo.txt``)."""
+    """SimFBO hyperparameters (Alg. 1 of ``papers/simfbo_shrofbo.txt``), which ShroFBO
+    (:class:`radbo.algorithms.shrofbo.ShroFBOConfig`) shares."""
 
-    name: Literal["simfbo", "shrofbo"] = "shrofbo"
+    name: Literal["simfbo"] = "simfbo"
     inner_lr: StepSize = Field(
         0.05, gt=0, allow_inf_nan=False, description="eta_y (<= 1000 without --force)"
     )
@@ -147,10 +148,11 @@ class SimFBOConfig(AlgorithmConfig):
     local_steps: Steps = Field(
         5, ge=1, description="tau when fleet.local_steps = 'fixed' (<= 10,000 without --force)"
     )
+    # ShroFBO's (radbo.algorithms.shrofbo.ShroFBOConfig.rho); SimFBO never reads it. It stays
+    # a field here, in the same place, so that configs written when the two were one kind
+    # (rho included in every dump) still validate, dump bitwise as before and resume.
     rho: Literal["holders", "printed"] = Field(
-        "holders",
-        description="ShroFBO's rho: per coordinate over its holders (radbo), or eq. (8) as "
-        "printed (sum_j p_j ||a_j||_1 over all n clients)",
+        "holders", description="not read by SimFBO (ShroFBO's rho, kept for older configs)"
     )
     batch_size: BatchSize = Field(32, ge=1, description="inner minibatch per local step")
     outer_batch_size: BatchSize = Field(32, ge=1, description="outer minibatch per local step")
@@ -185,13 +187,7 @@ class SimFBOConfig(AlgorithmConfig):
         return self.local_steps
 
     def build(self, wiring: Wiring) -> SimFBO:
-        from radbo.algorithms.shrofbo import ShroFBO
-
-        return self.bind(
-            ShroFBO if self.name == "shrofbo" else SimFBO,
-            wiring,
-            population_steps=wiring.population_steps,
-        )
+        return self.bind(SimFBO, wiring)
 
 
 class SimFBO(SimFBOConfig, AlgorithmBase):
@@ -205,7 +201,6 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             :class:`~radbo.algorithms.RABO`).
     """
 
-    name: Literal["simfbo", "shrofbo"] = "simfbo"
     estimator: Estimator = Field(default_factory=Autograd)
 
     @property

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from radbo.cost import DeviceLike
 from radbo.flops import meta_training_inputs, trainable_names, training_step_flops
+from radbo.hypergrad import Estimator, FiniteDifference, FirstOrder, ImplicitCG, MemoryFootprint
 from radbo.masks.policies.leading import LeadingPolicy
 from radbo.masks.structure import StructurePlan
 
@@ -54,7 +55,32 @@ __all__ = [
 DEFAULT_LEVELS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
 Hypergradient = Literal["none", "implicit", "finite_difference", "first_order"]
-_HYPERGRADIENTS = ("none", "implicit", "finite_difference", "first_order")
+#: The estimator whose memory model each name of :data:`Hypergradient` stands for (``None``: no
+#: hypergradient buffers); an estimator itself may be given instead of a name.
+_HYPERGRADIENTS: dict[str, type[Estimator] | None] = {
+    "none": None,
+    "implicit": ImplicitCG,
+    "finite_difference": FiniteDifference,
+    "first_order": FirstOrder,
+}
+HypergradientModel = Hypergradient | Estimator | type[Estimator] | None
+
+
+def _memory_model(hypergradient: HypergradientModel) -> type[Estimator] | None:
+    """The estimator class whose :meth:`~radbo.hypergrad.Estimator.hypergradient_bytes`
+    models ``hypergradient`` (a name of :data:`Hypergradient`, an estimator or its class;
+    ``None`` or ``"none"``: nothing)."""
+    if hypergradient is None:
+        return None
+    if isinstance(hypergradient, Estimator):
+        return type(hypergradient)
+    if isinstance(hypergradient, type) and issubclass(hypergradient, Estimator):
+        return hypergradient
+    if not isinstance(hypergradient, str) or hypergradient not in _HYPERGRADIENTS:
+        raise ValueError(
+            f"hypergradient must be one of {list(_HYPERGRADIENTS)}, got {hypergradient!r}"
+        )
+    return _HYPERGRADIENTS[hypergradient]
 
 
 class MemoryProfile(Protocol):
@@ -156,7 +182,7 @@ def estimate_training_memory(
     batch_size: int,
     *,
     optimizer_slots: int = 0,
-    hypergradient: Hypergradient = "implicit",
+    hypergradient: HypergradientModel = "implicit",
     inner_names: Sequence[str] | None = None,
 ) -> MemoryEstimate:
     """Bytes needed to train ``module`` on a batch of ``batch_size`` examples, by component.
@@ -178,8 +204,9 @@ def estimate_training_memory(
       saved tensors not yet released. The working-set term is the approximation; it ignores
       that backward frees each node's saved tensors once the node has run, so the sum is an
       upper bound in practice (see ``tests/test_budget.py`` for measured numbers).
-    * ``hypergradient``: the estimator's buffers beyond a plain training step (|x|, |y| are the
-      bytes of the outer and inner parameters):
+    * ``hypergradient``: the estimator's buffers beyond a plain training step, its
+      :meth:`~radbo.hypergrad.Estimator.hypergradient_bytes` (|x|, |y| are the bytes of the
+      outer and inner parameters); by name:
 
       - ``"none"``: 0.
       - ``"implicit"`` (RABO eq. (7), :class:`radbo.hypergrad.ImplicitCG` / ``Neumann``): the
@@ -214,7 +241,8 @@ def estimate_training_memory(
         module: the (sub)model to train.
         batch_size: examples per step, ``>= 1``.
         optimizer_slots: optimiser state tensors per parameter, ``>= 0``; default 0 (SGD).
-        hypergradient: which estimator's buffers to add; default ``"implicit"``.
+        hypergradient: which estimator's buffers to add: a name above (default
+            ``"implicit"``), an estimator or its class, or ``None`` (as ``"none"``).
         inner_names: names of the inner parameters y; default ``module.inner_param_names()``
             (needed for every ``hypergradient`` but ``"none"``).
 
@@ -230,10 +258,7 @@ def estimate_training_memory(
         raise ValueError(
             f"optimizer_slots must be >= 0 (0 SGD, 1 momentum, 2 Adam), got {optimizer_slots}"
         )
-    if hypergradient not in _HYPERGRADIENTS:
-        raise ValueError(
-            f"hypergradient must be one of {list(_HYPERGRADIENTS)}, got {hypergradient!r}"
-        )
+    model = _memory_model(hypergradient)
 
     params = dict(module.named_parameters())
     weights = _param_bytes(list(params.values()))
@@ -247,20 +272,20 @@ def estimate_training_memory(
     activations = forward.bytes + 2 * forward.largest
 
     extra = 0
-    if hypergradient != "none":
+    if model is not None:
         inner = trainable_names(module, "inner", inner_names)
         y_bytes = _param_bytes([params[n] for n in inner])
-        x_bytes = weights - y_bytes
-        if hypergradient == "implicit":
+
+        def second_order() -> int:
+            """``g``'s saved forward plus what ``∇_y g`` with ``create_graph`` saves."""
             backward = _SavedTensors(exclude=meta_params)
             backward._seen.update(forward._seen)  # already counted in the second set
             with backward.hooks():
                 torch.autograd.grad(loss, [state[n] for n in inner], create_graph=True)
-            extra = forward.bytes + backward.bytes + 4 * y_bytes + (x_bytes + y_bytes) + 2 * x_bytes
-        elif hypergradient == "finite_difference":
-            extra = (x_bytes + y_bytes) + 2 * y_bytes + x_bytes + 4 * y_bytes
-        else:  # first_order
-            extra = 2 * y_bytes
+            return forward.bytes + backward.bytes
+
+        footprint = MemoryFootprint(weights - y_bytes, y_bytes, second_order)
+        extra = model.hypergradient_bytes(footprint)
     return MemoryEstimate(
         weights=weights,
         gradients=weights,
@@ -525,7 +550,8 @@ class BudgetPlanner:
         batch_size: examples per local step, ``>= 1``.
         levels: capacity levels to choose from; default 1, 1/2, 1/4, 1/8, 1/16.
         optimizer_slots: optimiser state per parameter (0 SGD, 1 momentum, 2 Adam); default 0.
-        hypergradient: hypergradient buffers to budget for; default ``"implicit"``.
+        hypergradient: hypergradient buffers to budget for, as
+            :func:`estimate_training_memory` takes them; default ``"implicit"``.
         inner_names: names of the inner parameters y; default
             ``plan.model.inner_param_names()``.
         hypergradient_step_factor: the hypergradient computation's time, in training steps;
@@ -541,7 +567,7 @@ class BudgetPlanner:
         *,
         levels: Sequence[float] = DEFAULT_LEVELS,
         optimizer_slots: int = 0,
-        hypergradient: Hypergradient = "implicit",
+        hypergradient: HypergradientModel = "implicit",
         inner_names: Sequence[str] | None = None,
         hypergradient_step_factor: float = 3.0,
     ) -> None:
@@ -555,11 +581,8 @@ class BudgetPlanner:
                 f"optimizer_slots must be >= 0 (0 SGD, 1 momentum, 2 Adam), got {optimizer_slots}"
             )
         self.optimizer_slots = optimizer_slots
-        if hypergradient not in _HYPERGRADIENTS:
-            raise ValueError(
-                f"hypergradient must be one of {list(_HYPERGRADIENTS)}, got {hypergradient!r}"
-            )
-        self.hypergradient: Hypergradient = hypergradient
+        _memory_model(hypergradient)  # a name it does not know is an error now
+        self.hypergradient: HypergradientModel = hypergradient
         self.inner_names = None if inner_names is None else tuple(inner_names)
         self.hypergradient_step_factor = _check_number(
             "hypergradient_step_factor", hypergradient_step_factor, positive=False

@@ -29,7 +29,7 @@ from radbo.masks.structure import StructurePlan
 from radbo.models import BilevelModel
 from radbo.problem import BilevelProblem, ClientData
 from radbo.randomness import Stream, derive_seed, generator
-from radbo.simulation import BatchedBackend, ProcessBackend, SequentialBackend, Simulation
+from radbo.simulation import BACKENDS, Simulation
 from radbo.simulation.schedules import UniformLocalSteps, expected_local_steps
 
 __all__ = [
@@ -265,13 +265,8 @@ def client_table(config: RunConfig, parts: Sequence[torch.Tensor]) -> ClientTabl
 
 
 def build_backend(config: RunConfig) -> Backend:
-    """The backend ``[runtime] backend`` names."""
-    kind = config.runtime.backend
-    if kind == "processes":
-        return ProcessBackend(config.runtime.workers)
-    if kind == "batched":
-        return BatchedBackend()
-    return SequentialBackend()
+    """The backend ``[runtime] backend`` names (:data:`radbo.simulation.BACKENDS`)."""
+    return BACKENDS[config.runtime.backend].from_runtime(config.runtime)
 
 
 def build_policy(config: RunConfig) -> MaskPolicy:
@@ -323,7 +318,7 @@ def budget_planner(config: RunConfig, model: BilevelModel, plan: StructurePlan) 
         plan,
         config.algorithm.batch_size,
         levels=tuple(config.fleet.capacity_levels),
-        hypergradient="none" if estimator is None else estimator.memory_model,
+        hypergradient=estimator,
         inner_names=model.inner_param_names(),
     )
 

@@ -16,7 +16,13 @@ The arithmetic lives in :mod:`radbo.autodiff`.
 """
 
 from radbo.hypergrad.autograd import Autograd
-from radbo.hypergrad.base import ESTIMATORS, Estimator, HypergradResult, init_state
+from radbo.hypergrad.base import (
+    ESTIMATORS,
+    Estimator,
+    HypergradResult,
+    MemoryFootprint,
+    init_state,
+)
 from radbo.hypergrad.cg import ImplicitCG
 from radbo.hypergrad.finite_difference import FiniteDifference
 from radbo.hypergrad.first_order import FirstOrder
@@ -34,6 +40,7 @@ __all__ = [
     "HypergradEstimator",
     "HypergradResult",
     "ImplicitCG",
+    "MemoryFootprint",
     "Neumann",
     "init_state",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from radbo.autodiff import InnerSystem, Linearization
-from radbo.hypergrad.base import ESTIMATORS, Estimator, MemoryModel
+from radbo.hypergrad.base import ESTIMATORS, Estimator
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["Autograd"]
@@ -30,7 +30,6 @@ class Autograd(Estimator):
     name: Literal["autograd"] = "autograd"
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"products"})
-    memory_model: ClassVar[MemoryModel] = "implicit"
 
     def linearize(
         self, inner_loss: BilevelLoss, x: Params, y: Params, *, lead: int = 0, with_x: bool = True

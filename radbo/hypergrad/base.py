@@ -22,7 +22,7 @@ The arithmetic is :mod:`radbo.autodiff`'s; estimators only choose how ``v`` is a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -40,17 +40,32 @@ __all__ = [
     "Estimator",
     "FiniteFloat",
     "HypergradResult",
-    "MemoryModel",
+    "MemoryFootprint",
     "init_state",
 ]
 
 #: What an estimator can give an algorithm (see the module docstring).
 Capability = Literal["hypergradient", "products", "penalty"]
-#: The hypergradient buffers an estimator needs, as the budget planner models them (one of
-#: :data:`radbo.devices.budget.Hypergradient`).
-MemoryModel = Literal["implicit", "finite_difference", "first_order"]
 #: A float that must be finite (no NaN, no infinity).
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+@dataclass(frozen=True)
+class MemoryFootprint:
+    """What an estimator's memory model (:meth:`Estimator.hypergradient_bytes`) reads of the
+    (sub)model being trained (:func:`radbo.devices.estimate_training_memory` makes it).
+
+    Attributes:
+        x_bytes / y_bytes: the bytes of the outer and inner parameters, |x| and |y|.
+        second_order: the bytes autograd keeps for second-order products: the forward of
+            ``g`` and what ``∇_y g`` built with ``create_graph=True`` saves for double
+            backward, counted on the ``meta`` device when called (only an estimator with
+            second-order products calls it).
+    """
+
+    x_bytes: int
+    y_bytes: int
+    second_order: Callable[[], int]
 
 
 @dataclass(frozen=True)
@@ -89,8 +104,6 @@ class Estimator(Section):
         capabilities: what it offers (``"hypergradient"``, ``"products"``, ``"penalty"``).
         products_fields / penalty_fields: the settings that matter when an algorithm uses
             only its products (resp. its penalty); the others are refused there.
-        memory_model: the hypergradient buffers the budget planner adds
-            (:func:`radbo.devices.estimate_training_memory`).
         state_keys: the y-shaped state blocks it carries between calls (``()``: stateless).
 
     Calls take ``generator`` (random draws made on the spot, e.g. RAFBO's coordinate set),
@@ -105,8 +118,18 @@ class Estimator(Section):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     products_fields: ClassVar[frozenset[str]] = frozenset()
     penalty_fields: ClassVar[frozenset[str]] = frozenset()
-    memory_model: ClassVar[MemoryModel] = "implicit"
     state_keys: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def hypergradient_bytes(cls, footprint: MemoryFootprint) -> int:
+        """The buffers this estimator needs beyond a plain training step, which the budget
+        planner adds (:func:`radbo.devices.estimate_training_memory`). Default, an implicit
+        hypergradient with second-order products (RABO eq. (7): CG, Neumann, autograd): the
+        graph of ``∇_y g`` kept alive for the products (``footprint.second_order``), the CG
+        vectors ``v, r, p, Ap`` (4|y|), ``∇_x f, ∇_y f`` (|x| + |y|), and the mixed product
+        ``∇²_xy g · v`` and the hypergradient itself (2|x|)."""
+        x, y = footprint.x_bytes, footprint.y_bytes
+        return footprint.second_order() + 4 * y + (x + y) + 2 * x
 
     def fields_for(self, use: str) -> frozenset[str] | None:
         """The settings that matter when an algorithm uses this estimator for ``use``

@@ -14,7 +14,6 @@ from radbo.hypergrad.base import (
     Estimator,
     FiniteFloat,
     HypergradResult,
-    MemoryModel,
     implicit_result,
     require_y,
 )
@@ -66,7 +65,6 @@ class ImplicitCG(Estimator):
     damping: FiniteFloat = Field(0.0, ge=0, description="added to the diagonal of H_yy")
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
-    memory_model: ClassVar[MemoryModel] = "implicit"
 
     def __call__(
         self,

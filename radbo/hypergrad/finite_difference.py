@@ -29,7 +29,7 @@ from radbo.hypergrad.base import (
     Estimator,
     FiniteFloat,
     HypergradResult,
-    MemoryModel,
+    MemoryFootprint,
     require_y,
 )
 from radbo.limits import Steps
@@ -221,7 +221,14 @@ class FiniteDifference(Estimator):
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "products"})
     products_fields: ClassVar[frozenset[str]] = frozenset({"hvp_mu"})
-    memory_model: ClassVar[MemoryModel] = "finite_difference"
+
+    @classmethod
+    def hypergradient_bytes(cls, footprint: MemoryFootprint) -> int:
+        """``∇_x f, ∇_y f`` (|x| + |y|), two gradient buffers of y (``∇_y g`` at ``x`` and at
+        ``x + μ e_p``), one of x (the hypergradient being accumulated) and the CG vectors of
+        the finite-difference solve (4|y|); no second-order graph."""
+        x, y = footprint.x_bytes, footprint.y_bytes
+        return (x + y) + 2 * y + x + 4 * y
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from radbo.hypergrad.base import (
     Estimator,
     FiniteFloat,
     HypergradResult,
-    MemoryModel,
+    MemoryFootprint,
     require_y,
     state_blocks,
 )
@@ -105,8 +105,12 @@ class FirstOrder(Estimator):
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "penalty"})
     penalty_fields: ClassVar[frozenset[str]] = frozenset({"lam"})
-    memory_model: ClassVar[MemoryModel] = "first_order"
     state_keys: ClassVar[tuple[str, ...]] = ("y_lambda", "z")
+
+    @classmethod
+    def hypergradient_bytes(cls, footprint: MemoryFootprint) -> int:
+        """The auxiliary copies ``y_λ`` and ``z`` of y (2|y|); no second-order graph."""
+        return 2 * footprint.y_bytes
 
     def __call__(
         self,

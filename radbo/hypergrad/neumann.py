@@ -14,7 +14,6 @@ from radbo.hypergrad.base import (
     ESTIMATORS,
     Estimator,
     HypergradResult,
-    MemoryModel,
     implicit_result,
     require_y,
 )
@@ -79,7 +78,6 @@ class Neumann(Estimator):
     )
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient"})
-    memory_model: ClassVar[MemoryModel] = "implicit"
 
     def __call__(
         self,

@@ -1,5 +1,6 @@
 """The simulation engine and its backends."""
 
+from radbo.simulation.backends import BACKENDS, BackendKind
 from radbo.simulation.batched import BatchedBackend
 from radbo.simulation.divergence import DivergenceError
 from radbo.simulation.engine import (
@@ -12,6 +13,8 @@ from radbo.simulation.engine import (
 from radbo.simulation.processes import ClientWorkerError, ProcessBackend
 
 __all__ = [
+    "BACKENDS",
+    "BackendKind",
     "BatchedBackend",
     "ClientWorkerError",
     "DivergenceError",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from radbo.client import (
     ClientResult,
@@ -37,10 +38,12 @@ from radbo.client import (
     stack_key,
 )
 from radbo.cost import FlopMeter
+from radbo.simulation.backends import BACKENDS
 
 __all__ = ["BatchedBackend"]
 
 
+@BACKENDS.register("batched")
 @dataclass
 class BatchedBackend:
     """Runs groups of same-shape client workloads as one stacked computation.
@@ -52,6 +55,10 @@ class BatchedBackend:
 
     min_group: int = 2
     max_group: int | None = None
+
+    @classmethod
+    def from_runtime(cls, runtime: Any) -> BatchedBackend:
+        return cls()
 
     def __post_init__(self) -> None:
         if self.min_group < 1:

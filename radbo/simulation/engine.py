@@ -49,6 +49,7 @@ from radbo.masks.coverage_report import CoverageTracker
 from radbo.masks.index import coverage_counts
 from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seed, task_seed
+from radbo.simulation.backends import BACKENDS
 from radbo.simulation.divergence import (
     MAX_ROLLBACKS,
     BoxedProblem,
@@ -64,8 +65,13 @@ from radbo.typing import IndexSet, Params
 State = TypeVar("State")
 
 
+@BACKENDS.register("sequential")
 class SequentialBackend:
     """Runs clients one after another in this process: radbo's reference backend."""
+
+    @classmethod
+    def from_runtime(cls, runtime: Any) -> SequentialBackend:
+        return cls()
 
     def run(
         self,

@@ -66,6 +66,7 @@ from torch import Tensor
 
 from radbo.client import ClientResult, ClientRuntime, ClientTask, run_measured
 from radbo.cost import FlopMeter
+from radbo.simulation.backends import BACKENDS
 
 __all__ = ["ClientWorkerError", "ProcessBackend", "usable_cpus"]
 
@@ -340,6 +341,7 @@ class _Pool:
 
 
 # ---------------------------------------------------------------------------- the backend
+@BACKENDS.register("processes")
 class ProcessBackend:
     """Runs a phase's clients in parallel worker processes, each with one intra-op thread;
     results bitwise equal to :class:`~radbo.simulation.SequentialBackend` with one thread (see
@@ -369,6 +371,11 @@ class ProcessBackend:
         self.workers = workers
         self._catalog: Catalog = []
         self._pool: _Pool | None = None
+
+    @classmethod
+    def from_runtime(cls, runtime: Any) -> ProcessBackend:
+        """``runtime.workers`` worker processes (``None``: :func:`usable_cpus`)."""
+        return cls(runtime.workers)
 
     def __repr__(self) -> str:
         return f"ProcessBackend(workers={self.workers})"
