@@ -54,6 +54,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import unclocked_rows
+
 TINY = {
     "eval_every": 2,
     "checkpoint_every": 1,
@@ -151,9 +153,7 @@ def make_bench(root: Path) -> Bench:
 
 
 def plain_rows(rows: list[dict[str, Any]]) -> str:
-    return json.dumps(
-        [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows], sort_keys=True
-    )
+    return json.dumps(unclocked_rows(rows), sort_keys=True)
 
 
 def assert_same_run(result: Any, reference: Any) -> None:

@@ -16,7 +16,8 @@ from radbo.cost import FlopMeter, _exact_line
 from radbo.experiment import build
 from radbo.flops import count_flops, new_scope, repeated
 from radbo.models import CNN7, Conv4
-from tests.test_algorithm_conformance import CASES, tensors
+from tests.helpers import state_tensors
+from tests.test_algorithm_conformance import CASES
 from tests.test_algorithm_conformance import config as conformance_config
 
 
@@ -234,7 +235,7 @@ def test_every_algorithm_s_ledger_is_today_s_and_counting_changes_no_result(case
     bare = trajectory(None)
     assert [r.ledger for _, r in fast] == [r.ledger for _, r in slow]
     for (sa, _), (sb, _) in zip(fast, bare, strict=True):
-        ta, tb = tensors(sa), tensors(sb)
+        ta, tb = state_tensors(sa), state_tensors(sb)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
