@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable
+import signal
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -338,3 +340,25 @@ class TwoVariables(nn.Module):
         super().__init__()
         self.x = nn.Parameter(torch.zeros(d))
         self.y = nn.Parameter(torch.zeros(d))
+
+
+# ------------------------------------------------------------------ test-side time limits
+@contextlib.contextmanager
+def time_limit(seconds: float, on_expiry: Callable[[], None] | None = None) -> Iterator[None]:
+    """Fail with TimeoutError, rather than hang, when the block runs longer than ``seconds``
+    (main thread only: SIGALRM). A blocking call is interrupted: Python runs the handler and
+    lets its exception through (PEP 475). ``on_expiry`` runs first (e.g. to kill processes a
+    clean-up would otherwise wait on)."""
+
+    def expire(signum: int, frame: object) -> None:
+        if on_expiry is not None:
+            on_expiry()
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

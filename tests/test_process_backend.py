@@ -5,11 +5,9 @@ kept, and no worker process outlives a run -- also when it fails or is interrupt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 
 import psutil
 import pytest
@@ -23,7 +21,7 @@ from radbo.problem import ClientData
 from radbo.simulation import ClientWorkerError, ProcessBackend, SequentialBackend, processes
 from radbo.simulation.processes import usable_cpus
 from tests.configs import small_config
-from tests.helpers import assert_same_state, state_tensors, unclocked_rows
+from tests.helpers import assert_same_state, state_tensors, time_limit, unclocked_rows
 
 NO_BASELINE = {"enabled": False}
 
@@ -336,25 +334,16 @@ def test_bad_workers_is_a_config_error(workers):
 
 
 # ------------------------------------------------------- messages larger than a pipe holds
-@contextlib.contextmanager
+def kill_workers() -> None:
+    for child in children():
+        child.kill()
+
+
 def deadline(seconds: float):
-    """Kill the worker processes and raise TimeoutError in this thread after ``seconds`` (a
-    hang fails the test, it does not stop the suite). A blocked ``send_bytes`` is interrupted:
-    Python runs the handler and lets its exception through (PEP 475); with the workers gone,
-    the backend's clean-up cannot block on them either."""
-
-    def expire(signum, frame):
-        for child in children():
-            child.kill()
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    """A hang fails the test, it does not stop the suite: after ``seconds`` the worker
+    processes are killed (so the backend's clean-up cannot block on them) and TimeoutError
+    is raised (:func:`tests.helpers.time_limit`)."""
+    return time_limit(seconds, on_expiry=kill_workers)
 
 
 def grow(runtime, task: ClientTask) -> ClientResult:
