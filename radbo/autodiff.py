@@ -32,15 +32,14 @@ tensors (:data:`TensorTuple`), one per named parameter.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
 
-from radbo.flops import new_scope, repeated
 from radbo.typing import BilevelLoss, Params
 
 __all__ = [
@@ -544,7 +543,7 @@ def solve_cg(
     damping: float = 0.0,
     x0: Sequence[Tensor] | None = None,
     lead: int = 0,
-    uniform: bool = False,
+    mark: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> tuple[TensorTuple, int | Tensor]:
     """Solve ``(A + damping·I) v = b`` by conjugate gradient on tuples of tensors.
 
@@ -567,10 +566,12 @@ def solve_cg(
         lead: 1 for a cohort (clients stacked on dim 0, ``A`` block diagonal over clients):
             every client has its own step sizes and stops on its own; a client that stopped
             keeps its solution while the others go on.
-        uniform: ``matvec`` runs the same matrix products on every call (radbo's
-            Hessian-vector products do); a FLOP count (:func:`radbo.flops.count_flops`) then
-            counts one iteration and reuses its count for the others
-            (:func:`radbo.flops.repeated`). Default ``False``: every iteration is counted.
+        mark: a hook the caller passes in, wrapped around each iteration's product
+            (``mark("product")``) and the rest of the iteration (``mark("step")``); the solver
+            itself knows nothing of FLOP counting. Estimators whose ``matvec`` runs the same
+            matrix products on every call (radbo's Hessian-vector products) pass
+            :func:`radbo.loops.cg_marks`: a FLOP count then counts one iteration and reuses
+            its count for the others. Default ``None``: no marks.
 
     Returns:
         ``(v, n_matvec)``: the solution and the number of ``matvec`` calls made (the CG
@@ -625,10 +626,9 @@ def solve_cg(
     active = rs.double() > threshold  # per client: still iterating
     counts = torch.full(active.shape, calls, dtype=torch.int64, device=active.device)
     iterations = 0
-    scope = new_scope() if uniform else None
     going = bool(active.any())
     while going and iterations < max_iter:
-        with repeated("solve_cg", scope, "product") if uniform else _NO_BLOCK:
+        with mark("product") if mark is not None else _NO_BLOCK:
             ap = apply(p)
             counts = counts + active.long()
             curvature = tuple_dot(p, ap, lead)
@@ -637,7 +637,7 @@ def solve_cg(
         iterations += 1
         if truncated:
             break
-        with repeated("solve_cg", scope, "step") if uniform else _NO_BLOCK:
+        with mark("step") if mark is not None else _NO_BLOCK:
             alpha = rs / curvature
             new_sol = tuple_axpy(alpha, p, sol)
             new_r = tuple_axpy(-alpha, ap, r)
@@ -651,25 +651,6 @@ def solve_cg(
             active = active & (rs.double() > threshold)
             going = bool(active.any())
     return sol, (int(counts) if lead == 0 else counts)
-
-
-def cg_iteration_flops(blocks: Mapping[tuple[Any, ...], int]) -> int | None:
-    """The FLOPs one more iteration adds to a count of work with one uniform :func:`solve_cg`
-    (``blocks``: :func:`radbo.flops.count_flops`'s block counts), or ``None`` when the count
-    does not show it: repeated blocks of other kinds, several solves, or an iteration's step
-    (the part after the product, which a truncated last iteration skips) that costs FLOPs.
-    Every iteration runs the same product (``uniform``), so work that differs only in its
-    number of CG iterations differs by this many FLOPs per iteration."""
-    if not blocks or {key[0] for key in blocks} != {"solve_cg"}:
-        return None
-    scopes = {key[1] for key in blocks}
-    if len(scopes) != 1:
-        return None
-    (scope,) = scopes
-    product = blocks.get(("solve_cg", scope, "product"))
-    if product is None or blocks.get(("solve_cg", scope, "step"), 0) != 0:
-        return None
-    return product
 
 
 # --------------------------------------------------------------- directions of bilevel methods

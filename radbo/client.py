@@ -20,8 +20,10 @@ arithmetic for a :class:`Cohort` -- one client with its own tensors, or several 
 tensors have equal shapes stacked along a new leading dimension -- and returns one
 :class:`ClientResult` per client. ``run`` is written once, with the cohort-aware helpers of
 :mod:`radbo.autodiff` (per-client inner products, step sizes and stopping tests) and
-:meth:`Cohort.loss` (the problem's loss, under ``torch.vmap`` for a stacked cohort), so the
-sequential, batched and Flower backends all run the same code.
+:meth:`Cohort.loss` (the problem's loss, under ``torch.vmap`` for a stacked cohort), its
+local steps with :meth:`Cohort.local_steps` (:mod:`radbo.loops`: finished clients masked,
+repeated steps marked for the FLOP meter, work counted), so the sequential, batched and
+Flower backends all run the same code.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from radbo.cost import FlopMeter, tensor_bytes
+from radbo.loops import LocalSteps, Work, cg_iteration_flops, local_steps
 from radbo.problem import (
     Batch,
     BilevelProblem,
@@ -64,6 +67,7 @@ __all__ = [
 ]
 
 State = TypeVar("State")
+Carry = TypeVar("Carry")
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,7 @@ class Prepared:
         steps: tensors drawn once per local step, step first (``[num_steps, ...]``); a cohort
             stacks them along a new *second* dimension (``[steps, clients, ...]``) and pads a
             client with fewer steps by repeating its last entry (those steps are masked out,
-            see :meth:`Cohort.active`).
+            see :meth:`Cohort.local_steps`).
         num_steps: the client's number of local steps (the length of every ``steps`` entry).
         key: anything else clients must share to run together (hashable; default none).
     """
@@ -312,7 +316,7 @@ class Cohort:
 
     def step_data(self, key: str, step: int) -> Tensor:
         """The per-step tensor ``key`` at ``step`` (clients past their last step see their last
-        entry again; :meth:`active` masks what they compute)."""
+        entry again; :meth:`local_steps` masks what they compute)."""
         whole = self._all_steps.get(key)
         if whole is None and self.stacked:
             per_client = [p.steps[key] for p in self.prepared]
@@ -327,11 +331,27 @@ class Cohort:
         return self._gather(entries)
 
     def active(self, step: int) -> Tensor | None:
-        """Which clients still run ``step`` (a bool per client), or ``None`` when all do."""
+        """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what
+        :meth:`local_steps` masks by)."""
         flags = [step < n for n in self.num_steps]
         if all(flags):
             return None
         return torch.tensor(flags)
+
+    def local_steps(
+        self,
+        step: Callable[[int, Carry], tuple[Carry, Work]],
+        carry: Carry,
+        *,
+        name: str,
+        uniform: bool = True,
+        reverse: bool = False,
+    ) -> LocalSteps[Carry]:
+        """Each client's local steps (:attr:`num_steps`) of ``carry, work = step(t, carry)``,
+        for the whole cohort at once: a client past its last step keeps its carry, each step is
+        a repeated block for the FLOP meter (``name``; ``uniform = False``: steps whose products
+        differ), and the work is counted per client. See :func:`radbo.loops.local_steps`."""
+        return local_steps(step, carry, self.num_steps, name=name, uniform=uniform, reverse=reverse)
 
     # -- losses
     def loss(
@@ -487,7 +507,6 @@ def run_measured(
     charges what the client alone would execute. Counting does not change the result: the
     counter runs the same kernels.
     """
-    from radbo.autodiff import cg_iteration_flops
     from radbo.cost import shape_signature
 
     if meter is None:

@@ -129,12 +129,13 @@ class FlopMeter:
     one line (integer arithmetic), the meter composes every further count from it instead of
     measuring; a family whose measurements are not collinear is measured for each count, as
     without composition. A measurement that shows its own unit (a count of a single uniform CG
-    solve gives the FLOPs of one iteration: :func:`radbo.autodiff.cg_iteration_flops`) gives
+    solve gives the FLOPs of one iteration: :func:`radbo.loops.cg_iteration_flops`) gives
     the line at once. So a CG that stops after a new number of iterations costs no new
     measurement, and the totals are exactly what measuring each workload gives.
 
     **Repeated work counted once.** A measurement counts a block the client marks
-    :func:`radbo.flops.repeated` (one inner step of a local loop, one CG iteration) the first
+    :func:`radbo.flops.repeated` -- every step of :func:`radbo.loops.local_steps`, every CG
+    iteration marked by :func:`radbo.loops.cg_marks` -- the first
     time only, and runs its repetitions outside the counter at full speed, adding the first
     count (``reuse``; ``False`` counts every operation: the same integers, slower).
 
@@ -210,7 +211,7 @@ class FlopMeter:
         the workload's own run with :func:`radbo.flops.count_flops`), and its ``family`` in
         :attr:`families`; returns ``value``. ``unit``: the FLOPs one more ``linear`` count
         adds, when the count itself showed it (one uniform CG solve:
-        :func:`radbo.autodiff.cg_iteration_flops`); the family's line is then known from
+        :func:`radbo.loops.cg_iteration_flops`); the family's line is then known from
         this one measurement."""
         if family is not None:
             self.families.add(family)

@@ -48,3 +48,14 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def flower_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower messages read the run, node and task ids of the current process, which Flower's
+    runtimes set; outside them (the fake grids of the Flower tests) they are set here. Only
+    tests that need flwr ask for it, so flwr is imported here, not at the top."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)

@@ -12,39 +12,27 @@ missing or extra term. (The model is initialised in float32 and cast, and torch'
 by ~3e-8; both sides of every comparison start from the same draw.)
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 from torch.func import grad as func_grad
 
 from radbo.algorithms.aggitd import AggITD
-from radbo.client import ClientBudget, ClientRuntime
 from radbo.config import ConfigError, parse_config
 from radbo.experiment import run
-from radbo.models import MLP
-from radbo.problem import Batch, ClientData
-from radbo.simulation import SequentialBackend, Simulation
-from radbo.tasks import HyperRepresentation
+from radbo.problem import Batch
+from radbo.simulation import SequentialBackend
+from tests.helpers import TOY_TASK as TASK
+from tests.helpers import Recorder, leaf, nan_where, toy_clients, toy_mlp, toy_simulation
 from tests.untrained import untrained_metrics
 
-TASK = HyperRepresentation(inner_l2=0.1)
 RTOL, ATOL = 1e-10, 1e-12
 
 
 def setup(num_clients=3, *, same_data=False, **kw):
-    """A 5-4-3 MLP (x = hidden layer, y = head). Client c holds examples 20c..20c+11 (inner)
-    and 20c+12..20c+19 (outer) -- different data per client unless ``same_data`` -- and
-    batches of 100 hold all of them, so every gradient and product is deterministic."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MLP(5, [4], 3).double()
-    features = torch.randn(20 * num_clients, 5, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, 3, (20 * num_clients,), generator=gen)
-    state = model.state_dict()
-    x = {k: state[k] for k in model.outer_param_names()}
-    y = {k: state[k] for k in model.inner_param_names()}
+    """The toy 5-4-3 MLP (x = hidden layer, y = head). Client c holds examples 20c..20c+11
+    (inner) and 20c+12..20c+19 (outer) -- different data per client unless ``same_data`` --
+    and batches of 100 hold all of them, so every gradient and product is deterministic."""
+    toy = toy_mlp(20 * num_clients)
     settings = {
         "inner_lr": 0.5,
         "outer_lr": 0.3,
@@ -54,22 +42,10 @@ def setup(num_clients=3, *, same_data=False, **kw):
         "outer_batch_size": 100,
         **kw,
     }
-    algo = AggITD(outer_names=tuple(x), inner_names=tuple(y), **settings)
-    clients = [
-        ClientData(
-            inner=torch.arange(0, 12) if same_data else torch.arange(20 * c, 20 * c + 12),
-            outer=torch.arange(12, 20) if same_data else torch.arange(20 * c + 12, 20 * c + 20),
-        )
-        for c in range(num_clients)
-    ]
-    sim = Simulation(
-        algorithm=algo,
-        runtime=ClientRuntime(TASK, features, labels, model),
-        clients=clients,
-        budgets=[ClientBudget()] * num_clients,
-        shapes={k: t.shape for k, t in state.items()},
-        seed=0,
-    )
+    algo = AggITD(outer_names=tuple(toy.x), inner_names=tuple(toy.y), **settings)
+    clients = toy_clients(num_clients, same_data=same_data)
+    sim = toy_simulation(algo, toy, clients)
+    features, labels = toy.features, toy.labels
     batches = [
         (
             Batch(features[d.inner], labels[d.inner]),
@@ -77,11 +53,7 @@ def setup(num_clients=3, *, same_data=False, **kw):
         )
         for d in clients
     ]
-    return sim, algo, model, x, y, batches
-
-
-def leaf(d):
-    return {k: t.detach().clone().requires_grad_(True) for k, t in d.items()}
+    return sim, algo, toy.model, toy.x, toy.y, batches
 
 
 def mean(dicts):
@@ -258,26 +230,15 @@ def test_an_iteration_costs_two_rounds_per_lower_level_round_plus_one(rounds):
     assert state.round == 2
 
 
-class Spoiling(SequentialBackend):
+def spoiling(phases):
     """Every update of the listed phases comes back NaN (so the engine rejects it)."""
-
-    def __init__(self, phases):
-        self.phases = set(phases)
-
-    def run(self, work, runtime, meter, tasks):
-        results = super().run(work, runtime, meter, tasks)
-        return [
-            replace(r, update={k: torch.full_like(v, float("nan")) for k, v in r.update.items()})
-            if t.phase in self.phases
-            else r
-            for t, r in zip(tasks, results, strict=True)
-        ]
+    return Recorder(nan_where(lambda task: task.phase in phases))
 
 
 def test_a_backward_round_without_results_abandons_the_hypergradient_only():
     sim, algo, model, x, y, batches = setup()
     clean, _ = sim.step(algo.init(x, y, {}), 0)
-    sim.backend = Spoiling(["itd.0"])
+    sim.backend = spoiling(["itd.0"])
 
     state, record = sim.step(algo.init(x, y, {}), 0)
 
@@ -297,7 +258,7 @@ def test_a_lower_level_round_without_results_leaves_y_and_skips_its_backward_rou
     steps)."""
     sim, algo, model, x, y, batches = setup(num_clients=1, local_steps=3)
     ref = Reference(algo, model, batches)
-    sim.backend = Spoiling(["inner.1"])
+    sim.backend = spoiling(["inner.1"])
 
     state, record = sim.step(algo.init(x, y, {}), 0)
 

@@ -27,7 +27,6 @@ marker.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
 from typing import Any
 
@@ -39,7 +38,8 @@ from radbo.config import RunConfig, parse_config
 from radbo.experiment import build, run
 from radbo.masks import LeadingPolicy, StructurePlan
 from radbo.masks.assigner import SubmodelAssigner
-from radbo.simulation import BatchedBackend, SequentialBackend
+from radbo.simulation import BatchedBackend
+from tests.helpers import Recorder, assert_same_state, state_tensors, unclocked_rows
 
 BASE: dict[str, Any] = {
     "seed": 3,
@@ -210,23 +210,10 @@ def trajectory(cfg: RunConfig, backend=None, masks=None) -> list:
     return list(exp.simulation.iterate(exp.initial_state, cfg.rounds))
 
 
-def tensors(state: Any) -> dict[str, torch.Tensor]:
-    """Every tensor of a state dataclass, keyed ``field/name``."""
-    out = {}
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, dict):
-            out.update({f"{f.name}/{k}": t for k, t in value.items()})
-    return out
-
-
 def assert_bitwise(a: list, b: list) -> None:
     assert len(a) == len(b)
     for (sa, ra), (sb, rb) in zip(a, b, strict=True):
-        ta, tb = tensors(sa), tensors(sb)
-        assert ta.keys() == tb.keys()
-        for k in ta:
-            assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+        assert_same_state(sa, sb, tensors_only=True)
         assert ra.ledger == rb.ledger
         assert ra.evaluation == rb.evaluation
         ma, mb = dict(ra.metrics), dict(rb.metrics)
@@ -268,7 +255,7 @@ def test_same_seed_same_run_other_seed_other_run(case: str) -> None:
     first, second = trajectory(cfg), trajectory(cfg)
     assert_bitwise(first, second)
     other = trajectory(config(case, seed=4))
-    a, b = tensors(first[-1][0]), tensors(other[-1][0])
+    a, b = state_tensors(first[-1][0]), state_tensors(other[-1][0])
     assert any(a[k].is_floating_point() and not torch.equal(a[k], b[k]) for k in a)
 
 
@@ -295,9 +282,9 @@ def test_full_mask_equals_dense(case: str) -> None:
 def test_state_shapes_and_dtypes_stay_those_of_the_initial_state(case: str) -> None:
     cfg = config(case)
     exp = build(cfg)
-    initial = tensors(exp.initial_state)
+    initial = state_tensors(exp.initial_state)
     for state, _ in exp.simulation.iterate(exp.initial_state, cfg.rounds):
-        now = tensors(state)
+        now = state_tensors(state)
         for k, t in now.items():
             if k.startswith("chains/"):
                 continue  # FedMBO's Neumann chains live within one iteration
@@ -309,25 +296,20 @@ def test_state_shapes_and_dtypes_stay_those_of_the_initial_state(case: str) -> N
         }
 
 
-class Poisoning(SequentialBackend):
+def poison(task, result):
     """Client 1 answers with NaN, client 2 with a wrongly shaped tensor, in every phase."""
-
-    def run(self, work, runtime, meter, tasks):
-        out = []
-        for r in super().run(work, runtime, meter, tasks):
-            if r.client in (1, 2) and r.update:
-                name = next(iter(r.update))
-                bad = r.update[name]
-                spoiled = torch.full_like(bad, float("nan")) if r.client == 1 else bad[..., :0]
-                r = replace(r, update={**r.update, name: spoiled})
-            out.append(r)
-        return out
+    if result.client in (1, 2) and result.update:
+        name = next(iter(result.update))
+        bad = result.update[name]
+        spoiled = torch.full_like(bad, float("nan")) if result.client == 1 else bad[..., :0]
+        return replace(result, update={**result.update, name: spoiled})
+    return None
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_nan_and_wrong_shape_updates_are_rejected_and_counted(case: str) -> None:
     cfg = config(case)
-    rounds = trajectory(cfg, backend=Poisoning())
+    rounds = trajectory(cfg, backend=Recorder(poison))
     rejected = 0
     for state, record in rounds:
         for phase, clients in record.rejected.items():
@@ -339,7 +321,7 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_counted(case: str) -> None
         assert record.metrics["rejected_updates"] == expected
         rejected += expected
         assert took_part
-        for k, t in tensors(state).items():
+        for k, t in state_tensors(state).items():
             if t.is_floating_point():
                 assert bool(torch.isfinite(t).all()), k
     assert rejected > 0
@@ -357,24 +339,20 @@ def test_resumed_run_equals_the_uninterrupted_one(case: str, tmp_path) -> None:
         output_dir=out,
         resume=True,
     )
-    a, b = tensors(whole.state), tensors(resumed.state)
+    a, b = state_tensors(whole.state), state_tensors(resumed.state)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert whole.ledger == resumed.ledger
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]  # noqa: E731
-    assert strip(whole.rounds) == strip(resumed.rounds)
+    assert unclocked_rows(whole.rounds) == unclocked_rows(resumed.rounds)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_flower_messages_give_the_engine_s_results(case: str, monkeypatch) -> None:
+def test_flower_messages_give_the_engine_s_results(case: str, request) -> None:
     pytest.importorskip("flwr", reason="flwr is not installed (pip install 'radbo[flower]')")
-    from flwr.supercore.task_identity import TaskIdentity
-
     from radbo.flower import FlowerBackend
     from radbo.flower.apps import CONFIG_KEY
     from tests.test_flower import FakeGrid
 
-    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)
+    request.getfixturevalue("flower_identity")  # after the skip: the fixture imports flwr
     cfg = config(case)
     nodes = {c: 300 + c for c in range(cfg.fleet.num_clients)}
     grid = FakeGrid({n: c for c, n in nodes.items()})
@@ -389,7 +367,7 @@ def test_batched_backend_equals_sequential(case: str) -> None:
     cfg = config(case, fleet={**config(case).fleet.model_dump(), "num_clients": 4})
     seq, bat = trajectory(cfg), trajectory(cfg, backend=BatchedBackend())
     for (sa, ra), (sb, rb) in zip(seq, bat, strict=True):
-        ta, tb = tensors(sa), tensors(sb)
+        ta, tb = state_tensors(sa), state_tensors(sb)
         assert ta.keys() == tb.keys()
         for k in ta:
             if ta[k].is_floating_point():

@@ -36,6 +36,7 @@ from radbo.client import (
     Prepared,
 )
 from radbo.config import ConfigError, parse_config
+from radbo.loops import Work
 from radbo.masks.index import extract
 from radbo.typing import IndexSet, Params
 
@@ -47,6 +48,10 @@ LAYERS: list[set[str]] = [
     {"typing", "randomness", "registry", "version", "limits", "lazy", "jsonio"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
+    # loops: the local-step primitive (masks finished clients, marks repeated blocks for the
+    # FLOP meter, counts the work) over autodiff's per-client helpers; below client, whose
+    # Cohort.local_steps runs it, and hypergrad, whose solvers take their marks from it
+    {"loops"},
     {"client", "data"},
     {"masks", "models", "tasks", "hypergrad"},
     {"aggregation", "devices"},
@@ -254,17 +259,25 @@ class Toy(ToyConfig, AlgorithmBase):
         y = cohort.params(self.inner_names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
         start = {n: t.clone() for n, t in y.items()}
-        for step in range(cohort.max_steps):
-            batch = runtime.batch(cohort.step_data("inner", step))
-            y_var = {n: t.requires_grad_(True) for n, t in y.items()}
+
+        def step(t: int, y: Params) -> tuple[Params, Work]:  # one SGD step on g, every client
+            batch = runtime.batch(cohort.step_data("inner", t))
+            y_var = {n: p.requires_grad_(True) for n, p in y.items()}
             loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
             grads = torch.autograd.grad(scalar("g", loss, cohort.lead), list(y_var.values()))
-            y = {
-                n: (t - self.inner_lr * g).detach()
-                for (n, t), g in zip(y_var.items(), grads, strict=True)
+            stepped = {
+                n: (p - self.inner_lr * g).detach()
+                for (n, p), g in zip(y_var.items(), grads, strict=True)
             }
+            return stepped, Work(n_grad=1)
+
+        # the framework's loop: masks clients that finished, marks the step for the FLOP meter
+        # and counts the gradients per client
+        steps = cohort.local_steps(step, y, name="toy.step")
+        y = steps.carry
+        last = runtime.batch(cohort.step_data("inner", cohort.max_steps - 1))
         outer, _ = cohort.bind(
-            runtime.problem, module, buffers, batch, runtime.batch(cohort.data("outer"))
+            runtime.problem, module, buffers, last, runtime.batch(cohort.data("outer"))
         )
         gx, _ = loss_grads(
             outer,
@@ -281,7 +294,7 @@ class Toy(ToyConfig, AlgorithmBase):
             **dict(zip(x, gx, strict=True)),
             **{n: (start[n] - y[n]) / self.inner_lr for n in y},
         }
-        return cohort.replies(update, n_grad=self.local_steps + 1)
+        return cohort.replies(update, n_grad=[n + 1 for n in steps.n_grad])
 
     def server(self, state, results, index_sets, weights):
         shapes = {n: t.shape for n, t in {**state.x, **state.y}.items()}

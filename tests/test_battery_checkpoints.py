@@ -33,7 +33,6 @@ derandomized examples; ``pytest -m slow`` runs many more, freshly random.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -42,17 +41,17 @@ import math
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import time_limit, unclocked_rows
 
 TINY = {
     "eval_every": 2,
@@ -115,20 +114,6 @@ def test_checkpoint_battery_long() -> None:
 # -- in the child: the cases ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"a case ran longer than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def config(rounds: int) -> Any:
     from radbo.config import parse_config
 
@@ -151,9 +136,7 @@ def make_bench(root: Path) -> Bench:
 
 
 def plain_rows(rows: list[dict[str, Any]]) -> str:
-    return json.dumps(
-        [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows], sort_keys=True
-    )
+    return json.dumps(unclocked_rows(rows), sort_keys=True)
 
 
 def assert_same_run(result: Any, reference: Any) -> None:

@@ -18,6 +18,7 @@ from radbo.cli import main
 from radbo.experiment import run
 from radbo.simulation import Simulation
 from tests.configs import small_config
+from tests.helpers import assert_same_state, comparable_results
 
 
 class Crash(Exception):
@@ -41,24 +42,9 @@ def crash_at(monkeypatch, round_index: int, *, skip: int = 0) -> None:
 
 
 def comparable(out) -> tuple[str, str]:
-    results = json.loads((out / "results.json").read_text())
-    for row in results["rounds"]:
-        row.pop("wall_time_s")
-    results.pop("config")
-    for part in ("baseline",):
-        if part in results:
-            results[part].pop("config")
-            for row in results[part].get("rounds", []):  # recorded since issue 27
-                row.pop("wall_time_s")
-    return json.dumps(results, sort_keys=True), (out / "ledger.json").read_text()
-
-
-def assert_same_state(a, b) -> None:
-    ta, sa = state_to_tensors(a)
-    tb, sb = state_to_tensors(b)
-    assert sa == sb and ta.keys() == tb.keys()
-    for k in ta:
-        assert torch.equal(ta[k], tb[k]), k
+    """results.json as sorted JSON text (so NaN metrics compare equal) and ledger.json."""
+    results = json.dumps(comparable_results(out), sort_keys=True)
+    return results, (out / "ledger.json").read_text()
 
 
 CASES = {

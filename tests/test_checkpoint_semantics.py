@@ -12,15 +12,13 @@ refuses (a full disk, a read-only folder) are one line, and the checkpoints befo
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
-import signal
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +38,7 @@ from radbo.cli import main
 from radbo.config import parse_config
 from radbo.experiment import run
 from tests import test_checkpoint_integrity as integrity
+from tests.helpers import time_limit
 
 TINY = {
     "eval_every": 2,
@@ -48,22 +47,6 @@ TINY = {
     "model": {"name": "mlp", "hidden": [16]},
 }
 ROUNDS = 6
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    """Fail (rather than hang) when the block runs longer than ``seconds``."""
-
-    def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from radbo.experiment import RunResult, build, fleet_table
 from radbo.experiment.progress import LineProgress, progress_bar
 from radbo.experiment.seeds import aggregate_runs, aggregate_table
 from radbo.version import __version__
+from tests.helpers import comparable_results
 
 TINY = (
     'rounds = 1\neval_every = 1\n[fleet]\nnum_clients = 3\n[model]\nname = "mlp"\nhidden = [16]\n'
@@ -227,13 +228,6 @@ def test_aggregate_is_the_mean_and_students_t_interval():
     assert (one["mean"], one["ci95"], one["std"], one["n"]) == (0.5, None, None, 1)
 
 
-def comparable(folder: Path) -> dict:
-    results = json.loads((folder / "results.json").read_text())
-    for row in results["rounds"]:
-        row.pop("wall_time_s")
-    return results
-
-
 def test_seeds_write_one_plain_run_folder_per_seed_and_the_aggregate(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["run", str(tiny), "--quiet", "--output-dir", str(out), "--seeds", "0", "1", "2"]
@@ -263,7 +257,7 @@ def test_seeds_write_one_plain_run_folder_per_seed_and_the_aggregate(tiny, tmp_p
     single = tmp_path / "single"
     argv = ["run", str(tiny), "--quiet", "--output-dir", str(single), "--seed", "1"]
     assert main([*argv, "algorithm.inner_lr=0.2"]) == 0
-    assert comparable(single) == comparable(out / "seed-1")
+    assert comparable_results(single, drop=()) == comparable_results(out / "seed-1", drop=())
 
     # the folder now holds them: refused, in one line
     capsys.readouterr()
@@ -281,7 +275,8 @@ def test_seeds_resume_continues_some_and_starts_the_rest(tiny, tmp_path, capsys)
     assert main([*args, "--output-dir", str(cut), "--resume"]) == 0, capsys.readouterr().err
 
     for seed in (0, 1):
-        assert comparable(whole / f"seed-{seed}") == comparable(cut / f"seed-{seed}")
+        a, b = whole / f"seed-{seed}", cut / f"seed-{seed}"
+        assert comparable_results(a, drop=()) == comparable_results(b, drop=())
 
 
 @pytest.mark.parametrize(

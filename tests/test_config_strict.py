@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,29 +18,14 @@ from radbo.config import apply_overrides, load_config, parse_config
 from radbo.limits import MAX_CONFIG_BYTES, MAX_ERROR_LINES
 from radbo.tomlfile import read_toml
 from tests.configs import DEMO, ROOT
-
-
-@contextlib.contextmanager
-def within(seconds: float) -> Iterator[None]:
-    """Fail (TimeoutError) if the block runs longer than ``seconds``."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+from tests.helpers import time_limit
 
 
 def refused(config: Path, *extra: str, seconds: float = 60) -> list[str]:
     """The lines ``radbo run CONFIG`` prints on stderr, which must exit with code 2 (and
     print nothing else, no traceback) within ``seconds``."""
     out, err = io.StringIO(), io.StringIO()
-    with within(seconds), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with time_limit(seconds), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["run", str(config), "--quiet", *extra])
     assert code == 2, err.getvalue()
     assert out.getvalue() == ""

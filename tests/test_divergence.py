@@ -41,6 +41,7 @@ from radbo.experiment import build, run
 from radbo.simulation.divergence import DivergenceGuard, project_outer, state_rms
 from radbo.tasks import FeatureL2
 from tests.configs import small_config
+from tests.helpers import unclocked_rows
 
 #: the divergence case's first diverging round (measured; see the module docstring)
 BLOWUP_ROUND = 77
@@ -106,10 +107,6 @@ def case(
             **top,
         }
     )
-
-
-def rows_without_time(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]
 
 
 def states_equal(a: object, b: object) -> bool:
@@ -188,7 +185,7 @@ def test_rollback_finishes_at_its_best_validation_loss_and_records_the_rollback(
     assert bool(result.state.x["log_l2"].isfinite().all())
     # until the blow-up the guarded run is the unguarded one, bit for bit
     before = [record.as_dict() for _, record in unguarded[:BLOWUP_ROUND]]
-    assert rows_without_time(before) == rows_without_time(rows[:BLOWUP_ROUND])
+    assert unclocked_rows(before) == unclocked_rows(rows[:BLOWUP_ROUND])
 
 
 @pytest.mark.slow
@@ -264,7 +261,7 @@ def test_resuming_after_a_rollback_keeps_the_damped_steps(data: Path, unguarded)
     assert resumed.algorithm.inner_lr == whole.algorithm.inner_lr == 0.5
     for (a, ra), (b, rb) in zip(got, want[1:], strict=True):
         assert states_equal(a, b)
-        assert rows_without_time([ra.as_dict()]) == rows_without_time([rb.as_dict()])
+        assert unclocked_rows([ra.as_dict()]) == unclocked_rows([rb.as_dict()])
 
 
 # ------------------------------------------------------------------------ stop, warn, off
@@ -335,7 +332,7 @@ def test_a_sound_run_is_bitwise_the_same_with_the_guard_on_and_off():
         runs.append(list(exp.simulation.iterate(exp.initial_state, 3)))
     for (on, on_record), (off, off_record) in zip(*runs, strict=True):
         assert states_equal(on, off) and on_record.divergence is None
-        assert rows_without_time([on_record.as_dict()]) == rows_without_time([off_record.as_dict()])
+        assert unclocked_rows([on_record.as_dict()]) == unclocked_rows([off_record.as_dict()])
 
 
 # ---------------------------------------------------------------------- the box on x (item 5)

@@ -12,30 +12,11 @@ import torch
 from radbo.client import ClientResult, CostRecord
 from radbo.cost import index_metadata_bytes, tensor_bytes
 from radbo.experiment import build
-from radbo.simulation import SequentialBackend
 from tests.configs import small_config
+from tests.helpers import Recorder, nan_update
 
 ROUNDS = 3
 COUNTERS = ("flops", "n_grad", "n_hvp", "samples", "bytes_up")
-
-
-class Marking(SequentialBackend):
-    """The sequential backend, changing the results of chosen ``(round, phase, client)``.
-
-    ``mark(task, result)`` returns the result to hand back (or ``None``: unchanged)."""
-
-    def __init__(self, mark):
-        self.mark = mark
-        self.tasks = {}
-
-    def run(self, work, runtime, meter, tasks):
-        results = super().run(work, runtime, meter, tasks)
-        out = []
-        for task, result in zip(tasks, results, strict=True):
-            self.tasks[task.round, task.phase, task.client] = task
-            changed = self.mark(task, result)
-            out.append(result if changed is None else changed)
-        return out
 
 
 def lost_result(task, reason):
@@ -83,7 +64,7 @@ def test_lost_results_are_dropouts(overrides):
         return None
 
     exp = build(cfg)
-    backend = exp.simulation.backend = Marking(mark)
+    backend = exp.simulation.backend = Recorder(mark)
     got = rounds(exp)
 
     seen = 0
@@ -107,7 +88,7 @@ def test_lost_results_are_dropouts(overrides):
             briefed.add(entry.client)
             if (entry.client, entry.phase) in lost:
                 seen += 1
-                task = backend.tasks[record.round, entry.phase, entry.client]
+                task = backend.task_at[record.round, entry.phase, entry.client]
                 meta = index_metadata_bytes(task.index_set) if first else 0
                 assert entry.bytes_down == tensor_bytes(task.params) + meta
                 assert all(getattr(entry, k) == 0 for k in COUNTERS)
@@ -115,12 +96,6 @@ def test_lost_results_are_dropouts(overrides):
             else:
                 assert entry == ref_entry
     assert seen > 0
-
-
-def nan_update(result):
-    return replace(
-        result, update={k: torch.full_like(t, float("nan")) for k, t in result.update.items()}
-    )
 
 
 def test_rejected_results_are_bad_updates():
@@ -139,9 +114,9 @@ def test_rejected_results_are_bad_updates():
         return None
 
     ref = build(cfg)
-    ref.simulation.backend = Marking(nan_mark)
+    ref.simulation.backend = Recorder(nan_mark)
     exp = build(cfg)
-    exp.simulation.backend = Marking(reject_mark)
+    exp.simulation.backend = Recorder(reject_mark)
     hits = 0
     for (state, record), (ref_state, ref_record) in zip(rounds(exp), rounds(ref), strict=True):
         assert_same_model(state, ref_state, exp.simulation)
@@ -177,7 +152,7 @@ def test_failures_are_written_only_when_there_are_any():
         return None
 
     exp = build(cfg)
-    exp.simulation.backend = Marking(mark)
+    exp.simulation.backend = Recorder(mark)
     _, record = exp.simulation.step(exp.initial_state, 0)
     row = json.loads(json.dumps(record.as_dict()))
     first = record.clients[0]
@@ -196,9 +171,9 @@ def test_a_lost_client_leaves_the_later_phases():
         return None
 
     exp = build(cfg)
-    backend = exp.simulation.backend = Marking(mark)
+    backend = exp.simulation.backend = Recorder(mark)
     _, record = exp.simulation.step(exp.initial_state, 0)
     gone = record.clients[1]
     assert record.dropped == {"train.inner": [gone]}
-    assert (0, "train.outer", gone) not in backend.tasks
+    assert (0, "train.outer", gone) not in backend.task_at
     assert [e.phase for e in record.ledger if e.client == gone] == ["train.inner"]

@@ -32,22 +32,18 @@ from radbo.hypergrad import FiniteDifference
 from radbo.hypergrad.finite_difference import default_step
 from radbo.typing import Params
 from tests.configs import small_config
-from tests.test_hypergrad import Quadratic, rel_err
+from tests.helpers import DTYPE, Quadratic, flat, rel_err
 from tests.tolerances import unit_roundoff
 
 # every test here compares estimates against bounds; the float32 ones round with the kernels
 pytestmark = pytest.mark.float_sensitive
 
-DTYPE = torch.float64
-
-
-def flat(params: Params, lead: int = 0) -> Tensor:
-    return torch.cat([t.reshape(*t.shape[:lead], -1) for t in params.values()], dim=-1)
-
 
 # ================================================================ a problem quadratic in x
 
 
+# Not tests.helpers.Quadratic (whose ∇_y g is affine in x, so forward differences are exact
+# there too): telling the schemes apart takes a ∇_y g quadratic in x.
 @dataclass(frozen=True)
 class QuadraticInX:
     """``g = ½ yᵀAy − yᵀBx − ½ yᵀC(x ⊙ x) + cᵀy``, ``f = ½ ||y − d||² + eᵀx``; x is

@@ -4,32 +4,20 @@ import pytest
 import torch
 
 from radbo.algorithms.fedmbo import FedMBO
-from radbo.client import ClientBudget, ClientRuntime
-from radbo.models import MLP
-from radbo.problem import Batch, ClientData
+from radbo.problem import Batch
 from radbo.randomness import derive_seed
-from radbo.simulation import Simulation
-from radbo.tasks import HyperRepresentation
-
-TASK = HyperRepresentation(inner_l2=0.1)
+from tests.helpers import TOY_TASK as TASK
+from tests.helpers import leaf, toy_clients, toy_mlp, toy_simulation
 
 
 def setup(num_clients=4, n=3, T=2, N=4, seed=0, **kw):
-    """Every client holds the same 12 + 8 samples, and batches hold all of them, so every
-    gradient and product is deterministic and the iteration can be recomputed by hand."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MLP(5, [4], 3)
-    features = torch.randn(20, 5, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, 3, (20,), generator=gen)
-    model = model.double()
-    state = model.state_dict()
-    x = {k: state[k] for k in model.outer_param_names()}
-    y = {k: state[k] for k in model.inner_param_names()}
+    """Every client holds the same 12 + 8 samples of the toy 5-4-3 MLP problem, and batches
+    hold all of them, so every gradient and product is deterministic and the iteration can be
+    recomputed by hand."""
+    toy = toy_mlp(20)
     algo = FedMBO(
-        outer_names=tuple(x),
-        inner_names=tuple(y),
+        outer_names=tuple(toy.x),
+        inner_names=tuple(toy.y),
         inner_lr=0.5,
         outer_lr=0.3,
         inner_steps=T,
@@ -41,17 +29,10 @@ def setup(num_clients=4, n=3, T=2, N=4, seed=0, **kw):
         seed=seed,
         **kw,
     )
-    data = ClientData(inner=torch.arange(12), outer=torch.arange(12, 20))
-    sim = Simulation(
-        algorithm=algo,
-        runtime=ClientRuntime(TASK, features, labels, model),
-        clients=[data] * num_clients,
-        budgets=[ClientBudget()] * num_clients,
-        shapes={k: t.shape for k, t in state.items()},
-        seed=seed,
-    )
+    sim = toy_simulation(algo, toy, toy_clients(num_clients, same_data=True), seed=seed)
+    features, labels = toy.features, toy.labels
     batches = (Batch(features[:12], labels[:12]), Batch(features[12:], labels[12:]))
-    return sim, algo, model, x, y, batches
+    return sim, algo, toy.model, toy.x, toy.y, batches
 
 
 def by_hand(algo, model, x, y, batches, round_=0):
@@ -63,9 +44,6 @@ def by_hand(algo, model, x, y, batches, round_=0):
 
     def f(xx, yy):
         return TASK.outer_loss(model, xx, yy, {}, outer_b)
-
-    def leaf(d):
-        return {k: t.detach().clone().requires_grad_(True) for k, t in d.items()}
 
     for _ in range(algo.inner_steps):
         yl = leaf(y)

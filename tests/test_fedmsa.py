@@ -4,29 +4,19 @@ import pytest
 import torch
 
 from radbo.algorithms.fedmsa import FedMSA
-from radbo.client import ClientBudget, ClientRuntime
-from radbo.models import MLP
-from radbo.problem import ClientData, sample_batch
+from radbo.problem import sample_batch
 from radbo.randomness import derive_seed
-from radbo.simulation import Simulation
-from radbo.tasks import HyperRepresentation
-
-TASK = HyperRepresentation(inner_l2=0.1)
+from tests.helpers import TOY_TASK as TASK
+from tests.helpers import leaf, toy_clients, toy_mlp, toy_simulation
 
 
 def setup(num_clients=3, **kw):
-    gen = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MLP(5, [4], 3).double()
-    features = torch.randn(60, 5, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, 3, (60,), generator=gen)
-    state = model.state_dict()
-    x = {k: state[k] for k in model.outer_param_names()}
-    y = {k: state[k] for k in model.inner_param_names()}
+    """The toy 5-4-3 MLP problem, client c holding examples 20c..20c+11 (inner) and
+    20c+12..20c+19 (outer)."""
+    toy = toy_mlp(60)
     algo = FedMSA(
-        outer_names=tuple(x),
-        inner_names=tuple(y),
+        outer_names=tuple(toy.x),
+        inner_names=tuple(toy.y),
         outer_lr=0.2,
         inner_lr=0.5,
         v_lr=0.3,
@@ -36,27 +26,13 @@ def setup(num_clients=3, **kw):
         outer_batch_size=3,
         **kw,
     )
-    clients = [
-        ClientData(
-            inner=torch.arange(20 * c, 20 * c + 12), outer=torch.arange(20 * c + 12, 20 * c + 20)
-        )
-        for c in range(num_clients)
-    ]
-    sim = Simulation(
-        algorithm=algo,
-        runtime=ClientRuntime(TASK, features, labels, model),
-        clients=clients,
-        budgets=[ClientBudget()] * num_clients,
-        shapes={k: t.shape for k, t in state.items()},
-        seed=3,
-    )
-    return sim, algo, model, features, labels, x, y
+    sim = toy_simulation(algo, toy, toy_clients(num_clients), seed=3)
+    return sim, algo, toy.model, toy.features, toy.labels, toy.x, toy.y
 
 
 def maps(model, inner_b, outer_b, x, w, v):
     """P and S of eq. (10) by plain autograd (independent of radbo.hypergrad)."""
-    xl = {k: t.detach().clone().requires_grad_(True) for k, t in x.items()}
-    wl = {k: t.detach().clone().requires_grad_(True) for k, t in w.items()}
+    xl, wl = leaf(x), leaf(w)
     f = TASK.outer_loss(model, xl, wl, {}, outer_b)
     fx = torch.autograd.grad(f, list(xl.values()) + list(wl.values()))
     g = TASK.inner_loss(model, xl, wl, {}, inner_b)

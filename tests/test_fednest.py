@@ -9,22 +9,19 @@ about 1e-16 each (gamma_k * scale ~ 1e-14 for k ~ 100), and the differences meas
 1.1e-16 absolute on the default, AVX2 and AVX-512 kernels; the bound, 1e-10 relative plus
 1e-10 absolute, is six orders above that and would still catch a missing or extra term."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from radbo.algorithms.fednest import FedNest, LFedNest
-from radbo.client import ClientBudget, ClientRuntime
+from radbo.client import ClientBudget
 from radbo.config import parse_config
 from radbo.experiment import run
-from radbo.models import MLP
-from radbo.problem import Batch, ClientData
+from radbo.problem import Batch
 from radbo.randomness import Stream, derive_seed
-from radbo.simulation import BatchedBackend, SequentialBackend, Simulation
-from radbo.tasks import HyperRepresentation
+from radbo.simulation import BatchedBackend, SequentialBackend
+from tests.helpers import TOY_TASK as TASK
+from tests.helpers import Recorder, leaf, nan_where, toy_clients, toy_mlp, toy_simulation
 
-TASK = HyperRepresentation(inner_l2=0.1)
 # float64 rounding of reordered sums over a few steps: measured <= 1.1e-16 absolute on values of
 # size <= 0.6 (default/avx2/avx512), bound 1e-10 (see the module docstring)
 RTOL = 1e-10
@@ -32,18 +29,11 @@ NUM_CLIENTS = 4
 
 
 def setup(cls=FedNest, *, steps=(2, 2, 2, 2), seed=0, backend=None, **kw):
-    """Four clients with their own 12 inner + 8 outer examples (so local objectives differ and
-    the SVRG corrections matter); batches hold all of a client's examples, so every gradient
-    and product is deterministic and the iteration can be recomputed by hand."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MLP(5, [4], 3).double()
-    features = torch.randn(20 * NUM_CLIENTS, 5, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, 3, (20 * NUM_CLIENTS,), generator=gen)
-    state = model.state_dict()
-    x = {k: state[k] for k in model.outer_param_names()}
-    y = {k: state[k] for k in model.inner_param_names()}
+    """Four clients of the toy 5-4-3 MLP problem with their own 12 inner + 8 outer examples
+    (so local objectives differ and the SVRG corrections matter); batches hold all of a
+    client's examples, so every gradient and product is deterministic and the iteration can
+    be recomputed by hand."""
+    toy = toy_mlp(20 * NUM_CLIENTS)
     settings = {
         "inner_lr": 0.4,
         "outer_lr": 0.3,
@@ -56,23 +46,16 @@ def setup(cls=FedNest, *, steps=(2, 2, 2, 2), seed=0, backend=None, **kw):
         "clients_per_phase": 2,
         **kw,
     }
-    algo = cls(outer_names=tuple(x), inner_names=tuple(y), seed=seed, **settings)
-    clients = [
-        ClientData(
-            inner=torch.arange(20 * c, 20 * c + 12), outer=torch.arange(20 * c + 12, 20 * c + 20)
-        )
-        for c in range(NUM_CLIENTS)
-    ]
-    sim = Simulation(
-        algorithm=algo,
-        runtime=ClientRuntime(TASK, features, labels, model),
-        clients=clients,
+    algo = cls(outer_names=tuple(toy.x), inner_names=tuple(toy.y), seed=seed, **settings)
+    sim = toy_simulation(
+        algo,
+        toy,
+        toy_clients(NUM_CLIENTS),
         budgets=[ClientBudget(local_steps=s) for s in steps],
-        shapes={k: t.shape for k, t in state.items()},
         seed=seed,
         backend=backend or SequentialBackend(),
     )
-    return sim, algo, model, x, y
+    return sim, algo, toy.model, toy.x, toy.y
 
 
 class ByHand:
@@ -85,10 +68,6 @@ class ByHand:
         data, f, lab = self.sim.clients[c], self.sim.runtime.features, self.sim.runtime.labels
         return Batch(f[data.inner], lab[data.inner]), Batch(f[data.outer], lab[data.outer])
 
-    @staticmethod
-    def leaf(d):
-        return {k: t.detach().clone().requires_grad_(True) for k, t in d.items()}
-
     def g(self, c, x, y):
         return TASK.inner_loss(self.model, x, y, {}, self.batches(c)[0])
 
@@ -96,14 +75,14 @@ class ByHand:
         return TASK.outer_loss(self.model, x, y, {}, self.batches(c)[1])
 
     def grad(self, loss, c, x, y, wrt):
-        xl, yl = self.leaf(x), self.leaf(y)
+        xl, yl = leaf(x), leaf(y)
         target = xl if wrt == "x" else yl
         grads = torch.autograd.grad(loss(c, xl, yl), list(target.values()))
         return dict(zip(target, grads, strict=True))
 
     def products(self, c, x, y, p):
         """(∇²_yy g_c p, ∇²_xy g_c p)."""
-        xl, yl = self.leaf(x), self.leaf(y)
+        xl, yl = leaf(x), leaf(y)
         gy = torch.autograd.grad(self.g(c, xl, yl), list(yl.values()), create_graph=True)
         pv = [p[k] for k in yl]
         hp = torch.autograd.grad(gy, list(yl.values()), grad_outputs=pv, retain_graph=True)
@@ -308,26 +287,14 @@ def test_max_hypergrad_norm_clips_the_global_or_the_local_hypergradients(cls):
 
 
 # --------------------------------------------------------------------- failures, backends
-class Spoil(SequentialBackend):
+def spoil(phases):
     """Answers with NaN in the phases named ``phases``."""
-
-    def __init__(self, phases):
-        self.phases = set(phases)
-
-    def run(self, work, runtime, meter, tasks):
-        out = []
-        for r in super().run(work, runtime, meter, tasks):
-            if tasks[0].phase in self.phases:
-                r = replace(
-                    r, update={k: torch.full_like(t, float("nan")) for k, t in r.update.items()}
-                )
-            out.append(r)
-        return out
+    return Recorder(nan_where(lambda task: task.phase in phases))
 
 
 def test_a_lost_neumann_round_ends_the_chain_and_the_hypergradient_goes_on():
     sim, algo, model, x, y = setup(seed=2)  # N' = 3
-    sim.backend = Spoil({"ihgp.2"})
+    sim.backend = spoil({"ihgp.2"})
     state, record = sim.step(algo.init(x, y, {}), 0)
     who = participants(record)
 
@@ -342,7 +309,7 @@ def test_a_lost_neumann_round_ends_the_chain_and_the_hypergradient_goes_on():
 
 def test_lost_aggregates_skip_the_rounds_that_need_them():
     sim, algo, model, x, y = setup(seed=2)
-    sim.backend = Spoil({"inner.0.anchor", "ihgp.0"})
+    sim.backend = spoil({"inner.0.anchor", "ihgp.0"})
     state, record = sim.step(algo.init(x, y, {}), 0)
     who = participants(record)
 

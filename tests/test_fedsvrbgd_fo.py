@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
 from radbo.algorithms.fedsvrbgd_fo import ESTIMATOR_PARTS, FedSVRBGD, FedSVRBGDState
 from radbo.checkpoint import state_from_tensors, state_to_tensors
@@ -22,8 +21,9 @@ from radbo.experiment import build, run
 from radbo.hypergrad import FirstOrder
 from radbo.masks.index import scatter
 from radbo.problem import Batch, ClientData, MinibatchSampler
-from radbo.simulation import SequentialBackend, Simulation
+from radbo.simulation import Simulation
 from tests.configs import ROOT
+from tests.helpers import Recorder, TwoVariables
 
 RTOL, ATOL = 1e-10, 1e-12
 H = torch.tensor([2.0, 0.5], dtype=torch.float64)  # curvature of g in y
@@ -31,15 +31,8 @@ RHO = 0.3  # weight of the x term of f
 LAM = 5.0
 
 
-class TwoVariables(nn.Module):
-    """Holds x and y (2-vectors) so that the engine can build index sets and skeletons."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.x = nn.Parameter(torch.zeros(2))
-        self.y = nn.Parameter(torch.zeros(2))
-
-
+# Another problem than tests.helpers.Quadratic (the hypergradient tests' closed forms): this one
+# is written as losses of a batch, for the engine, and its oracle is written out below.
 class Quadratic:
     """``g(x, y; b) = 1/2 (y - x - b)^T H (y - x - b)``, ``f(x, y; c) = 1/2 ||y - c||^2 +
     rho/2 ||x - c||^2``, with b and c the means of the inner and the outer minibatch: every
@@ -201,18 +194,6 @@ def test_three_storm_iterations_match_alg1_by_hand(local_steps, rounds):
 
 
 # --------------------------------------------------- (c) Step 9 on masked submodels, p > 1
-class Recording(SequentialBackend):
-    """Keeps the tasks and replies of every phase."""
-
-    def __init__(self) -> None:
-        self.calls: list = []
-
-    def run(self, work, runtime, meter, tasks):
-        results = super().run(work, runtime, meter, tasks)
-        self.calls.append((list(tasks), results))
-        return results
-
-
 def masked_config(**extra):
     return parse_config(
         {
@@ -264,7 +245,7 @@ def test_server_average_is_the_coverage_weighted_mean_of_variables_and_estimator
     fleet = {"num_clients": 3, "capacities": [1.0, 0.5, 0.25] if policy != "leading" else [0.5]}
     cfg = masked_config(mask={"policy": policy}, fleet=fleet)
     exp = build(cfg)
-    backend = Recording()
+    backend = Recorder()
     exp.simulation.backend = backend
 
     states = [exp.initial_state]

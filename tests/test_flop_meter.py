@@ -10,13 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from radbo.autodiff import cg_iteration_flops, solve_cg
+from radbo.autodiff import solve_cg
 from radbo.config import load_config, parse_config
 from radbo.cost import FlopMeter, _exact_line
 from radbo.experiment import build
 from radbo.flops import count_flops, new_scope, repeated
+from radbo.loops import cg_iteration_flops, cg_marks
 from radbo.models import CNN7, Conv4
-from tests.test_algorithm_conformance import CASES, tensors
+from tests.helpers import state_tensors
+from tests.test_algorithm_conformance import CASES
 from tests.test_algorithm_conformance import config as conformance_config
 
 
@@ -206,11 +208,12 @@ def test_solve_cg_counts_the_same_flops_with_uniform_products():
     b = (torch.randn(6, 2, dtype=torch.float64),)  # a matrix: a @ u is a counted mm
 
     def solve(uniform: bool):
-        return lambda: solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, uniform=uniform)
+        mark = cg_marks() if uniform else None
+        return lambda: solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, mark=mark)
 
     assert count_flops(solve(True)) == count_flops(solve(False), reuse=False)
     assert count_flops(solve(True)) == 5 * 2 * 6 * 6 * 2
-    (v,), n = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, uniform=True)
+    (v,), n = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, mark=cg_marks())
     (w,), m = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0)
     assert n == m == 5 and torch.equal(v, w)
 
@@ -234,7 +237,7 @@ def test_every_algorithm_s_ledger_is_today_s_and_counting_changes_no_result(case
     bare = trajectory(None)
     assert [r.ledger for _, r in fast] == [r.ledger for _, r in slow]
     for (sa, _), (sb, _) in zip(fast, bare, strict=True):
-        ta, tb = tensors(sa), tensors(sb)
+        ta, tb = state_tensors(sa), state_tensors(sb)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
@@ -245,7 +248,7 @@ def test_a_cg_iteration_s_flops_come_from_the_count_of_one_solve():
     b = (torch.ones(4, 3, dtype=torch.float64),)
 
     def solve() -> None:
-        solve_cg(lambda u: (a @ u[0],), b, max_iter=3, tol=0.0, uniform=True)
+        solve_cg(lambda u: (a @ u[0],), b, max_iter=3, tol=0.0, mark=cg_marks())
 
     blocks: dict = {}
     total = count_flops(solve, blocks=blocks)

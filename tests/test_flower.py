@@ -1,8 +1,6 @@
 """radbo on Flower: the codec, the FlowerBackend against an in-process fake Grid, and a
 Flower simulation (Ray) that must reproduce the in-process engine bit for bit."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -22,68 +20,20 @@ from radbo.flower import (  # noqa: E402
     run_on_flower,
 )
 from radbo.flower.apps import CONFIG_KEY  # noqa: E402
-from radbo.simulation import SequentialBackend  # noqa: E402
 from tests.configs import small_config  # noqa: E402
-
-
-class Recording(SequentialBackend):
-    """The sequential backend, keeping every task and result it saw."""
-
-    def __init__(self):
-        self.tasks, self.results = [], []
-
-    def run(self, work, runtime, meter, tasks):
-        results = super().run(work, runtime, meter, tasks)
-        self.tasks += tasks
-        self.results += results
-        return results
-
-
-def same_tensor(a, b):
-    """Bitwise: the codec is exact, and on either side of it the same client work runs in the
-    same order with the same kernels (one process, or nodes inheriting the environment and
-    one intra-op thread), so any difference is a fault, not rounding. The end-to-end
-    comparisons are marked ``float_sensitive`` all the same: they hold only while every
-    kernel computes equal inputs alike whatever their memory layout after the trip, which
-    the marker checks under each kernel."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+from tests.helpers import Recorder, assert_same_state, same_tensor  # noqa: E402
 
 
 def same_params(a, b):
+    """Bitwise: the codec is exact."""
     return list(a) == list(b) and all(same_tensor(a[k], b[k]) for k in a)
-
-
-def flatten(value, prefix=""):
-    """Every leaf of a (nested dataclass / dict / sequence) state, keyed by its path."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
-    elif isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list | tuple):
-        items = list(enumerate(value))
-    else:
-        return {prefix: value}
-    out = {}
-    for k, v in items:
-        out.update(flatten(v, f"{prefix}/{k}"))
-    return out
-
-
-def assert_same_state(a, b):
-    fa, fb = flatten(a), flatten(b)
-    assert fa.keys() == fb.keys()
-    for k in fa:
-        if isinstance(fa[k], torch.Tensor):
-            assert same_tensor(fa[k], fb[k]), k
-        else:
-            assert fa[k] == fb[k], k
 
 
 @pytest.fixture(scope="module")
 def recorded():
     """Tasks and results of round 0 of the masked RABO demo (both phases)."""
     exp = build(small_config(rounds=1, baseline={"enabled": False}))
-    backend = Recording()
+    backend = Recorder()
     exp.simulation.backend = backend
     exp.simulation.step(exp.initial_state, 0)
     return backend
@@ -121,16 +71,6 @@ def test_message_types():
     assert message_type("train.local") == "train.local"
     for other in ("inner.3", "phe.init", "phe.2", "phe.final", "train.unknown"):
         assert message_type(other) == "train.radbo"
-
-
-@pytest.fixture
-def flower_identity(monkeypatch):
-    """Flower messages read the run, node and task ids of the current process, which
-    Flower's runtimes set; outside them the fake grid tests set them here."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)
 
 
 class FakeGrid:

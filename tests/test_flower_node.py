@@ -32,6 +32,7 @@ from radbo.flower.nodedata import (  # noqa: E402
     write_node_data,
 )
 from tests.configs import small_config  # noqa: E402
+from tests.helpers import assert_same_state  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -180,14 +181,6 @@ class NodeGrid:
         return out
 
 
-@pytest.fixture
-def flower_identity(monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)
-
-
 def test_discovery_maps_clients_and_records_stateful_nodes(flower_identity):
     grid = NodeGrid({10: {"partition-id": 1}, 11: {"partition-id": 0}, 12: {"partition-id": 2}})
     stateful = set()
@@ -323,7 +316,6 @@ def test_discovery_reply_without_a_query_config():
 def test_node_local_run_equals_the_engine_and_wire_bytes_equal_the_ledger(written, flower_identity):
     from radbo.flower import FlowerBackend
     from radbo.flower.codec import TaskSender
-    from tests.test_flower import assert_same_state
 
     config, _, folders = written
     config = config.model_copy(update={"flower": config.flower.model_copy(update={"data": "node"})})

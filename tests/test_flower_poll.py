@@ -18,16 +18,8 @@ from radbo.flower.backend import POLL_INTERVAL_S, exchange  # noqa: E402
 from radbo.flower.codec import TaskSender  # noqa: E402
 from radbo.flower.nodedata import write_node_data  # noqa: E402
 from tests.configs import demo_dict, small_config  # noqa: E402
-from tests.test_flower import assert_same_state  # noqa: E402
+from tests.helpers import assert_same_state  # noqa: E402
 from tests.test_flower_node import NodeGrid  # noqa: E402
-
-
-@pytest.fixture
-def flower_identity(monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)
 
 
 class FakeClock:

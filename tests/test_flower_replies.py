@@ -20,20 +20,11 @@ from radbo.flower.checks import check_reply, reported_cost  # noqa: E402
 from radbo.flower.codec import ARRAYS, CONFIG, decode_task, encode_result  # noqa: E402
 from radbo.simulation import SequentialBackend  # noqa: E402
 from tests.configs import small_config  # noqa: E402
+from tests.helpers import Recorder, nan_where  # noqa: E402
 
 ROUND, PHASE = 0, "train.inner"
 SLOT = 2  # the bad reply comes from the third client of the round
 RATIO = 1e3  # [flower] max_update_ratio of the bad-reply runs
-
-
-@pytest.fixture
-def flower_identity(monkeypatch):
-    """Flower messages read the run, node and task ids that Flower's runtimes set; outside
-    them the tests set them here."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)
 
 
 def config(rounds=1):
@@ -92,22 +83,6 @@ def flower_run(cfg, behave=None, *, rounds=1, nodes=None, **backend):
     return list(exp.simulation.iterate(exp.initial_state, rounds)), grid, exp
 
 
-class NaNUpdates(SequentialBackend):
-    """The engine's own rejection: the reference gets a NaN update where a node lied."""
-
-    def __init__(self, bad):
-        self.bad = bad
-
-    def run(self, work, runtime, meter, tasks):
-        results = super().run(work, runtime, meter, tasks)
-        return [
-            replace(r, update={k: torch.full_like(v, float("nan")) for k, v in r.update.items()})
-            if self.bad(t)
-            else r
-            for t, r in zip(tasks, results, strict=True)
-        ]
-
-
 def target(task):
     return task.round == ROUND and task.phase == PHASE and task.slot == SLOT
 
@@ -116,7 +91,7 @@ def target(task):
 def reference():
     """Round 0 of the engine with the target's update rejected (NaN)."""
     exp = build(config())
-    exp.simulation.backend = NaNUpdates(target)
+    exp.simulation.backend = Recorder(nan_where(target))  # the engine's own rejection
     ((state, record),) = exp.simulation.iterate(exp.initial_state, 1)
     return exp, state, record
 
@@ -265,16 +240,9 @@ def recorded_reply():
     exp = build(config())
     sim = exp.simulation
     (phase, *_) = sim.algorithm.phases()
-    tasks = []
-
-    class Keep(SequentialBackend):
-        def run(self, work, runtime, meter, ts):
-            tasks.extend(ts)
-            return super().run(work, runtime, meter, ts)
-
-    sim.backend = Keep()
+    sim.backend = recorder = Recorder()
     sim.step(exp.initial_state, 0)
-    task = tasks[0]
+    task = recorder.tasks[0]
     result = run_measured(phase.client, sim.runtime, sim.flop_meter, task)
     return task, encode_result(replace(result, slot=task.slot)), dict(sim.shapes)
 
@@ -454,7 +422,7 @@ def test_every_algorithm_declares_its_exact_update_keys():
     from tests.test_algorithm_conformance import CASES
     from tests.test_algorithm_conformance import config as case_config
 
-    class Checking(SequentialBackend):
+    class Checking(SequentialBackend):  # checks each result against its phase's work
         def __init__(self):
             self.checked = 0
 

@@ -23,6 +23,7 @@ from radbo.experiment import RunStopped, stop_on_signals
 from radbo.experiment.lock import LOCK_FILE
 from radbo.simulation import Simulation
 from tests.configs import DEMO, small_config
+from tests.helpers import comparable_results
 
 RADBO = Path(sys.executable).with_name("radbo")
 # the demo (a run and its baseline), short
@@ -53,18 +54,6 @@ def signal_at(monkeypatch, run: int, round_index: int, signum: int, times: int =
     monkeypatch.setattr(Simulation, "step", step)
 
 
-def comparable(out: Path) -> dict:
-    """results.json without what differs between two runs of one config: wall-clock times,
-    the output folder (in the config)."""
-    results = json.loads((out / "results.json").read_text())
-    for part in (results, results.get("baseline") or {}):
-        part.pop("config", None)
-        part.pop("overrides", None)
-        for row in part.get("rounds", []):
-            row.pop("wall_time_s")
-    return results
-
-
 def final_tensors(out: Path) -> dict[str, torch.Tensor]:
     """The final state: checkpoints/final, or the last checkpoint with checkpoint_every."""
     folder = out / "checkpoints" / "final"
@@ -75,7 +64,8 @@ def final_tensors(out: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(a: Path, b: Path) -> None:
-    ra, rb = comparable(a), comparable(b)
+    drop = ("config", "overrides")  # the config names the output folder
+    ra, rb = comparable_results(a, drop=drop), comparable_results(b, drop=drop)
     assert ra["rounds"] == rb["rounds"]
     assert ra == rb
     assert (a / "ledger.json").read_text() == (b / "ledger.json").read_text()

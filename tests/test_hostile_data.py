@@ -27,14 +27,12 @@ import bz2
 import gzip
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +54,7 @@ from radbo.devices import Fleet
 from radbo.devices import fleet as fleet_module
 from radbo.devices.profile import ProfileError
 from radbo.limits import caps_lifted
+from tests.helpers import time_limit
 from tests.test_hostile_inputs import _drop_devices, tiny, toml
 
 pytestmark = pytest.mark.skipif(
@@ -655,7 +654,7 @@ def test_a_fifo_put_in_place_after_the_check_is_refused_without_blocking(tmp_pat
     # the open descriptor is checked again
     pipe = fifo(tmp_path / "pipe")
     monkeypatch.setattr(readers, "regular_file_size", lambda path, what: 0)
-    with alarm(10), pytest.raises(ValueError) as err:
+    with time_limit(10), pytest.raises(ValueError) as err:
         open_regular_file(pipe, "CIFAR-10:")
 
     assert str(err.value) == f"CIFAR-10: {pipe} is a FIFO (named pipe), " + SPECIAL
@@ -681,22 +680,6 @@ def test_read_at_most_never_asks_for_what_a_header_declares():
 
     assert len(data) == 3 << 20
     assert stream.asked == [1 << 20] * 4  # the last read finds the end
-
-
-@contextmanager
-def alarm(seconds: int) -> Iterator[None]:
-    """A test-side timeout for in-process cases: SIGALRM interrupts a blocking call."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # ------------------------------------------------------------------------------ gzip

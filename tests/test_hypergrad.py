@@ -20,7 +20,6 @@ import doctest
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -42,91 +41,18 @@ from radbo.hypergrad import (
     Neumann,
 )
 from radbo.typing import Params
-
-DTYPE = torch.float64
-X_SHAPES: dict[str, tuple[int, ...]] = {"a": (3,), "b": (2, 2)}
-Y_SHAPES: dict[str, tuple[int, ...]] = {"w": (4,), "u": (2, 3)}
-P = sum(math.prod(s) for s in X_SHAPES.values())  # dim x = 7
-Q = sum(math.prod(s) for s in Y_SHAPES.values())  # dim y = 10
-A_EIGS = torch.linspace(0.5, 10.0, Q, dtype=DTYPE)  # κ = 20, L = 10
-
-
-def flat(params: Params) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in params.values()])
-
-
-def unflat(vec: Tensor, shapes: dict[str, tuple[int, ...]]) -> Params:
-    out, start = {}, 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        out[name] = vec[start : start + n].reshape(shape)
-        start += n
-    return out
-
-
-def rel_err(estimate: Params, reference: Tensor) -> float:
-    return float(torch.linalg.norm(flat(estimate) - reference) / torch.linalg.norm(reference))
-
-
-@dataclass(frozen=True)
-class Quadratic:
-    A: Tensor
-    B: Tensor
-    c: Tensor
-    C: Tensor
-    d: Tensor
-    e: Tensor
-    D: Tensor
-    E: Tensor
-    rho: float = 0.3
-
-    @staticmethod
-    def random(seed: int = 0) -> Quadratic:
-        gen = torch.Generator().manual_seed(seed)
-
-        def randn(*shape: int) -> Tensor:
-            return torch.randn(*shape, generator=gen, dtype=DTYPE)
-
-        basis, _ = torch.linalg.qr(randn(Q, Q))
-        a = basis @ torch.diag(A_EIGS) @ basis.T
-        m = randn(P, P)
-        return Quadratic(
-            A=(a + a.T) / 2,
-            B=randn(Q, P),
-            c=randn(Q),
-            C=randn(5, Q),
-            d=randn(5),
-            e=randn(P),
-            D=m @ m.T / P,
-            E=randn(Q, P) / 2,
-        )
-
-    def inner(self, x: Params, y: Params) -> Tensor:
-        xf, yf = flat(x), flat(y)
-        return 0.5 * yf @ self.A @ yf - yf @ self.B @ xf + self.c @ yf + 0.5 * self.rho * xf @ xf
-
-    def outer(self, x: Params, y: Params) -> Tensor:
-        xf, yf = flat(x), flat(y)
-        r = self.C @ yf - self.d
-        return 0.5 * r @ r + self.e @ xf + 0.5 * xf @ self.D @ xf + yf @ self.E @ xf
-
-    def y_star(self, xf: Tensor) -> Tensor:
-        return torch.linalg.solve(self.A, self.B @ xf - self.c)
-
-    def grad_y_f(self, xf: Tensor, yf: Tensor) -> Tensor:
-        return self.C.T @ (self.C @ yf - self.d) + self.E @ xf
-
-    def surrogate(self, xf: Tensor, yf: Tensor, damping: float = 0.0) -> Tensor:
-        """Closed form of ∇_x f − ∇²_xy g [∇²_yy g + λI]⁻¹ ∇_y f at any (x, y)."""
-        grad_x_f = self.e + self.D @ xf + self.E.T @ yf
-        h = self.A + damping * torch.eye(Q, dtype=DTYPE)
-        return grad_x_f + self.B.T @ torch.linalg.solve(h, self.grad_y_f(xf, yf))
-
-    def point(self, seed: int = 1) -> tuple[Params, Params]:
-        """A random x and y = y*(x), as named multi-shaped tensors (no grad)."""
-        gen = torch.Generator().manual_seed(seed)
-        xf = torch.randn(P, generator=gen, dtype=DTYPE)
-        return unflat(xf, X_SHAPES), unflat(self.y_star(xf), Y_SHAPES)
+from tests.helpers import (
+    A_EIGS,
+    DTYPE,
+    X_SHAPES,
+    Y_SHAPES,
+    P,
+    Q,
+    Quadratic,
+    flat,
+    rel_err,
+    unflat,
+)
 
 
 @pytest.fixture(scope="module")

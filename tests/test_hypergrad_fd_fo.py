@@ -39,7 +39,7 @@ from radbo.hypergrad import (
     init_state,
 )
 from radbo.typing import Params
-from tests.test_hypergrad import DTYPE, X_SHAPES, Y_SHAPES, P, Q, Quadratic, flat, rel_err, unflat
+from tests.helpers import DTYPE, X_SHAPES, Y_SHAPES, P, Q, Quadratic, flat, rel_err, unflat
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ kept, and no worker process outlives a run -- also when it fails or is interrupt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 
 import psutil
 import pytest
@@ -23,6 +21,7 @@ from radbo.problem import ClientData
 from radbo.simulation import ClientWorkerError, ProcessBackend, SequentialBackend, processes
 from radbo.simulation.processes import usable_cpus
 from tests.configs import small_config
+from tests.helpers import assert_same_state, state_tensors, time_limit, unclocked_rows
 
 NO_BASELINE = {"enabled": False}
 
@@ -51,38 +50,10 @@ def with_backend(overrides: dict, **runtime: object) -> dict:
     return {**overrides, "runtime": {**overrides.get("runtime", {}), **runtime}}
 
 
-def tensors(value: object, path: str = "state") -> dict[str, torch.Tensor]:
-    """Every tensor in an algorithm state (dataclasses, mappings, sequences), by path."""
-    if isinstance(value, torch.Tensor):
-        return {path: value}
-    out: dict[str, torch.Tensor] = {}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            out.update(tensors(getattr(value, f.name), f"{path}.{f.name}"))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            out.update(tensors(v, f"{path}[{k!r}]"))
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            out.update(tensors(v, f"{path}[{i}]"))
-    return out
-
-
-def assert_same_state(a: object, b: object) -> None:
-    """Bitwise: a worker is a fork of this process running the same client work, in the same
-    order, with the same kernels and one intra-op thread (the sequential run's default), on
-    tensors that cross with their shapes and strides; any difference is a fault, not
-    rounding. The tests that compare whole runs are marked ``float_sensitive`` all the same:
-    they hold only while each kernel computes equal inputs alike after the trip."""
-    ta, tb = tensors(a), tensors(b)
-    assert ta and ta.keys() == tb.keys()
-    for k in ta:
-        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
-
-
 def rounds_json(rows: list[dict]) -> str:
-    """Per-round rows as results.json writes them, without the measured wall time."""
-    return json.dumps([{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows])
+    """Per-round rows as results.json writes them (so NaN metrics compare equal), without the
+    measured wall time."""
+    return json.dumps(unclocked_rows(rows))
 
 
 # ------------------------------------------------------------------- equality with sequential
@@ -107,9 +78,9 @@ def test_demo_run_equals_the_sequential_run_bitwise(tmp_path):
     assert seq_saved["baseline"]["totals"] == par_saved["baseline"]["totals"]
     assert seq_saved["savings"] == par_saved["savings"]
     assert seq_ledger == par_ledger
-    assert_same_state(seq.state, par.state)
+    assert_same_state(seq.state, par.state, tensors_only=True)
     assert seq.baseline is not None and par.baseline is not None
-    assert_same_state(seq.baseline.state, par.baseline.state)
+    assert_same_state(seq.baseline.state, par.baseline.state, tensors_only=True)
 
 
 @pytest.mark.float_sensitive
@@ -127,7 +98,7 @@ def test_algorithm_run_equals_the_sequential_run_bitwise(name):
     assert rounds_json(seq.rounds) == rounds_json(par.rounds)
     assert seq.ledger == par.ledger
     assert seq.totals == par.totals
-    assert_same_state(seq.state, par.state)
+    assert_same_state(seq.state, par.state, tensors_only=True)
     assert children() == []
 
 
@@ -145,7 +116,7 @@ def test_simulation_driven_directly_equals_sequential_in_float64():
         assert len(backend.pids()) == 2 and len(children()) == 2
     assert not backend.running and children() == []
     for (sa, ra), (sb, rb) in zip(want, got, strict=True):
-        assert_same_state(sa, sb)
+        assert_same_state(sa, sb, tensors_only=True)
         assert ra.ledger == rb.ledger
         assert json.dumps(ra.metrics) == json.dumps(rb.metrics)
 
@@ -363,25 +334,16 @@ def test_bad_workers_is_a_config_error(workers):
 
 
 # ------------------------------------------------------- messages larger than a pipe holds
-@contextlib.contextmanager
+def kill_workers() -> None:
+    for child in children():
+        child.kill()
+
+
 def deadline(seconds: float):
-    """Kill the worker processes and raise TimeoutError in this thread after ``seconds`` (a
-    hang fails the test, it does not stop the suite). A blocked ``send_bytes`` is interrupted:
-    Python runs the handler and lets its exception through (PEP 475); with the workers gone,
-    the backend's clean-up cannot block on them either."""
-
-    def expire(signum, frame):
-        for child in children():
-            child.kill()
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    """A hang fails the test, it does not stop the suite: after ``seconds`` the worker
+    processes are killed (so the backend's clean-up cannot block on them) and TimeoutError
+    is raised (:func:`tests.helpers.time_limit`)."""
+    return time_limit(seconds, on_expiry=kill_workers)
 
 
 def grow(runtime, task: ClientTask) -> ClientResult:
@@ -424,7 +386,7 @@ def test_a_model_of_a_million_parameters_runs_and_equals_sequential():
     seq = run(
         small_config(**with_backend(overrides, backend="sequential")), progress=False, save=False
     )
-    numbers = sum(t.numel() for t in tensors(seq.state).values())
+    numbers = sum(t.numel() for t in state_tensors(seq.state).values())
     assert numbers > 1_000_000
     with deadline(300):
         par = run(
@@ -434,5 +396,5 @@ def test_a_model_of_a_million_parameters_runs_and_equals_sequential():
         )
     assert rounds_json(seq.rounds) == rounds_json(par.rounds)
     assert seq.ledger == par.ledger
-    assert_same_state(seq.state, par.state)
+    assert_same_state(seq.state, par.state, tensors_only=True)
     assert children() == []

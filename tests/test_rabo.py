@@ -11,6 +11,7 @@ from radbo.experiment import build, run
 from radbo.problem import Batch, sample_batch
 from radbo.simulation import full_index_set
 from tests.configs import demo_dict, small_config
+from tests.helpers import unclocked_rows
 from tests.untrained import untrained_metrics
 
 
@@ -58,10 +59,9 @@ def test_same_seed_same_numbers_other_seed_other_numbers():
         small_config(rounds=2, seed=1, baseline={"enabled": False}), progress=False, save=False
     )
 
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]  # noqa: E731
-    assert strip(first.rounds) == strip(second.rounds)
+    assert unclocked_rows(first.rounds) == unclocked_rows(second.rounds)
     assert_states_equal(first.state, second.state)
-    assert strip(first.rounds) != strip(other.rounds)
+    assert unclocked_rows(first.rounds) != unclocked_rows(other.rounds)
 
 
 def test_one_client_server_step_reproduces_local_descent():

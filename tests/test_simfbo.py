@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch import nn
 
 from radbo.algorithms.shrofbo import ShroFBO
 from radbo.algorithms.simfbo import SimFBO
@@ -12,17 +11,10 @@ from radbo.hypergrad import FiniteDifference, FirstOrder
 from radbo.problem import Batch, ClientData
 from radbo.simulation import Simulation
 from tests.configs import small_config
+from tests.helpers import TwoVariables
 
 
-class TwoVariables(nn.Module):
-    """Holds x and y (d-vectors) so the engine can build index sets and skeletons."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.x = nn.Parameter(torch.zeros(d))
-        self.y = nn.Parameter(torch.zeros(d))
-
-
+# A toy problem of its own (its minimiser is known in closed form), not tests.helpers.Quadratic.
 class QuadraticClients:
     """g_i(x, y) = 1/2 ||y - x||^2,  f_i(x, y) = 1/2 ||y - c_i||^2 with c_i the client's data.
 

@@ -103,13 +103,12 @@ from radbo.algorithms.base import (
 )
 from radbo.autodiff import (
     Linearization,
+    TensorTuple,
     axpy,
     loss_grads,
     params_norm,
-    params_where,
     project_ball,
     tuple_axpy,
-    tuple_where,
 )
 from radbo.client import (
     ClientResult,
@@ -123,6 +122,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work
 from radbo.masks.index import alias
 from radbo.typing import IndexSet, Params
 
@@ -323,16 +323,13 @@ class AggITD(AggITDConfig, AlgorithmBase):
         lead = cohort.lead
         module, x, y, buffers = self.client_tensors(runtime, cohort)
         xn, yn = tuple(x), tuple(y)
-        total = {n: torch.zeros_like(t) for n, t in y.items()}
-        first: torch.Tensor | float = float("nan")
-        for step in range(cohort.max_steps):
-            batch = runtime.batch(cohort.step_data("inner", step))
-            active = cohort.active(step)
-            before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
+        first: list[torch.Tensor] = []  # g at the first step
 
-            def inner(
-                x_: Params, y_: Params, batch: Any = batch, buffers: Params = buffers
-            ) -> torch.Tensor:
+        def step(t: int, carry: tuple[Params, Params, Params]) -> tuple[Any, Work]:
+            y, total, buffers = carry
+            batch = runtime.batch(cohort.step_data("inner", t))
+
+            def inner(x_: Params, y_: Params) -> torch.Tensor:
                 # updates the BatchNorm running statistics in ``buffers`` in place
                 return cohort.loss(runtime.problem.inner_loss, module, x_, y_, buffers, batch)
 
@@ -350,19 +347,20 @@ class AggITD(AggITDConfig, AlgorithmBase):
                 value=values,
             )
             g = dict(zip(yn, grads, strict=True))
-            if step == 0:
-                first = values[0]
-            zeros = {n: torch.zeros_like(t) for n, t in g.items()}
-            y = params_where(active, axpy(-self.inner_lr, g, y), y)
-            total = axpy(1.0, params_where(active, g, zeros), total)
-            if active is not None:  # clients past their tau_i keep what they had
-                buffers = params_where(active, buffers, before)
+            if not first:
+                first.append(values[0])
+            return (axpy(-self.inner_lr, g, y), axpy(1.0, g, total), buffers), Work(n_grad=1)
+
+        # clients past their tau_i keep what they had
+        total = {n: torch.zeros_like(t) for n, t in y.items()}
+        steps = cohort.local_steps(step, (y, total, buffers), name="aggitd.local")
+        _, total, buffers = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
-            {"inner_loss": first},
-            n_grad=cohort.num_steps,
+            {"inner_loss": first[0] if first else float("nan")},
+            n_grad=steps.n_grad,
             samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
         )
 
@@ -407,31 +405,35 @@ class AggITD(AggITDConfig, AlgorithmBase):
         module, x, y, buffers = self.client_tensors(runtime, cohort)
         yn = tuple(y)
         systems: list[Linearization] = []
-        for step in range(cohort.max_steps):
-            batch = runtime.batch(cohort.step_data("inner", step))
+
+        def replay(t: int, y: Params) -> tuple[Params, Work]:
+            batch = runtime.batch(cohort.step_data("inner", t))
             _, inner = cohort.bind(runtime.problem, module, buffers, batch, batch)
             system = self.estimator.linearize(inner, x, y, lead=lead, with_x=True)
             systems.append(system)
             g = dict(zip(yn, system.grad_y_g, strict=True))
-            y = params_where(cohort.active(step), axpy(-self.inner_lr, g, y), y)
+            return axpy(-self.inner_lr, g, y), Work()  # counted with its product below
+
+        def backward(t: int, carry: tuple[TensorTuple, TensorTuple]) -> tuple[Any, Work]:
+            a, u = carry
+            jv, hv = systems[t].both(u)
+            work = Work(systems[t].n_grad, systems[t].n_hvp)  # its gradient and its product
+            return (tuple_axpy(-self.inner_lr, jv, a), tuple_axpy(-self.inner_lr, hv, u)), work
+
+        cohort.local_steps(replay, y, name="aggitd.replay")
         u = tuple(cohort.param(f"{V}:{n}") for n in yn)
         a = tuple(torch.zeros_like(t) for t in x.values())
-        for step in reversed(range(cohort.max_steps)):
-            active = cohort.active(step)
-            jv, hv = systems[step].both(u)
-            a = tuple_where(active, tuple_axpy(-self.inner_lr, jv, a), a)
-            u = tuple_where(active, tuple_axpy(-self.inner_lr, hv, u), u)
+        steps = cohort.local_steps(backward, (a, u), name="aggitd.backward", reverse=True)
+        a, u = steps.carry
         update = {
             **dict(zip(self.outer_names, a, strict=True)),
             **{f"{V}:{n}": t for n, t in zip(yn, u, strict=True)},
         }
-        # every step costs what the first one did (a gradient, plus one joint product)
-        per_grad, per_hvp = (systems[0].n_grad, systems[0].n_hvp) if systems else (0, 0)
         sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
-            n_grad=[per_grad * n for n in cohort.num_steps],
-            n_hvp=[per_hvp * n for n in cohort.num_steps],
+            n_grad=steps.n_grad,
+            n_hvp=steps.n_hvp,
             samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
         )
 

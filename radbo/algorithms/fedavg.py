@@ -38,7 +38,7 @@ from pydantic import Field
 
 from radbo.aggregation import apply_step, average_buffers, coverage_weighted_mean
 from radbo.algorithms.base import ALGORITHMS, AlgorithmBase, AlgorithmConfig, Wiring, clone
-from radbo.autodiff import params_where, scalar
+from radbo.autodiff import scalar
 from radbo.client import (
     ClientResult,
     ClientRuntime,
@@ -49,8 +49,8 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
-from radbo.flops import new_scope, repeated
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work
 from radbo.masks.index import extract
 from radbo.typing import IndexSet, Params
 
@@ -150,41 +150,35 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         params = cohort.params(names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
         total = {n: torch.zeros_like(t) for n, t in params.items()}
-        loss_value: torch.Tensor | float = float("nan")
-        scope = new_scope()
-        for step in range(cohort.max_steps):
-            active = cohort.active(step)
-            with repeated("fedavg.step", scope, active is None):  # the same work every step
-                batch = runtime.batch(cohort.step_data("batch", step))
-                before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
-                var = {n: t.requires_grad_(True) for n, t in params.items()}
-                x = {n: var[n] for n in self.outer_names}
-                y = {n: var[n] for n in self.inner_names}
-                loss = cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
-                grads = dict(
-                    zip(
-                        var,
-                        torch.autograd.grad(scalar("loss", loss, cohort.lead), list(var.values())),
-                        strict=True,
-                    )
+        Carry = tuple[Params, Params, Params, Any]  # params, summed gradients, buffers, loss
+
+        def step(t: int, carry: Carry) -> tuple[Carry, Work]:
+            params, total, buffers, _ = carry
+            batch = runtime.batch(cohort.step_data("batch", t))
+            var = {n: p.requires_grad_(True) for n, p in params.items()}
+            x = {n: var[n] for n in self.outer_names}
+            y = {n: var[n] for n in self.inner_names}
+            # updates the BatchNorm running statistics in ``buffers`` in place
+            loss = cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
+            grads = dict(
+                zip(
+                    var,
+                    torch.autograd.grad(scalar("loss", loss, cohort.lead), list(var.values())),
+                    strict=True,
                 )
-                stepped = {n: (t - self.lr * grads[n]).detach() for n, t in var.items()}
-                if active is None:
-                    params = stepped
-                    total = {n: t + grads[n] for n, t in total.items()}
-                    loss_value = loss.detach()
-                else:  # clients past their last step keep what they had
-                    params = params_where(active, stepped, {n: t.detach() for n, t in var.items()})
-                    zeros = {n: torch.zeros_like(g) for n, g in grads.items()}
-                    total = {n: t + params_where(active, grads, zeros)[n] for n, t in total.items()}
-                    loss_value = torch.where(active, loss.detach(), loss_value)
-                    buffers = params_where(active, buffers, before)
+            )
+            stepped = {n: (p - self.lr * grads[n]).detach() for n, p in var.items()}
+            total = {n: s + grads[n] for n, s in total.items()}
+            return (stepped, total, buffers, loss.detach()), Work(n_grad=1)
+
+        steps = cohort.local_steps(step, (params, total, buffers, float("nan")), name="fedavg.step")
+        _, total, buffers, loss_value = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         sizes = [p.steps["batch"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
             {"train_loss": loss_value},
-            n_grad=cohort.num_steps,
+            n_grad=steps.n_grad,
             samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
         )
 

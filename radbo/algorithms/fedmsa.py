@@ -50,7 +50,7 @@ from radbo.algorithms.base import (
     clone,
     prefixed,
 )
-from radbo.autodiff import axpy, bilevel_directions, params_where
+from radbo.autodiff import axpy, bilevel_directions
 from radbo.client import (
     ClientResult,
     ClientRuntime,
@@ -63,6 +63,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work
 from radbo.typing import BilevelLoss, IndexSet, Params
 
 __all__ = ["FedMSA", "FedMSAConfig", "FedMSAState"]
@@ -347,43 +348,39 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
         h = {n: cohort.param(f"{H}:{n}") for n in self.outer_names}
         q_w = {n: cohort.param(f"{QW}:{n}") for n in self.inner_names}
         q_v = {n: cohort.param(f"{QV}:{n}") for n in self.inner_names}
-        n_grad = n_hvp = 0
 
-        def move(x: Params, w: Params, v: Params) -> tuple[Params, Params, Params]:
+        def move(
+            x: Params, w: Params, v: Params, h: Params, q_w: Params, q_v: Params
+        ) -> tuple[Params, Params, Params]:
             return (
                 axpy(-self.outer_lr, h, x),
                 axpy(-self.inner_lr, q_w, w),
                 axpy(-self.v_lr, q_v, v),
             )
 
-        previous = (x, w, v)
-        x, w, v = move(x, w, v)
-        for step in range(cohort.max_steps if cohort.prepared[0].steps else 0):
-            active = cohort.active(step)
-            old = (x, w, v, h, q_w, q_v, buffers)
-            if buffers and active is not None:
-                buffers = {n: t.clone() for n, t in buffers.items()}
-            outer, inner, inner_batch = self._losses(runtime, cohort, module, buffers, step)
+        def step(t: int, carry: tuple[Any, ...]) -> tuple[tuple[Any, ...], Work]:
+            x, w, v, h, q_w, q_v, buffers, previous = carry
+            outer, inner, inner_batch = self._losses(runtime, cohort, module, buffers, t)
             if buffers:  # BatchNorm running statistics follow the local training batches
                 with torch.no_grad():
                     cohort.loss(runtime.problem.inner_loss, module, x, w, buffers, inner_batch)
             p1, sw1, sv1, c1, _, _ = self.maps(outer, inner, x, w, v, lead)
-            p0, sw0, sv0, c0, _, _ = self.maps(outer, inner, *previous, lead)
+            px, pw, pv = previous
+            p0, sw0, sv0, c0, _, _ = self.maps(outer, inner, px, pw, pv, lead)
             h = axpy(1.0, axpy(-1.0, p0, p1), h)
             q_w = axpy(1.0, axpy(-1.0, sw0, sw1), q_w)
             q_v = axpy(1.0, axpy(-1.0, sv0, sv1), q_v)
-            n_grad, n_hvp = n_grad + c1[0] + c0[0], n_hvp + c1[1] + c0[1]
-            previous = (x, w, v)
-            x, w, v = move(x, w, v)
-            if active is not None:  # clients past their K keep what they had
-                new = (x, w, v, h, q_w, q_v, buffers)
-                x, w, v, h, q_w, q_v, buffers = (
-                    params_where(active, n, o) for n, o in zip(new, old, strict=True)
-                )
+            work = Work(c1[0] + c0[0], c1[1] + c0[1])
+            return (*move(x, w, v, h, q_w, q_v), h, q_w, q_v, buffers, (x, w, v)), work
+
+        # step 0 moves along the server's directions; then K - 1 steps on fresh samples, a
+        # client past its K keeping what it had ((x, w, v) before the move: ``previous``)
+        start = (*move(x, w, v, h, q_w, q_v), h, q_w, q_v, buffers, (x, w, v))
+        steps = cohort.local_steps(step, start, name="fedmsa.step")
+        x, w, v, h, q_w, q_v, buffers, _ = steps.carry
         update = {**x, **w, **{f"{V}:{k}": t for k, t in v.items()}}
         if self.aggregate_buffers:
             update.update(buffers)
-        per_step = (n_grad // cohort.max_steps, n_hvp // cohort.max_steps) if n_grad else (0, 0)
         batch = [
             p.steps["inner"].shape[1] + p.steps["outer"].shape[1] if p.steps else 0
             for p in cohort.prepared
@@ -391,8 +388,8 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
         return cohort.replies(
             update,
             {"local_steps": [float(n + 1) for n in cohort.num_steps]},
-            n_grad=[per_step[0] * n for n in cohort.num_steps],
-            n_hvp=[per_step[1] * n for n in cohort.num_steps],
+            n_grad=steps.n_grad,
+            n_hvp=steps.n_hvp,
             samples=[b * n for b, n in zip(batch, cohort.num_steps, strict=True)],
         )
 

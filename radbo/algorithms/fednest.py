@@ -96,12 +96,11 @@ from radbo.algorithms.base import (
     prefixed,
 )
 from radbo.autodiff import (
+    TensorTuple,
     axpy,
     loss_grads,
     params_norm,
-    params_where,
     project_ball,
-    tuple_where,
 )
 from radbo.client import (
     ClientResult,
@@ -115,6 +114,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work, local_steps
 from radbo.randomness import Stream, generator
 from radbo.typing import BilevelLoss, IndexSet, Params
 
@@ -423,17 +423,13 @@ class FedNest(FedNestConfig, AlgorithmBase):
         module, x, y0, buffers = self.client_tensors(runtime, cohort)
         svrg = cohort.has(f"{Q}:{self.inner_names[0]}")
         q = {n: cohort.param(f"{Q}:{n}") for n in self.inner_names} if svrg else {}
-        y = y0
-        total = {n: torch.zeros_like(t) for n, t in y0.items()}
-        first: Any = None
-        for step in range(cohort.max_steps):
-            active = cohort.active(step)
-            batch = runtime.batch(cohort.step_data("inner", step))
-            old = (y, total, buffers)
+        first: list[Any] = []  # g at the first step
+        per_step = 2 if svrg else 1
+
+        def step(t: int, carry: tuple[Params, Params, Params]) -> tuple[Any, Work]:
+            y, total, buffers = carry
+            batch = runtime.batch(cohort.step_data("inner", t))
             if buffers:  # BatchNorm running statistics follow the local training batches
-                buffers = (
-                    {n: t.clone() for n, t in buffers.items()} if active is not None else buffers
-                )
                 with torch.no_grad():
                     cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
             _, inner = cohort.bind(runtime.problem, module, buffers, batch, batch)
@@ -441,29 +437,27 @@ class FedNest(FedNestConfig, AlgorithmBase):
             _, d = self._grads(
                 inner, "inner_loss", x, y, wrt_x=False, wrt_y=True, lead=lead, value=value
             )
-            if first is None:
-                first = value[0]
+            if not first:
+                first.append(value[0])
             if svrg:  # ∇g_i(y_ν; ζ_ν) − ∇g_i(y_0; ζ_ν) + q
                 _, anchor = self._grads(
                     inner, "inner_loss", x, y0, wrt_x=False, wrt_y=True, lead=lead
                 )
                 d = axpy(1.0, q, axpy(-1.0, anchor, d))
-            y = axpy(-self.inner_lr, d, y)
-            total = axpy(1.0, d, total)
-            if active is not None:  # clients past their τ_i keep what they had
-                y, total, buffers = (
-                    params_where(active, n, o)
-                    for n, o in zip((y, total, buffers), old, strict=True)
-                )
+            return (axpy(-self.inner_lr, d, y), axpy(1.0, d, total), buffers), Work(per_step)
+
+        # clients past their τ_i keep what they had
+        total = {n: torch.zeros_like(t) for n, t in y0.items()}
+        steps = cohort.local_steps(step, (y0, total, buffers), name="fednest.local_y")
+        _, total, buffers = steps.carry
         update = dict(total)
         if self.aggregate_buffers:
             update.update(buffers)
-        per_step = 2 if svrg else 1
         batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
-            {"inner_loss": first if first is not None else 0.0},
-            n_grad=[per_step * s for s in cohort.num_steps],
+            {"inner_loss": first[0] if first else 0.0},
+            n_grad=steps.n_grad,
             samples=[b * s for b, s in zip(batch_sizes, cohort.num_steps, strict=True)],
         )
 
@@ -608,21 +602,23 @@ class FedNest(FedNestConfig, AlgorithmBase):
         lead = cohort.lead
         module, x0, y, buffers = self.client_tensors(runtime, cohort)
         h = {n: cohort.param(f"{H}:{n}") for n in self.outer_names}
-        x = x0
-        total = {n: torch.zeros_like(t) for n, t in x0.items()}
-        for step in range(cohort.max_steps):
-            active = cohort.active(step)
-            batch = runtime.batch(cohort.step_data("outer", step))
+
+        def step(t: int, carry: tuple[Params, Params]) -> tuple[tuple[Params, Params], Work]:
+            x, total = carry
+            batch = runtime.batch(cohort.step_data("outer", t))
             outer, _ = cohort.bind(runtime.problem, module, buffers, batch, batch)
             g, _ = self._grads(outer, "outer_loss", x, y, wrt_x=True, wrt_y=False, lead=lead)
             g0, _ = self._grads(outer, "outer_loss", x0, y, wrt_x=True, wrt_y=False, lead=lead)
             d = axpy(1.0, h, axpy(-1.0, g0, g))  # ∇f_i(x_ν; ξ_ν) − ∇f_i(x_0; ξ_ν) + h
-            new = (axpy(-self.outer_lr, d, x), axpy(1.0, d, total))
-            x, total = (params_where(active, n, o) for n, o in zip(new, (x, total), strict=True))
+            return (axpy(-self.outer_lr, d, x), axpy(1.0, d, total)), Work(n_grad=2)
+
+        total = {n: torch.zeros_like(t) for n, t in x0.items()}
+        steps = cohort.local_steps(step, (x0, total), name="fednest.local_x")
+        _, total = steps.carry
         batch_sizes = [p.steps["outer"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             total,
-            n_grad=[2 * s for s in cohort.num_steps],
+            n_grad=steps.n_grad,
             samples=[b * s for b, s in zip(batch_sizes, cohort.num_steps, strict=True)],
         )
 
@@ -694,54 +690,59 @@ class LFedNest(LFedNestConfig, FedNest):
         (Alg. 5); returns the summed hypergradients ``D_i`` (``x_{i,τ} = x − α D_i``)."""
         lead = cohort.lead
         module, x, y, buffers = self.client_tensors(runtime, cohort)
-        total = {n: torch.zeros_like(t) for n, t in x.items()}
-        n_grad = [0] * cohort.size
-        n_hvp = [0] * cohort.size
-        first: Any = None
-        for step in range(cohort.max_steps):
-            active = cohort.active(step)
+        first: list[Any] = []  # f at the first step
+        scale = self.neumann_terms * self.eta
+
+        def step(t: int, carry: tuple[Params, Params]) -> tuple[tuple[Params, Params], Work]:
+            x, total = carry
             outer, inner = cohort.bind(
                 runtime.problem,
                 module,
                 buffers,
-                runtime.batch(cohort.step_data("inner", step)),
-                runtime.batch(cohort.step_data("outer", step)),
+                runtime.batch(cohort.step_data("inner", t)),
+                runtime.batch(cohort.step_data("outer", t)),
             )
             value: list[torch.Tensor] = []
             grad_x, grad_y = self._grads(
                 outer, "outer_loss", x, y, wrt_x=True, wrt_y=True, lead=lead, value=value
             )
-            if first is None:
-                first = value[0]
+            if not first:
+                first.append(value[0])
             system = self.estimator.linearize(inner, x, y, lead=lead, with_x=True)
             base = (system.n_grad, system.n_hvp)
-            terms = cohort.step_data("terms", step)  # N' per client ([C] when stacked)
-            scale = self.neumann_terms * self.eta
-            p = tuple(scale * grad_y[n] for n in self.inner_names)
-            for level in range(int(terms.max())):
+            terms = [int(n) for n in cohort.numbers(cohort.step_data("terms", t))]  # N' each
+
+            def level(k: int, p: TensorTuple) -> tuple[TensorTuple, Work]:
                 hp = system.hvp(p)
-                moved = tuple(pi - self.eta * hi for pi, hi in zip(p, hp, strict=True))
-                p = tuple_where(terms > level, moved, p) if cohort.stacked else moved
+                return tuple(pi - self.eta * hi for pi, hi in zip(p, hp, strict=True)), Work()
+
+            # N' products per client: a client past its own N' keeps its p
+            p = tuple(scale * grad_y[n] for n in self.inner_names)
+            p = local_steps(level, p, terms, name="fednest.neumann").carry
             before = (system.n_grad, system.n_hvp)
             jp = system.mixed(p)
             per_product = (system.n_grad - before[0], system.n_hvp - before[1])
             h = self._clip(
                 {n: grad_x[n] - j for n, j in zip(self.outer_names, jp, strict=True)}, lead
             )
-            new = (axpy(-self.outer_lr, h, x), axpy(1.0, h, total))
-            x, total = (params_where(active, n, o) for n, o in zip(new, (x, total), strict=True))
             # what each client would have done alone: f's gradient, the linearization, its own
             # N' products and the mixed one
-            for c, t in enumerate(cohort.numbers(terms)):
-                if step < cohort.num_steps[c]:
-                    n_grad[c] += 1 + base[0] + (int(t) + 1) * per_product[0]
-                    n_hvp[c] += base[1] + (int(t) + 1) * per_product[1]
+            work = Work(
+                [1 + base[0] + (n + 1) * per_product[0] for n in terms],
+                [base[1] + (n + 1) * per_product[1] for n in terms],
+            )
+            return (axpy(-self.outer_lr, h, x), axpy(1.0, h, total)), work
+
+        # the number of products differs from step to step (a random N'): no repeated block
+        total = {n: torch.zeros_like(t) for n, t in x.items()}
+        steps = cohort.local_steps(step, (x, total), name="lfednest.outer", uniform=False)
+        _, total = steps.carry
         sizes = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             total,
-            {"outer_loss": first if first is not None else 0.0},
-            n_grad=n_grad,
-            n_hvp=n_hvp,
+            {"outer_loss": first[0] if first else 0.0},
+            n_grad=steps.n_grad,
+            n_hvp=steps.n_hvp,
             samples=[b * s for b, s in zip(sizes, cohort.num_steps, strict=True)],
         )
 

@@ -101,7 +101,7 @@ from radbo.algorithms.base import (
     clone,
     prefixed,
 )
-from radbo.autodiff import axpy, params_where, penalty_gradients
+from radbo.autodiff import axpy, penalty_gradients
 from radbo.client import (
     ClientResult,
     ClientRuntime,
@@ -114,6 +114,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Estimator, FirstOrder
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -380,16 +381,12 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
             est = self._estimates(penalty_gradients(outer, inner, x, y, z, lam, lead=lead).parts)
             n_init = 3
         per_step = 3 if a == 1.0 else 6
-        losses: tuple[Any, Any] | None = None
-        for step in range(cohort.max_steps):
-            inner_batch = runtime.batch(cohort.step_data("inner", step))
-            outer_batch = runtime.batch(cohort.step_data("outer", step))
-            active = cohort.active(step)
-            old = (x, y, z, est, buffers)
+
+        def step(t: int, carry: tuple[Any, ...]) -> tuple[tuple[Any, ...], Work]:
+            x, y, z, est, buffers, _ = carry
+            inner_batch = runtime.batch(cohort.step_data("inner", t))
+            outer_batch = runtime.batch(cohort.step_data("outer", t))
             if buffers:  # BatchNorm running statistics follow the local training batches
-                buffers = (
-                    {n: t.clone() for n, t in buffers.items()} if active is not None else buffers
-                )
                 with torch.no_grad():
                     cohort.loss(problem.inner_loss, module, x, z, buffers, inner_batch)
             m_x, m_y, m_z = self.directions(est)
@@ -406,20 +403,11 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
                     penalty_gradients(outer, inner, x, y, z, lam, lead=lead).parts
                 )
                 est = {k: (1.0 - a) * (est[k] - prev[k]) + fresh[k] for k in est}
-            x, y, z = x_new, y_new, z_new
-            if active is not None:  # clients past their p_n keep what they had
-                new_all = (x, y, z, est, buffers)
-                x, y, z, est, buffers = (
-                    params_where(active, n, o) for n, o in zip(new_all, old, strict=True)
-                )
-            step_losses = (new.f, new.g)
-            if losses is None or active is None:
-                losses = step_losses
-            else:
-                losses = (
-                    torch.where(active, step_losses[0], losses[0]),
-                    torch.where(active, step_losses[1], losses[1]),
-                )
+            return (x_new, y_new, z_new, est, buffers, (new.f, new.g)), Work(n_grad=per_step)
+
+        # clients past their p_n keep what they had
+        steps = cohort.local_steps(step, (x, y, z, est, buffers, None), name="fedsvrbgd.step")
+        x, y, z, est, buffers, losses = steps.carry
         update = {**x, **y, **self._keyed(Z, z), **est}
         if self.aggregate_buffers:
             update.update(buffers)
@@ -438,7 +426,7 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
                 if cohort.stacked
                 else float(cohort.num_steps[0]),
             },
-            n_grad=[n_init + per_step * t for t in cohort.num_steps],
+            n_grad=[n_init + n for n in steps.n_grad],
             n_hvp=0,
             samples=[i + b * t for i, b, t in zip(init, batch, cohort.num_steps, strict=True)],
         )

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -67,7 +67,7 @@ from radbo.algorithms.base import (
     clone,
     prefixed,
 )
-from radbo.autodiff import params_norm, params_where, project_ball, scalar
+from radbo.autodiff import params_norm, project_ball, scalar
 from radbo.client import (
     ClientResult,
     ClientRuntime,
@@ -78,9 +78,9 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
-from radbo.flops import new_scope, repeated
 from radbo.hypergrad import Estimator, FiniteDifference, ImplicitCG, init_state
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work, local_steps
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -213,38 +213,30 @@ class RABO(RABOConfig, AlgorithmBase):
         y = cohort.params(self.inner_names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
         total = {n: torch.zeros_like(t) for n, t in y.items()}
-        loss_value: torch.Tensor | float = float("nan")
-        scope = new_scope()
-        for step in range(cohort.max_steps):
-            active = cohort.active(step)
-            # every step does the same work (on a slice of the stacked minibatches)
-            with repeated("rabo.inner", scope, active is None):
-                batch = runtime.batch(cohort.step_data("inner", step))
-                before = {n: t.clone() for n, t in buffers.items()} if active is not None else {}
-                y_var = {n: t.requires_grad_(True) for n, t in y.items()}
-                loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
-                grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
-                stepped = {
-                    n: (t - self.inner_lr * g).detach()
-                    for (n, t), g in zip(y_var.items(), grads, strict=True)
-                }
-                if active is None:
-                    y = stepped
-                    for n, g in zip(y_var, grads, strict=True):
-                        total[n] += g
-                    loss_value = loss.detach()
-                else:  # clients past their last step keep what they had
-                    y = params_where(active, stepped, {n: t.detach() for n, t in y_var.items()})
-                    zeros = {n: torch.zeros_like(g) for n, g in zip(y_var, grads, strict=True)}
-                    done = params_where(active, dict(zip(y_var, grads, strict=True)), zeros)
-                    total = {n: t + done[n] for n, t in total.items()}
-                    loss_value = torch.where(active, loss.detach(), loss_value)
-                    buffers = params_where(active, buffers, before)
+        Carry = tuple[Params, Params, Params, Any]  # y, summed gradients G, buffers, loss
+
+        def step(t: int, carry: Carry) -> tuple[Carry, Work]:
+            y, total, buffers, _ = carry
+            batch = runtime.batch(cohort.step_data("inner", t))
+            y_var = {n: p.requires_grad_(True) for n, p in y.items()}
+            # updates the BatchNorm running statistics in ``buffers`` in place
+            loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
+            grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
+            stepped = {
+                n: (p - self.inner_lr * g).detach()
+                for (n, p), g in zip(y_var.items(), grads, strict=True)
+            }
+            total = {n: s + g for (n, s), g in zip(total.items(), grads, strict=True)}
+            return (stepped, total, buffers, loss.detach()), Work(n_grad=1)
+
+        # every step does the same work (on a slice of the stacked minibatches)
+        steps = cohort.local_steps(step, (y, total, buffers, float("nan")), name="rabo.inner")
+        _, total, buffers, loss_value = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
         samples = [n * b for n, b in zip(cohort.num_steps, batch_sizes, strict=True)]
         return cohort.replies(
-            update, {"inner_loss": loss_value}, n_grad=cohort.num_steps, samples=samples
+            update, {"inner_loss": loss_value}, n_grad=steps.n_grad, samples=samples
         )
 
     def server_inner(
@@ -355,11 +347,9 @@ class RABO(RABOConfig, AlgorithmBase):
         reusing = getattr(module, "reusing_body", None)
         with reusing() if reusing is not None else nullcontext():
             y = step(y)  # the first step computes the body, the others reuse it
-            scope = new_scope()
-            for _ in range(self.refit_steps - 1):
-                with repeated("rabo.refit", scope):
-                    y = step(y)
-        return y
+            return local_steps(
+                lambda t, y: (step(y), Work(n_grad=1)), y, self.refit_steps - 1, name="rabo.refit"
+            ).carry
 
     def server_outer(
         self,

@@ -63,7 +63,6 @@ from radbo.autodiff import (
     axpy,
     bilevel_directions,
     broadcast,
-    params_where,
     penalty_gradients,
     project_ball,
 )
@@ -77,9 +76,9 @@ from radbo.client import (
     Prepared,
     mean_metric,
 )
-from radbo.flops import new_scope, repeated
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
+from radbo.loops import Work
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -258,49 +257,38 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         q_v = {k: torch.zeros_like(t) for k, t in v.items()}
         a = self.coefficient
         lam = self.penalty
-        n_grad = n_hvp = 0
-        first: tuple[Any, Any] | None = None
-        scope = new_scope()
-        for step in range(cohort.max_steps):
-            active = cohort.active(step)
-            with repeated("simfbo.step", scope, active is None):  # the same work every step
-                inner_batch = runtime.batch(cohort.step_data("inner", step))
-                outer_batch = runtime.batch(cohort.step_data("outer", step))
-                old = (x, y, v, q_x, q_y, q_v, buffers)
-                if buffers:  # BatchNorm running statistics follow the local training batches
-                    buffers = (
-                        {n: t.clone() for n, t in buffers.items()}
-                        if active is not None
-                        else buffers
-                    )
-                    with torch.no_grad():
-                        cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
-                outer, inner = cohort.bind(
-                    runtime.problem, module, buffers, inner_batch, outer_batch
-                )
-                if lam is None:
-                    system = self.estimator.linearize(inner, x, y, lead=lead)
-                    dirs = bilevel_directions(system, outer, x, y, v)
-                    d_x, d_y, d_v = dirs.x, dirs.y, dirs.v
-                    losses, counts = (dirs.g, dirs.f), (dirs.n_grad, dirs.n_hvp)
-                else:  # v is y_lam, y is z
-                    oracle = penalty_gradients(outer, inner, x, v, y, lam, lead=lead)
-                    d_x, d_y = oracle.x, oracle.z
-                    d_v = {k: t / (1.0 + lam) for k, t in oracle.y.items()}
-                    losses, counts = (oracle.g, oracle.f), (oracle.n_grad, 0)
-                n_grad += counts[0]
-                n_hvp += counts[1]
-                if first is None:
-                    first = losses
-                x = axpy(-a * self.outer_lr, d_x, x)
-                y = axpy(-a * self.inner_lr, d_y, y)
-                v = axpy(-a * self.v_lr, d_v, v)
-                q_x, q_y, q_v = axpy(a, d_x, q_x), axpy(a, d_y, q_y), axpy(a, d_v, q_v)
-                if active is not None:  # clients past their tau_i keep what they had
-                    new = (x, y, v, q_x, q_y, q_v, buffers)
-                    x, y, v, q_x, q_y, q_v, buffers = (
-                        params_where(active, n, o) for n, o in zip(new, old, strict=True)
-                    )
+        first: list[tuple[Any, Any]] = []  # (g, f) at the first step
+
+        def step(t: int, carry: tuple[Params, ...]) -> tuple[tuple[Params, ...], Work]:
+            x, y, v, q_x, q_y, q_v, buffers = carry
+            inner_batch = runtime.batch(cohort.step_data("inner", t))
+            outer_batch = runtime.batch(cohort.step_data("outer", t))
+            if buffers:  # BatchNorm running statistics follow the local training batches
+                with torch.no_grad():
+                    cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
+            outer, inner = cohort.bind(runtime.problem, module, buffers, inner_batch, outer_batch)
+            if lam is None:
+                system = self.estimator.linearize(inner, x, y, lead=lead)
+                dirs = bilevel_directions(system, outer, x, y, v)
+                d_x, d_y, d_v = dirs.x, dirs.y, dirs.v
+                losses, work = (dirs.g, dirs.f), Work(dirs.n_grad, dirs.n_hvp)
+            else:  # v is y_lam, y is z
+                oracle = penalty_gradients(outer, inner, x, v, y, lam, lead=lead)
+                d_x, d_y = oracle.x, oracle.z
+                d_v = {k: d / (1.0 + lam) for k, d in oracle.y.items()}
+                losses, work = (oracle.g, oracle.f), Work(oracle.n_grad, 0)
+            if not first:
+                first.append(losses)
+            x = axpy(-a * self.outer_lr, d_x, x)
+            y = axpy(-a * self.inner_lr, d_y, y)
+            v = axpy(-a * self.v_lr, d_v, v)
+            q_x, q_y, q_v = axpy(a, d_x, q_x), axpy(a, d_y, q_y), axpy(a, d_v, q_v)
+            return (x, y, v, q_x, q_y, q_v, buffers), work
+
+        # the same work every step; clients past their tau_i keep what they had
+        start: tuple[Params, ...] = (x, y, v, q_x, q_y, q_v, buffers)
+        steps = cohort.local_steps(step, start, name="simfbo.step")
+        x, y, v, q_x, q_y, q_v, buffers = steps.carry
         taus = torch.tensor(
             cohort.num_steps, dtype=torch.float64, device=next(iter(q_y.values())).device
         )
@@ -308,10 +296,7 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         update = self.local_message(q_x, q_y, q_v, a_norm)
         if self.aggregate_buffers:
             update.update(buffers)
-        inner_loss, outer_loss = first if first is not None else (0.0, 0.0)
-        per_step = (
-            [n_grad // cohort.max_steps, n_hvp // cohort.max_steps] if cohort.max_steps else [0, 0]
-        )
+        inner_loss, outer_loss = first[0] if first else (0.0, 0.0)
         batch = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
@@ -321,8 +306,8 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
                 "a_norm": a_norm,
                 "local_steps": taus if cohort.stacked else float(cohort.num_steps[0]),
             },
-            n_grad=[per_step[0] * t for t in cohort.num_steps],
-            n_hvp=[per_step[1] * t for t in cohort.num_steps],
+            n_grad=steps.n_grad,
+            n_hvp=steps.n_hvp,
             samples=[b * t for b, t in zip(batch, cohort.num_steps, strict=True)],
         )
 

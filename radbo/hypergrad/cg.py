@@ -18,6 +18,7 @@ from radbo.hypergrad.base import (
     require_y,
 )
 from radbo.limits import Steps
+from radbo.loops import cg_marks
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["ImplicitCG", "solve_cg"]
@@ -89,7 +90,7 @@ class ImplicitCG(Estimator):
             tol=self.tol,
             damping=self.damping,
             lead=lead,
-            uniform=True,
+            mark=cg_marks(),
         )
         correction = system.mixed(v)
         return implicit_result(

@@ -33,6 +33,7 @@ from radbo.hypergrad.base import (
     require_y,
 )
 from radbo.limits import Steps
+from radbo.loops import cg_marks
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FiniteDifference", "default_step"]
@@ -101,8 +102,8 @@ class FiniteDifference(Estimator):
 
     **Accuracy and cost of the two schemes** (``benchmarks/fd_scheme.py``; the tanh network of
     ``tests/test_hypergrad.py``, all 5 coordinates of x, default CG; relative error against
-    the exact hypergradient, FLOPs measured by :func:`radbo.flops.count_flops`): at their
-    default steps, central 2.9e-6 (float64) and 6.6e-5 to 1.25e-4 (float32, by the CPU's
+    the exact hypergradient, FLOPs measured by the ledger's :class:`radbo.cost.FlopMeter`): at
+    their default steps, central 2.9e-6 (float64) and 6.6e-5 to 1.25e-4 (float32, by the CPU's
     kernels) for 1.82x the forward scheme's FLOPs, forward 1.4e-5 and 4.6e-4 to 5.7e-4. In
     float32 the error is rounding, mostly of CG's finite-difference products at the fixed
     ``hvp_mu = 1e-3`` (central reaches 6e-6 to 1.1e-5 at ``hvp_mu = 1e-2``); before rounding,
@@ -384,7 +385,7 @@ class FiniteDifference(Estimator):
                 tol=self.tol,
                 damping=self.damping,
                 lead=lead,
-                uniform=True,
+                mark=cg_marks(),
             )
             w = tuple(-t for t in v)
 

@@ -19,6 +19,7 @@ from radbo.hypergrad.base import (
     state_blocks,
 )
 from radbo.limits import Steps, StepSize
+from radbo.loops import Work, local_steps
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FirstOrder"]
@@ -135,19 +136,24 @@ class FirstOrder(Estimator):
         z = state_blocks("FirstOrder", "z", state, y)
         lam = self.lam
         step_y = self.lr / (1.0 + lam)
-        for _ in range(self.inner_steps):
+
+        def step(t: int, carry: tuple[Params, Params]) -> tuple[tuple[Params, Params], Work]:
+            y_lam, z = carry
             oracle = penalty_gradients(
                 outer_loss, inner_loss, x, y_lam, z, lam, with_x=False, lead=lead
             )
-            y_lam = axpy(-step_y, oracle.y, y_lam)
-            z = axpy(-self.lr, oracle.z, z)
+            moved = (axpy(-step_y, oracle.y, y_lam), axpy(-self.lr, oracle.z, z))
+            return moved, Work(oracle.n_grad)
+
+        steps = local_steps(step, (y_lam, z), self.inner_steps, name="first_order.inner")
+        y_lam, z = steps.carry
         oracle = penalty_gradients(outer_loss, inner_loss, x, y_lam, z, lam, lead=lead)
         new_state = {f"y_lambda:{k}": t for k, t in y_lam.items()}
         new_state.update({f"z:{k}": t for k, t in z.items()})
         return HypergradResult(
             grad=oracle.x,
             v={k: lam * (z[k] - y_lam[k]) for k in y},
-            n_grad=3 * self.inner_steps + 3,
+            n_grad=steps.n_grad[0] + oracle.n_grad,
             n_hvp=0,
             state=new_state,
         )

@@ -8,8 +8,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from radbo.autodiff import ImplicitSystem, tuple_axpy
-from radbo.flops import new_scope, repeated
+from radbo.autodiff import ImplicitSystem, TensorTuple, tuple_axpy
 from radbo.hypergrad.base import (
     ESTIMATORS,
     Estimator,
@@ -18,6 +17,7 @@ from radbo.hypergrad.base import (
     require_y,
 )
 from radbo.limits import Steps, StepSize
+from radbo.loops import Work, local_steps
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["Neumann"]
@@ -95,13 +95,17 @@ class Neumann(Estimator):
         ``draws`` and ``state`` are accepted for the common signature and ignored."""
         require_y(y)
         system = ImplicitSystem(outer_loss, inner_loss, x, y, lead=lead)
-        power = system.grad_y_f  # (I − eta H)^k ∇_y f, k = 0
-        total = power
-        scope = new_scope()
-        for _ in range(self.terms - 1):
-            with repeated("neumann", scope):  # the same product every term
-                power = tuple_axpy(-self.eta, system.hvp(power), power)
-                total = tuple_axpy(1.0, power, total)
+
+        def term(
+            k: int, carry: tuple[TensorTuple, TensorTuple]
+        ) -> tuple[tuple[TensorTuple, TensorTuple], Work]:
+            power, total = carry  # (I − eta H)^k ∇_y f and the sum of the terms so far
+            power = tuple_axpy(-self.eta, system.hvp(power), power)
+            return (power, tuple_axpy(1.0, power, total)), Work(n_hvp=1)
+
+        start = system.grad_y_f  # k = 0
+        # the same product every term: a FLOP count counts one
+        _, total = local_steps(term, (start, start), self.terms - 1, name="neumann").carry
         v = tuple(self.eta * t for t in total)
         correction = system.mixed(v)
         return implicit_result(
