@@ -45,7 +45,7 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: The layers of radbo, lowest first. A module may import its own package and any package of a
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
-    {"typing", "randomness", "registry", "version", "limits", "lazy", "jsonio"},
+    {"typing", "randomness", "registry", "version", "limits", "jsonio"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
     # loops: the local-step primitive (masks finished clients, marks repeated blocks for the
@@ -100,14 +100,14 @@ def imports_of(path: Path, submodules: bool = False) -> list[str]:
 
 
 def test_every_import_goes_down_the_layers() -> None:
-    files = sorted(ROOT.rglob("*.py"))
+    files = sorted([*ROOT.rglob("*.py"), *ROOT.rglob("*.pyi")])
     seen_nodes = set()
     problems = []
     for path in files:
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("__init__.py", "__main__.py"):
+        if rel.parts[0] in ("__init__.py", "__init__.pyi", "__main__.py"):
             continue
-        here = rel.parts[0].removesuffix(".py")
+        here = rel.parts[0].removesuffix(".pyi").removesuffix(".py")
         seen_nodes.add(here)
         assert here in LAYER, f"{rel}: package {here!r} has no layer in LAYERS"
         for module in imports_of(path):
@@ -171,11 +171,12 @@ def package_import_graph() -> dict[str, set[str]]:
     depth of the file; ``from radbo.pkg import sub`` as ``radbo.pkg.sub``; ``radbo.pkg``
     alone is the package's ``__init__``)."""
     # root modules are packages of their own: the layer test covers them
-    paths = [p for p in sorted(ROOT.rglob("*.py")) if p.parent != ROOT]
+    # a package's __init__.pyi declares its lazily imported public names: its imports count
+    paths = [p for p in sorted([*ROOT.rglob("*.py"), *ROOT.rglob("*.pyi")]) if p.parent != ROOT]
     graph = {module_name(p): set[str]() for p in paths}
     for path in paths:
         module = module_name(path)
-        graph[module] = {
+        graph[module] |= {  # |=: a package's __init__.py and __init__.pyi are one module
             m
             for m in imports_of(path, submodules=True)
             if m in graph and node(m) == node(module) and m != module

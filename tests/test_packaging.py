@@ -3,6 +3,8 @@ radbo reads at run time (in the wheel), and the README's facts about them."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -94,7 +96,9 @@ def test_every_runtime_file_is_package_data():
         for p in package.rglob("*")
         if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
     ]
-    assert {"py.typed", "devices/catalog.toml", "flower/app/pyproject.toml"} <= set(data)
+    assert {"py.typed", "__init__.pyi", "devices/catalog.toml", "flower/app/pyproject.toml"} <= set(
+        data
+    )
     missing = [f for f in data if not any(fnmatch(f, pattern) for pattern in patterns)]
     assert missing == []
 
@@ -167,3 +171,42 @@ def test_the_readme_names_the_flower_that_installs():
 
 def test_the_readme_cites_papers_not_files_radbo_does_not_ship():
     assert "papers/" not in README
+
+
+# ------------------------------------------------------------------ the public API, declared once
+@pytest.mark.parametrize("package", ["radbo", "radbo.flower"])
+def test_every_public_name_is_declared_once_and_resolves(package: str) -> None:
+    """The stub ``__init__.pyi`` is the one declaration: ``__all__`` is made from it, no name
+    is declared twice, and each name is, on first use, the object of that name in the module
+    the stub says."""
+    module = importlib.import_module(package)
+    stub = Path(str(module.__file__)).with_suffix(".pyi")
+    declared = {
+        alias.asname or alias.name: f"{package}.{n.module}"
+        for n in ast.parse(stub.read_text(encoding="utf-8")).body
+        if isinstance(n, ast.ImportFrom)
+        for alias in n.names
+    }
+    count = sum(
+        len(n.names) for n in ast.parse(stub.read_text()).body if isinstance(n, ast.ImportFrom)
+    )
+    assert count == len(declared)  # no name declared twice
+    assert sorted(declared) == module.__all__
+    if package == "radbo.flower":
+        pytest.importorskip("flwr")
+    for name, home in declared.items():
+        assert getattr(module, name) is getattr(importlib.import_module(home), name)
+        assert name in dir(module)
+
+
+def test_every_algorithm_of_the_registry_is_public() -> None:
+    """Each built-in algorithm's config class, and the algorithm class it builds, is a public
+    name: the exported set is the registry's, not a matter of chance."""
+    from radbo.algorithms import ALGORITHMS
+
+    builtin = [c for c in ALGORITHMS.classes() if c.__module__.startswith("radbo.")]
+    assert len(builtin) >= 11
+    for config in builtin:
+        assert getattr(radbo, config.__name__) is config
+        algorithm = config.__name__.removesuffix("Config")
+        assert getattr(radbo, algorithm).__mro__[1] is config
