@@ -50,6 +50,7 @@ from radbo.limits import (
 from radbo.masks.policies import POLICIES
 from radbo.models import MODELS, MLPConfig, ModelConfig
 from radbo.registry import ConfigError, Registry, Section, all_tags
+from radbo.simulation import BACKENDS, gpu_refusal
 from radbo.tasks import TASKS, HyperRepresentation, TaskConfig
 from radbo.tomlfile import read_toml
 
@@ -295,11 +296,11 @@ class RuntimeConfig(Section):
     draws what a CPU run draws and differs from it only by floating-point rounding.
     """
 
-    backend: Literal["sequential", "batched", "processes"] = Field(
+    backend: Annotated[str, BACKENDS] = Field(
         "sequential",
-        description="sequential: one client after another; batched: clients of equal shapes "
-        "stacked (equal to float rounding); processes: worker processes (bitwise equal to "
-        "sequential)",
+        description="a registered backend (radbo.simulation.BACKENDS) -- sequential: one client "
+        "after another; batched: clients of equal shapes stacked (equal to float rounding); "
+        "processes: worker processes (bitwise equal to sequential)",
     )
     dtype: Literal["float32", "float64"] = Field(
         "float32", description="floating-point type of data, models and all client work"
@@ -319,11 +320,10 @@ class RuntimeConfig(Section):
 
     @model_validator(mode="after")
     def _device_backend(self) -> RuntimeConfig:
-        if self.device != "cpu" and self.backend == "processes":
-            raise ValueError(
-                f'device = "{self.device}" needs backend = "sequential" or "batched": '
-                "forked worker processes cannot share a GPU context"
-            )
+        refusal = gpu_refusal(self.backend)
+        if self.device != "cpu" and refusal:
+            able = " or ".join(f'"{name}"' for name in BACKENDS if not gpu_refusal(name))
+            raise ValueError(f'device = "{self.device}" needs backend = {able}: {refusal}')
         return self
 
 

@@ -31,7 +31,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from radbo.config import RunConfig
-from radbo.registry import Registry, Section
+from radbo.registry import Named, Registry, Section
 
 __all__ = [
     "BEGIN",
@@ -153,6 +153,9 @@ def allowed_text(annotation: Any, metadata: Sequence[Any] = ()) -> str:
     if annotation is float:
         return _range("number", metadata)
     if annotation is str:
+        named = next((m for m in metadata if isinstance(m, Named)), None)
+        if named is not None:  # a registered name: the names registered now
+            return allowed_text(Literal[tuple(sorted(named))])
         pattern = next((getattr(m, "pattern", None) for m in metadata), None)
         if pattern:
             return f"text matching `{pattern}`"

@@ -218,6 +218,20 @@ class Named(Generic[T]):
     def __repr__(self) -> str:
         return f"Named({self.setting!r}, {sorted(self._choices)})"
 
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        """As the metadata of a text field (``backend: Annotated[str, BACKENDS]``): the value
+        must be a name registered *when it is validated* (so a choice registered after the
+        config class was made is accepted), and the README reference lists the names."""
+
+        def registered(value: str) -> str:
+            if value not in self._choices:
+                raise ValueError(f"unknown; registered: {', '.join(sorted(self._choices))}")
+            return value
+
+        return core_schema.no_info_after_validator_function(registered, handler(source))
+
 
 def registries() -> "list[Registry[Any]]":
     """Every registry created so far."""

@@ -110,7 +110,7 @@ def test_rafbo_requires_the_finite_difference_estimator_as_a_rule_of_its_class()
 
 def test_every_backend_resolves_through_the_registry():
     runtime = RuntimeConfig(workers=2)
-    assert set(BACKENDS) == set(get_args(RuntimeConfig.model_fields["backend"].annotation))
+    assert BACKENDS in RuntimeConfig.model_fields["backend"].metadata  # the setting's choices
     for name, cls in (
         ("sequential", SequentialBackend),
         ("batched", BatchedBackend),
@@ -124,6 +124,36 @@ def test_every_backend_resolves_through_the_registry():
     assert type(build_backend(config)) is BatchedBackend
     with pytest.raises(ConfigError, match="runtime.backend = 'gpu': unknown; registered: batched"):
         BACKENDS["gpu"]
+
+
+class _ThreadBackend:
+    """A backend a user registers after radbo's config classes exist (runs like sequential)."""
+
+    gpu_refusal = "a test's refusal"
+
+    @classmethod
+    def from_runtime(cls, runtime):
+        return SequentialBackend()
+
+
+def test_a_backend_registered_later_is_a_valid_setting_and_says_why_not_on_a_gpu(monkeypatch):
+    with pytest.raises(ConfigError, match="runtime.backend = 'threads': unknown; registered: "):
+        parse_config({"runtime": {"backend": "threads"}})
+    monkeypatch.setitem(BACKENDS._choices, "threads", _ThreadBackend)
+    config = parse_config({"runtime": {"backend": "threads"}})
+    assert type(build_backend(config)) is SequentialBackend
+    with pytest.raises(
+        ConfigError,
+        match='device = "cuda" needs backend = "batched" or "sequential": a test\'s refusal',
+    ):
+        parse_config({"runtime": {"backend": "threads", "device": "cuda"}})
+    # the README reference lists the names registered when it is made
+    from radbo.docs import allowed_text
+
+    field = RuntimeConfig.model_fields["backend"]
+    assert allowed_text(field.annotation, field.metadata) == (
+        '"batched", "processes", "sequential" or "threads"'
+    )
 
 
 def test_every_baseline_kind_is_registered():

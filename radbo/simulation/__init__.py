@@ -1,6 +1,6 @@
 """The simulation engine and its backends."""
 
-from radbo.simulation.backends import BACKENDS, BackendKind
+from radbo.simulation.backends import BACKENDS, BackendKind, gpu_refusal
 from radbo.simulation.batched import BatchedBackend
 from radbo.simulation.divergence import DivergenceError
 from radbo.simulation.engine import (
@@ -23,5 +23,6 @@ __all__ = [
     "SequentialBackend",
     "Simulation",
     "full_index_set",
+    "gpu_refusal",
     "update_problem",
 ]

@@ -19,11 +19,15 @@ from typing import Any, Protocol
 from radbo.client import Backend
 from radbo.registry import Named
 
-__all__ = ["BACKENDS", "BackendKind"]
+__all__ = ["BACKENDS", "BackendKind", "gpu_refusal"]
 
 
 class BackendKind(Protocol):
-    """A registered backend class: built from the ``[runtime]`` section."""
+    """A registered backend class: built from the ``[runtime]`` section.
+
+    A backend that cannot run with ``[runtime] device = "cuda"`` says why in a class attribute
+    ``gpu_refusal`` (a sentence; absent or ``None``: it can), which the config check quotes.
+    """
 
     @classmethod
     def from_runtime(cls, runtime: Any) -> Backend:
@@ -34,3 +38,9 @@ class BackendKind(Protocol):
 
 #: The backends ``[runtime] backend`` chooses from, by name.
 BACKENDS: Named[type[BackendKind]] = Named("runtime.backend")
+
+
+def gpu_refusal(name: str) -> str | None:
+    """Why the backend registered as ``name`` cannot run on a GPU, or ``None`` when it can."""
+    refusal: str | None = getattr(BACKENDS[name], "gpu_refusal", None)
+    return refusal

@@ -59,7 +59,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -357,6 +357,9 @@ class ProcessBackend:
             sim = Simulation(..., backend=backend)
             ...
     """
+
+    #: why ``[runtime] device = "cuda"`` refuses this backend (:func:`radbo.simulation.gpu_refusal`)
+    gpu_refusal: ClassVar[str] = "forked worker processes cannot share a GPU context"
 
     def __init__(self, workers: int | None = None) -> None:
         if workers is None:
