@@ -135,7 +135,7 @@ class FlopMeter:
 
     **Repeated work counted once.** A measurement counts a block the client marks
     :func:`radbo.flops.repeated` -- every step of :func:`radbo.loops.local_steps`, every CG
-    iteration marked by :func:`radbo.loops.cg_marks` -- the first
+    product marked by :func:`radbo.loops.cg_product` -- the first
     time only, and runs its repetitions outside the counter at full speed, adding the first
     count (``reuse``; ``False`` counts every operation: the same integers, slower).
 

@@ -8,7 +8,7 @@ import torch
 
 from radbo.autodiff import solve_cg
 from radbo.flops import count_flops
-from radbo.loops import Work, cg_iteration_flops, cg_marks, local_steps
+from radbo.loops import Work, cg_iteration_flops, cg_product, local_steps
 
 
 def test_a_client_past_its_steps_keeps_its_carry_and_its_work_stops():
@@ -83,7 +83,5 @@ def test_a_marked_cg_solve_shows_one_iteration_s_flops():
     a = torch.eye(4, dtype=torch.float64) * 2
     b = (torch.ones(4, 3, dtype=torch.float64),)
     blocks: dict = {}
-    count_flops(
-        lambda: solve_cg(lambda u: (a @ u[0],), b, max_iter=3, mark=cg_marks()), blocks=blocks
-    )
+    count_flops(lambda: solve_cg(cg_product(lambda u: (a @ u[0],)), b, max_iter=3), blocks=blocks)
     assert cg_iteration_flops(blocks) == 2 * 4 * 4 * 3
