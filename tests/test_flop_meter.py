@@ -296,3 +296,32 @@ def test_the_first_count_of_a_cg_workload_gives_its_line():
     plain = FlopMeter()
     plain.store(("outer",), 1000, linear=4)  # no unit: three points are needed
     assert plain.lookup(("outer",), linear=7) is None
+
+
+def test_measure_counts_a_new_family_in_place_and_remeasures_only_new_workloads():
+    """FlopMeter.measure, what every backend calls through run_measured: the first run of a
+    family is counted while it runs (run once), a known workload is looked up (run once, not
+    counted), a new workload of a known family is run and then counted again (run twice), and
+    a result computed elsewhere is only counted when its workload is new."""
+    a = torch.ones(4, 3)
+    runs: list[int] = []
+
+    def run(n: int):
+        def go() -> int:
+            runs.append(n)
+            for _ in range(n):
+                a @ a.T  # 2*4*3*4 = 96 FLOPs each
+            return n
+
+        return go
+
+    def workload(n: int) -> tuple[tuple, None]:
+        return ("mm", n), None
+
+    meter = FlopMeter()
+    assert meter.measure(run(2), ("fam",), workload) == (2, 192) and runs == [2]
+    assert meter.measure(run(2), ("fam",), workload) == (2, 192) and runs == [2, 2]
+    assert meter.measure(run(3), ("fam",), workload) == (3, 288) and runs == [2, 2, 3, 3]
+    assert meter.measure(run(1), ("fam",), workload, result=1) == (1, 96) and runs[-1] == 1
+    assert meter.measure(run(1), ("fam",), workload, result=1) == (1, 96) and len(runs) == 5
+    assert meter.families == {("fam",)} and meter.measurements == 3
