@@ -32,12 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode,
-    _pop_mode_temporarily,
-)
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from radbo._torch_private import (
+    HigherOrderOperator,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    pop_mode_temporarily,
+)
 
 __all__ = [
     "count_flops",
@@ -132,15 +134,11 @@ class _TotalFlops(TorchDispatchMode):
         if func in _METADATA_OPS:
             plan = None
         else:
-            formula = flop_registry.get(func._overloadpacket)
-            key = torch._C.DispatchKey.CompositeImplicitAutograd
+            formula = flop_registry.get(func.overloadpacket)
             decomposable = (
                 formula is None
                 and func is not torch.ops.prim.device.default
-                and (
-                    key in func.py_kernels
-                    or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
-                )
+                and func.has_kernel_for_dispatch_key(torch.DispatchKey.CompositeImplicitAutograd)
             )
             plan = (formula, decomposable)
         cls._plans[func] = plan
@@ -151,7 +149,7 @@ class _TotalFlops(TorchDispatchMode):
         try:
             plan = self._plans[func]
         except KeyError:
-            if isinstance(func, torch._ops.HigherOrderOperator):
+            if isinstance(func, HigherOrderOperator):
                 raise _HigherOrderOp(str(func)) from None
             plan = self._plan(func)
         if plan is None:
@@ -221,9 +219,9 @@ class _Repeated:
         assert counter.repeats is not None
         self.known = counter.repeats.get(self.key)
         self.start = counter.total
-        if self.known is not None and _get_current_dispatch_mode() is counter:
+        if self.known is not None and current_dispatch_mode() is counter:
             # the count of this work is known: run it at full speed, outside the mode
-            self.guard = _pop_mode_temporarily()
+            self.guard = pop_mode_temporarily()
             self.guard.__enter__()
             counter.paused = True
 

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from radbo._torch_private import TorchDispatchMode, tree_flatten
 from radbo.cost import DeviceLike
 from radbo.flops import meta_training_inputs, trainable_names, training_step_flops
 from radbo.hypergrad import Estimator, FiniteDifference, FirstOrder, ImplicitCG, MemoryFootprint
