@@ -139,7 +139,9 @@ class FlopMeter:
     :func:`radbo.flops.repeated` -- every step of :func:`radbo.loops.local_steps`, every CG
     product marked by :func:`radbo.loops.cg_product` -- the first
     time only, and runs its repetitions outside the counter at full speed, adding the first
-    count (``reuse``; ``False`` counts every operation: the same integers, slower).
+    count (``reuse``; ``False`` counts every operation: the same integers, slower). The second
+    block of each kind is counted as well and must match the first, a sample of the client's
+    promise that the blocks repeat the same work (:class:`radbo.flops.RepeatedWorkError`).
 
     **The first of a kind counted while it runs** (``in_place``; :meth:`measure`, which
     :func:`radbo.client.run_measured` calls for every client): the first client of a family
