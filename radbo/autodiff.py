@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -531,7 +530,70 @@ def _quotient(diff: Tensor, eps: Scalar) -> Tensor:
 
 
 # ------------------------------------------------------------------------------ linear solve
-_NO_BLOCK = nullcontext()
+class _CGIterate(NamedTuple):
+    """Where a conjugate-gradient solve stands: solution ``sol``, residual ``r``, search
+    direction ``p``, the squared residual norm ``rs`` and, per client, whether it still
+    iterates (``active``)."""
+
+    sol: TensorTuple
+    r: TensorTuple
+    p: TensorTuple
+    rs: Tensor
+    active: Tensor
+
+
+def _damped(
+    matvec: Callable[[TensorTuple], TensorTuple], damping: float
+) -> Callable[[TensorTuple], TensorTuple]:
+    """``u -> (A + damping·I) u`` for :func:`solve_cg`, checking that ``matvec`` keeps the
+    tuple's length."""
+
+    def apply(u: TensorTuple) -> TensorTuple:
+        au = tuple(matvec(u))
+        if len(au) != len(u):
+            raise ValueError(
+                f"solve_cg: matvec returned {len(au)} tensors for an input of {len(u)}."
+            )
+        return tuple_axpy(damping, u, au) if damping != 0.0 else au
+
+    return apply
+
+
+def _cg_start(
+    apply: Callable[[TensorTuple], TensorTuple], b: TensorTuple, x0: Sequence[Tensor] | None
+) -> tuple[TensorTuple, TensorTuple, int]:
+    """``(solution, residual, products made)`` before the first iteration: zeros and ``b``,
+    or the warm start ``x0`` and its residual (one product)."""
+    if x0 is None:
+        return tuple(torch.zeros_like(bi) for bi in b), b, 0
+    sol = tuple(x0)
+    if len(sol) != len(b) or any(s.shape != bi.shape for s, bi in zip(sol, b, strict=True)):
+        raise ValueError(
+            "solve_cg.x0 must have the shapes of b, got "
+            f"{[tuple(s.shape) for s in sol]} for b of {[tuple(bi.shape) for bi in b]}."
+        )
+    return sol, tuple_axpy(-1.0, apply(sol), b), 1
+
+
+def _cg_update(
+    it: _CGIterate, ap: TensorTuple, curvature: Tensor, threshold: Tensor, lead: int
+) -> _CGIterate:
+    """One conjugate-gradient step from ``it`` along ``p`` (``ap = (A + λI) p``, ``curvature
+    = pᵀ ap``); for a cohort, clients no longer active keep their iterate."""
+    alpha = it.rs / curvature
+    new_sol = tuple_axpy(alpha, it.p, it.sol)
+    new_r = tuple_axpy(-alpha, ap, it.r)
+    rs_new = tuple_dot(new_r, new_r, lead)
+    new_p = tuple_axpy(rs_new / it.rs, it.p, new_r)
+    mask = None if lead == 0 else it.active
+    rs = rs_new if mask is None else torch.where(mask, rs_new, it.rs)
+    return _CGIterate(
+        sol=tuple_where(mask, new_sol, it.sol),
+        r=tuple_where(mask, new_r, it.r),
+        p=tuple_where(mask, new_p, it.p),
+        rs=rs,
+        active=it.active & (rs.double() > threshold),
+    )
 
 
 def solve_cg(
@@ -543,7 +605,6 @@ def solve_cg(
     damping: float = 0.0,
     x0: Sequence[Tensor] | None = None,
     lead: int = 0,
-    mark: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> tuple[TensorTuple, int | Tensor]:
     """Solve ``(A + damping·I) v = b`` by conjugate gradient on tuples of tensors.
 
@@ -551,7 +612,9 @@ def solve_cg(
     (after damping) on the tuple space of ``b``; tensors may have any shapes and are never
     flattened together. Written by hand rather than taken from TorchOpt (``torchopt.linalg.cg``
     installs beside radbo's torch): radbo needs per-client step sizes and stopping tests on a
-    stacked cohort, truncation on non-positive curvature, and its own count of products.
+    stacked cohort, truncation on non-positive curvature, and its own count of products. Like
+    TorchOpt's, it is a pure solver: a caller that wants each product marked (for the FLOP
+    meter: :func:`radbo.loops.cg_product`) wraps ``matvec``.
 
     Args:
         matvec: the product ``u -> A u``; ``u`` and the result are tuples shaped like ``b``.
@@ -566,12 +629,6 @@ def solve_cg(
         lead: 1 for a cohort (clients stacked on dim 0, ``A`` block diagonal over clients):
             every client has its own step sizes and stops on its own; a client that stopped
             keeps its solution while the others go on.
-        mark: a hook the caller passes in, wrapped around each iteration's product
-            (``mark("product")``) and the rest of the iteration (``mark("step")``); the solver
-            itself knows nothing of FLOP counting. Estimators whose ``matvec`` runs the same
-            matrix products on every call (radbo's Hessian-vector products) pass
-            :func:`radbo.loops.cg_marks`: a FLOP count then counts one iteration and reuses
-            its count for the others. Default ``None``: no marks.
 
     Returns:
         ``(v, n_matvec)``: the solution and the number of ``matvec`` calls made (the CG
@@ -595,62 +652,26 @@ def solve_cg(
     check_finite("solve_cg", "tol", tol, low=0, strict=False)
     check_finite("solve_cg", "damping", damping, low=0, strict=False)
     b = tuple(b)
-
-    def apply(u: TensorTuple) -> TensorTuple:
-        au = tuple(matvec(u))
-        if len(au) != len(u):
-            raise ValueError(
-                f"solve_cg: matvec returned {len(au)} tensors for an input of {len(u)}."
-            )
-        return tuple_axpy(damping, u, au) if damping != 0.0 else au
-
-    calls = 0
-    if x0 is None:
-        sol: TensorTuple = tuple(torch.zeros_like(bi) for bi in b)
-        r: TensorTuple = b
-    else:
-        sol = tuple(x0)
-        if len(sol) != len(b) or any(s.shape != bi.shape for s, bi in zip(sol, b, strict=True)):
-            raise ValueError(
-                "solve_cg.x0 must have the shapes of b, got "
-                f"{[tuple(s.shape) for s in sol]} for b of {[tuple(bi.shape) for bi in b]}."
-            )
-        r = tuple_axpy(-1.0, apply(sol), b)
-        calls += 1
-
+    apply = _damped(matvec, damping)
+    sol, r, calls = _cg_start(apply, b, x0)
     # The comparisons are in float64 (as Python floats would be) and the step sizes are
     # quotients of the tensors' own dtype: one client reproduces plain-float CG exactly.
     threshold = tol * tuple_dot(b, b, lead).double()
     rs = tuple_dot(r, r, lead)
-    p = r
-    active = rs.double() > threshold  # per client: still iterating
-    counts = torch.full(active.shape, calls, dtype=torch.int64, device=active.device)
-    iterations = 0
-    going = bool(active.any())
-    while going and iterations < max_iter:
-        with mark("product") if mark is not None else _NO_BLOCK:
-            ap = apply(p)
-            counts = counts + active.long()
-            curvature = tuple_dot(p, ap, lead)
-            active = active & (curvature > 0.0)  # non-positive curvature (or NaN): truncate
-            truncated = lead == 0 and not bool(active)
-        iterations += 1
-        if truncated:
+    it = _CGIterate(sol, r, r, rs, rs.double() > threshold)  # active: per client, iterating
+    counts = torch.full(it.active.shape, calls, dtype=torch.int64, device=it.active.device)
+    for _ in range(max_iter):
+        if not bool(it.active.any()):
             break
-        with mark("step") if mark is not None else _NO_BLOCK:
-            alpha = rs / curvature
-            new_sol = tuple_axpy(alpha, p, sol)
-            new_r = tuple_axpy(-alpha, ap, r)
-            rs_new = tuple_dot(new_r, new_r, lead)
-            new_p = tuple_axpy(rs_new / rs, p, new_r)
-            mask = None if lead == 0 else active
-            sol = tuple_where(mask, new_sol, sol)
-            r = tuple_where(mask, new_r, r)
-            p = tuple_where(mask, new_p, p)
-            rs = rs_new if mask is None else torch.where(mask, rs_new, rs)
-            active = active & (rs.double() > threshold)
-            going = bool(active.any())
-    return sol, (int(counts) if lead == 0 else counts)
+        ap = apply(it.p)
+        counts = counts + it.active.long()
+        curvature = tuple_dot(it.p, ap, lead)
+        # non-positive curvature (or NaN): truncate
+        it = it._replace(active=it.active & (curvature > 0.0))
+        if lead == 0 and not bool(it.active):
+            break
+        it = _cg_update(it, ap, curvature, threshold, lead)
+    return it.sol, (int(counts) if lead == 0 else counts)
 
 
 # --------------------------------------------------------------- directions of bilevel methods

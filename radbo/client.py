@@ -36,7 +36,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
-from radbo.cost import FlopMeter, tensor_bytes
+from radbo.cost import FlopMeter, shape_signature, tensor_bytes
 from radbo.loops import LocalSteps, Work, cg_iteration_flops, local_steps
 from radbo.problem import (
     Batch,
@@ -492,68 +492,64 @@ def run_measured(
     result: ClientResult | None = None,
 ) -> ClientResult:
     """Run one client's work (or take its ``result`` computed elsewhere, e.g. in a batched
-    cohort) and attach its measured FLOPs, cached per distinct workload.
+    cohort) and attach its FLOPs, measured by ``meter`` (:meth:`~radbo.cost.FlopMeter.measure`:
+    cached per workload, composed along CG iterations, the first of a kind counted while it
+    runs), so every backend charges what the client alone would execute.
 
     A :class:`ClientWork` is run as ``run(prepare(task))``, which is what calling it does; its
     FLOPs are those of ``run`` (the draws of ``prepare`` are random indices, no arithmetic).
+    What this function tells the meter:
 
-    The workload key is (phase, submodel shapes, gradient / Hessian-vector counts, samples,
-    local steps): FLOPs of these models are linear in the batch, so equal counts on equal
-    shapes mean equal work; workloads differing only in the Hessian-vector count are composed
-    from a verified line (:class:`~radbo.cost.FlopMeter`). The first client of a family --
-    phase, submodel shapes, local steps and the shapes of its draws -- is counted while it runs
-    (its counts are known only once it has run); a later workload not seen before is measured
-    by running the work for this one client again under the FLOP counter, so every backend
-    charges what the client alone would execute. Counting does not change the result: the
-    counter runs the same kernels.
+    * the workload -- (phase, submodel shapes, gradient count, samples, local steps) and the
+      Hessian-vector count its FLOPs are affine in (a CG iteration is one more product of the
+      same shapes; :func:`~radbo.loops.cg_iteration_flops` reads that product's FLOPs from a
+      count): FLOPs of these models are linear in the batch, so equal counts on equal shapes
+      mean equal work;
+    * the family -- phase, submodel shapes, local steps and, for a :class:`ClientWork` run
+      here, the shapes of its draws (so that a client drawing smaller batches is a kind of its
+      own, counted while it runs).
     """
-    from radbo.cost import shape_signature
-
     if meter is None:
         return work(runtime, task) if result is None else result
     shapes = shape_signature(task.params)
+    one = _OneClient(work, runtime, task)
     family: tuple = (task.phase, shapes, task.budget.local_steps)
-    prepared: Prepared | None = None
-
-    def execute() -> ClientResult:
-        if prepared is None:
-            return work(runtime, task)
-        assert isinstance(work, ClientWork)
-        (out,) = work.run(runtime, Cohort.single(task, prepared))
-        return out
-
     if result is None and isinstance(work, ClientWork):
         # the draws (random indices, made before any arithmetic) tell this client's batch
-        # sizes, so that a client drawing smaller batches is a kind of its own, counted while
-        # it runs; its work is run (and counted) on these draws
-        prepared = work.prepare(runtime, task)
+        # sizes; its work is run (and counted) on these draws
+        prepared = one.draws()
         family = (*family, repr(prepared.signature()), prepared.num_steps)
 
-    flops: int | None = None
-    blocks: dict[tuple, int] = {}
-    if result is None and meter.in_place and family not in meter.families:
-        # a new kind of workload: count this very run instead of running it twice
-        box: list[ClientResult] = []
-        flops = meter.count(lambda: box.append(execute()), blocks)
-        result = box[-1]
-    elif result is None:
-        result = execute()
-    c = result.cost
-    key = (task.phase, shapes, c.n_grad, c.samples, task.budget.local_steps)
-    # FLOPs are affine in the Hessian-vector count (a CG iteration is one more product of the
-    # same shapes): the meter composes new counts from its line (FlopMeter), which a count
-    # of one uniform CG solve gives at once
-    known = meter.lookup(key, linear=c.n_hvp)
-    if known is not None:  # (a count in place finds it known only after a resume)
-        meter.families.add(family)
-        flops = known
-    elif flops is not None:  # counted in place
-        meter.store(key, flops, c.n_hvp, family, cg_iteration_flops(blocks))
-    else:  # a new workload of a known kind: run it again under the counter
-        if prepared is None and isinstance(work, ClientWork):
-            prepared = work.prepare(runtime, task)  # the same draws, made uncounted
-        flops = meter.flops(key, execute, c.n_hvp, family, cg_iteration_flops)
-    return replace(result, cost=replace(c, flops=flops))
+    def workload(out: ClientResult) -> tuple[tuple, int]:
+        c = out.cost
+        return (task.phase, shapes, c.n_grad, c.samples, task.budget.local_steps), c.n_hvp
+
+    out, flops = meter.measure(one, family, workload, result=result, unit=cg_iteration_flops)
+    return replace(out, cost=replace(out.cost, flops=flops))
+
+
+@dataclass
+class _OneClient:
+    """One client's work as :func:`run_measured` hands it to the meter: runnable as often as
+    the meter asks, on the same draws (made once, from the task's own generator)."""
+
+    work: Callable[[ClientRuntime, ClientTask], ClientResult]
+    runtime: ClientRuntime
+    task: ClientTask
+    prepared: Prepared | None = None
+
+    def draws(self) -> Prepared:
+        """The draws of a :class:`ClientWork` for the task, made on the first call."""
+        assert isinstance(self.work, ClientWork)
+        if self.prepared is None:
+            self.prepared = self.work.prepare(self.runtime, self.task)
+        return self.prepared
+
+    def __call__(self) -> ClientResult:
+        if not isinstance(self.work, ClientWork):
+            return self.work(self.runtime, self.task)
+        (out,) = self.work.run(self.runtime, Cohort.single(self.task, self.draws()))
+        return out
 
 
 # ------------------------------------------------------------------ algorithms and backends

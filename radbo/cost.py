@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
 
@@ -39,6 +39,8 @@ from radbo.typing import IndexSet
 
 #: bytes of one index on the wire (kept indices are sent as int32)
 INDEX_BYTES = 4
+
+R = TypeVar("R")
 
 
 class LinkProfile(Protocol):
@@ -135,14 +137,17 @@ class FlopMeter:
 
     **Repeated work counted once.** A measurement counts a block the client marks
     :func:`radbo.flops.repeated` -- every step of :func:`radbo.loops.local_steps`, every CG
-    iteration marked by :func:`radbo.loops.cg_marks` -- the first
+    product marked by :func:`radbo.loops.cg_product` -- the first
     time only, and runs its repetitions outside the counter at full speed, adding the first
-    count (``reuse``; ``False`` counts every operation: the same integers, slower).
+    count (``reuse``; ``False`` counts every operation: the same integers, slower). The second
+    block of each kind is counted as well and must match the first, a sample of the client's
+    promise that the blocks repeat the same work (:class:`radbo.flops.RepeatedWorkError`).
 
-    **The first of a kind counted while it runs** (``in_place``; :func:`radbo.client.run_measured`):
-    the first client of a family (phase, submodel shapes, local steps and the shapes of its
-    draws) runs under the counter instead of running plainly and then again under it; the
-    counter runs the same kernels, so its result is the same.
+    **The first of a kind counted while it runs** (``in_place``; :meth:`measure`, which
+    :func:`radbo.client.run_measured` calls for every client): the first client of a family
+    (phase, submodel shapes, local steps and the shapes of its draws) runs under the counter
+    instead of running plainly and then again under it; the counter runs the same kernels, so
+    its result is the same.
     """
 
     cache: dict[tuple, int] = field(default_factory=dict)
@@ -152,8 +157,8 @@ class FlopMeter:
     #: count the first workload of each family while it runs (``False``: run it, then
     #: measure it by running it again; the same integers)
     in_place: bool = True
-    #: the kinds of workload met so far (``run_measured``: phase, submodel shapes, local steps,
-    #: draw shapes)
+    #: the kinds of workload met so far (:meth:`measure`'s ``family``; ``run_measured``: phase,
+    #: submodel shapes, local steps, draw shapes)
     families: set[tuple] = field(default_factory=set)
     _points: dict[tuple, dict[int, int]] = field(default_factory=dict, repr=False)
     _lines: dict[tuple, tuple[int, int, int] | None] = field(default_factory=dict, repr=False)
@@ -164,6 +169,51 @@ class FlopMeter:
         from radbo.flops import count_flops
 
         return int(count_flops(run, reuse=self.reuse, blocks=blocks))
+
+    def measure(
+        self,
+        run: Callable[[], R],
+        family: tuple,
+        workload: Callable[[R], tuple[tuple, int | None]],
+        *,
+        result: R | None = None,
+        unit: Callable[[dict[tuple, int]], int | None] | None = None,
+    ) -> tuple[R, int]:
+        """Run ``run()`` (or take its ``result``, computed elsewhere) and return the result
+        with its FLOPs: what a backend asks of the meter for every client.
+
+        ``workload(result) -> (key, linear)`` names the workload the FLOPs belong to (read
+        from the result, because its counts are known only once it has run) and the count
+        they are affine in (or ``None``); ``family`` is the kind of workload, known before it
+        runs. The FLOPs are the cached or composed ones of ``(key, linear)`` (:meth:`lookup`);
+        else, the first run of a ``family`` not met before is counted while it runs
+        (``in_place``, when no ``result`` is given); else the workload is measured by running
+        ``run()`` again under the counter (:meth:`flops`). ``unit(blocks)`` reads the FLOPs
+        one more ``linear`` count adds from a count's repeated blocks
+        (:func:`radbo.loops.cg_iteration_flops`). ``run`` must be pure: counting it again gives
+        the same work, and counting does not change its result (the counter runs the same
+        kernels).
+        """
+        flops: int | None = None
+        blocks: dict[tuple, int] = {}
+        if result is None and self.in_place and family not in self.families:
+            # a new kind of workload: count this very run instead of running it twice
+            box: list[R] = []
+            flops = self.count(lambda: box.append(run()), blocks)
+            result = box[-1]
+        elif result is None:
+            result = run()
+        key, linear = workload(result)
+        known = self.lookup(key, linear)
+        if known is not None:  # (a count in place finds it known only after a resume)
+            self.families.add(family)
+            return result, known
+        if flops is not None:  # counted in place
+            return result, self.store(
+                key, flops, linear, family, None if unit is None else unit(blocks)
+            )
+        # a new workload of a known kind: run it again under the counter
+        return result, self.flops(key, run, linear, family, unit)
 
     def flops(
         self,

@@ -32,14 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode,
-    _pop_mode_temporarily,
-)
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from radbo._torch_private import (
+    HigherOrderOperator,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    pop_mode_temporarily,
+)
+
 __all__ = [
+    "RepeatedWorkError",
     "count_flops",
     "meta_training_inputs",
     "new_scope",
@@ -49,6 +52,11 @@ __all__ = [
 ]
 
 Wrt = Literal["all", "inner", "outer"]
+
+
+class RepeatedWorkError(RuntimeError):
+    """Two :func:`repeated` blocks with the same key counted different FLOPs: the caller's
+    promise that they run the same work does not hold, and reusing a count would be wrong."""
 
 
 class _HigherOrderOp(Exception):
@@ -119,11 +127,14 @@ class _TotalFlops(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    def __init__(self, reuse: bool = True) -> None:
+    def __init__(self, reuse: bool = True, check: bool = True) -> None:
         super().__init__()
         self.total = 0
         #: counts of the :func:`repeated` blocks met so far, by key (``None``: no reuse)
         self.repeats: dict[tuple[Any, ...], int] | None = {} if reuse else None
+        #: the keys whose second block is still to be counted and compared with the first
+        #: (``check``); a key leaves once its second block has been
+        self.unchecked: set[tuple[Any, ...]] | None = set() if check else None
         #: inside a block whose count is known, which runs outside the mode
         self.paused = False
 
@@ -132,15 +143,11 @@ class _TotalFlops(TorchDispatchMode):
         if func in _METADATA_OPS:
             plan = None
         else:
-            formula = flop_registry.get(func._overloadpacket)
-            key = torch._C.DispatchKey.CompositeImplicitAutograd
+            formula = flop_registry.get(func.overloadpacket)
             decomposable = (
                 formula is None
                 and func is not torch.ops.prim.device.default
-                and (
-                    key in func.py_kernels
-                    or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
-                )
+                and func.has_kernel_for_dispatch_key(torch.DispatchKey.CompositeImplicitAutograd)
             )
             plan = (formula, decomposable)
         cls._plans[func] = plan
@@ -151,7 +158,7 @@ class _TotalFlops(TorchDispatchMode):
         try:
             plan = self._plans[func]
         except KeyError:
-            if isinstance(func, torch._ops.HigherOrderOperator):
+            if isinstance(func, HigherOrderOperator):
                 raise _HigherOrderOp(str(func)) from None
             plan = self._plan(func)
         if plan is None:
@@ -221,9 +228,10 @@ class _Repeated:
         assert counter.repeats is not None
         self.known = counter.repeats.get(self.key)
         self.start = counter.total
-        if self.known is not None and _get_current_dispatch_mode() is counter:
+        sample = counter.unchecked is not None and self.key in counter.unchecked
+        if self.known is not None and not sample and current_dispatch_mode() is counter:
             # the count of this work is known: run it at full speed, outside the mode
-            self.guard = _pop_mode_temporarily()
+            self.guard = pop_mode_temporarily()
             self.guard.__enter__()
             counter.paused = True
 
@@ -234,9 +242,23 @@ class _Repeated:
             self.guard.__exit__(kind, exc, tb)
             if kind is None and self.known is not None:
                 counter.total += self.known
-        elif kind is None and self.known is None:
-            assert counter.repeats is not None
-            counter.repeats[self.key] = counter.total - self.start
+        elif kind is None:
+            counted = counter.total - self.start
+            if self.known is None:
+                assert counter.repeats is not None
+                counter.repeats[self.key] = counted
+                if counter.unchecked is not None:
+                    counter.unchecked.add(self.key)
+            else:  # counted again (the check's sample): the promise must hold
+                if counter.unchecked is not None:
+                    counter.unchecked.discard(self.key)
+                if counted != self.known:
+                    raise RepeatedWorkError(
+                        f"blocks marked repeated{self.key!r} counted {self.known} FLOPs the "
+                        f"first time and {counted} the second: blocks with equal keys must run "
+                        "the same matrix products on tensors of the same shapes (a step whose "
+                        "products differ is not uniform: local_steps(..., uniform=False))"
+                    )
 
 
 def repeated(*key: Any) -> _Inert | _Repeated:
@@ -250,6 +272,13 @@ def repeated(*key: Any) -> _Inert | _Repeated:
     shapes, with the same tensors requiring grad -- an inner step of a local loop, one
     conjugate-gradient iteration. Put a :func:`new_scope` in the key so that blocks of
     different calls (two CG solves on different systems) never share a count. Blocks may nest.
+
+    The promise is checked on a sample (``count_flops(..., check=True)``, the default): the
+    second block of every key is counted too, and a count that differs from the first raises
+    :class:`RepeatedWorkError`. Work that changes only from the third block on is not caught
+    (counting every block would undo the saving); the sample catches what the first
+    repetition already shows -- a first step that differs from the rest, a product whose
+    shapes depend on the data.
 
     Why by hand (no library skips a counter for known work): counting runs every operation
     through a Python dispatch mode (2-3x the cost of radbo's small operations); a client's
@@ -272,7 +301,11 @@ def repeated(*key: Any) -> _Inert | _Repeated:
 
 
 def count_flops(
-    fn: Callable[[], Any], *, reuse: bool = True, blocks: dict[tuple[Any, ...], int] | None = None
+    fn: Callable[[], Any],
+    *,
+    reuse: bool = True,
+    blocks: dict[tuple[Any, ...], int] | None = None,
+    check: bool = True,
 ) -> int:
     """Total FLOPs executed by ``fn()``: what ``FlopCounterMode(display=False)`` counts.
 
@@ -286,13 +319,14 @@ def count_flops(
     ``reuse`` (default): blocks of ``fn`` marked :func:`repeated` are counted once per key and
     then run outside the counter (the same total, much faster); ``False`` counts every
     operation. ``blocks``, when given, receives the count of each block key met (with
-    ``reuse``).
+    ``reuse``). ``check`` (default): the second block of each key is counted as well and must
+    match the first (:func:`repeated`; :class:`RepeatedWorkError` otherwise).
 
     >>> a, b = torch.ones(4, 3), torch.ones(3, 5)
     >>> count_flops(lambda: a @ b)  # 2 * 4 * 3 * 5
     120
     """
-    counter = _TotalFlops(reuse=reuse)
+    counter = _TotalFlops(reuse=reuse, check=check)
     token = _COUNTER.set(counter)
     try:
         with counter:

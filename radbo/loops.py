@@ -15,9 +15,10 @@ step counts). The loop
 * counts the work: the gradients and second-order products each client did, summed over the
   steps it ran (what it would have done alone).
 
-Solvers get their marks from here too: :func:`repeating` makes the marks of one repeated
-computation, which :func:`radbo.autodiff.solve_cg` takes as its ``mark`` hook (:func:`cg_marks`),
-and :func:`cg_iteration_flops` reads the FLOPs of one CG iteration back from a count. No
+Solvers stay pure and get their marks from here too: :func:`repeating` makes the marks of one
+repeated computation; :func:`cg_product` wraps the product an estimator hands to
+:func:`radbo.autodiff.solve_cg` so that each call is one marked block, and
+:func:`cg_iteration_flops` reads the FLOPs of one CG iteration back from a count. No
 algorithm or estimator imports :mod:`radbo.flops`.
 
 >>> import torch
@@ -39,7 +40,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
-from radbo.autodiff import tuple_where
+from radbo.autodiff import TensorTuple, tuple_where
 from radbo.flops import new_scope, repeated
 
 __all__ = [
@@ -48,7 +49,7 @@ __all__ = [
     "Mark",
     "Work",
     "cg_iteration_flops",
-    "cg_marks",
+    "cg_product",
     "local_steps",
     "repeating",
 ]
@@ -58,7 +59,7 @@ C = TypeVar("C")
 #: Marks one block of a repeated computation: ``with mark(*part): ...``.
 Mark = Callable[..., AbstractContextManager[Any]]
 
-#: The name of :func:`radbo.autodiff.solve_cg`'s blocks (:func:`cg_marks`).
+#: The name of the blocks of :func:`radbo.autodiff.solve_cg`'s products (:func:`cg_product`).
 CG = "solve_cg"
 
 _NO_BLOCK = nullcontext()
@@ -96,31 +97,40 @@ def repeating(name: str) -> Mark:
     return mark
 
 
-def cg_marks() -> Mark:
-    """The ``mark`` hook of one :func:`radbo.autodiff.solve_cg` whose products are all the
-    same (radbo's Hessian-vector products): a FLOP count counts one iteration and reuses it,
-    and :func:`cg_iteration_flops` reads that iteration's FLOPs back."""
-    return repeating(CG)
+def cg_product(
+    matvec: Callable[[TensorTuple], TensorTuple],
+) -> Callable[[TensorTuple], TensorTuple]:
+    """``matvec`` for one :func:`radbo.autodiff.solve_cg` whose products are all the same
+    (radbo's Hessian-vector products), every call marked as one repeated block: a FLOP count
+    counts one product and reuses it, and :func:`cg_iteration_flops` reads its FLOPs back.
+
+    Only the product is marked: the rest of a CG iteration (step sizes, vector updates, inner
+    products) is elementwise work and reductions, which the FLOP counter does not count
+    (``tests/test_flop_meter.py`` checks that a solve with a free product counts 0), so one
+    product is all one more iteration adds."""
+    mark = repeating(CG)
+
+    def product(u: TensorTuple) -> TensorTuple:
+        with mark("product"):
+            return matvec(u)
+
+    return product
 
 
 def cg_iteration_flops(blocks: Mapping[tuple[Any, ...], int]) -> int | None:
-    """The FLOPs one more iteration adds to a count of work with one marked
-    :func:`radbo.autodiff.solve_cg` (``blocks``: :func:`radbo.flops.count_flops`'s block
-    counts), or ``None`` when the count does not show it: repeated blocks of other kinds,
-    several solves, or an iteration's step (the part after the product, which a truncated last
-    iteration skips) that costs FLOPs. Every iteration runs the same product (:func:`cg_marks`),
-    so work that differs only in its number of CG iterations differs by this many FLOPs per
-    iteration."""
+    """The FLOPs one more iteration adds to a count of work with one
+    :func:`radbo.autodiff.solve_cg` whose product is marked by :func:`cg_product`
+    (``blocks``: :func:`radbo.flops.count_flops`'s block counts), or ``None`` when the count
+    does not show it: repeated blocks of other kinds, or several solves. Every iteration runs
+    the same product and otherwise costs no counted FLOPs, so work that differs only in its
+    number of CG iterations differs by this many FLOPs per iteration."""
     if not blocks or {key[0] for key in blocks} != {CG}:
         return None
     scopes = {key[1] for key in blocks}
     if len(scopes) != 1:
         return None
     (scope,) = scopes
-    product = blocks.get((CG, scope, "product"))
-    if product is None or blocks.get((CG, scope, "step"), 0) != 0:
-        return None
-    return product
+    return blocks.get((CG, scope, "product"))
 
 
 # ------------------------------------------------------------------------------- local steps

@@ -45,7 +45,8 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: The layers of radbo, lowest first. A module may import its own package and any package of a
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
-    {"typing", "randomness", "registry", "version", "limits", "jsonio"},
+    # _torch_private: every private PyTorch name radbo uses (see test_only_one_module_...)
+    {"typing", "randomness", "registry", "version", "limits", "jsonio", "_torch_private"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
     # loops: the local-step primitive (masks finished clients, marks repeated blocks for the
@@ -132,6 +133,74 @@ def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
         assert imports_of(path) == ["radbo.experiment", "radbo.cli"]
     finally:
         path.unlink()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_torch_names(path: Path) -> list[str]:
+    """The private PyTorch names ``path`` uses: imports of a module with a ``_``-component
+    under ``torch`` (``torch.utils._pytree``, ``torch._C``), names imported with a leading
+    ``_`` from ``torch``, and attributes ``torch._x`` / ``torch.utils._x`` written out."""
+    found = []
+    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(n, ast.Import):
+            modules = [a.name for a in n.names]
+            names: list[str] = []
+        elif isinstance(n, ast.ImportFrom) and not n.level:
+            modules, names = [n.module or ""], [a.name for a in n.names]
+        elif isinstance(n, ast.Attribute):
+            chain = [n.attr]
+            base: ast.expr = n.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "torch":
+                dotted = ".".join(["torch", *reversed(chain)])
+                if any(_private(p) for p in chain):
+                    found.append(dotted)
+            continue
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] != "torch":
+                continue
+            if any(_private(p) for p in parts[1:]):
+                found.append(module)
+            found += [f"{module}.{a}" for a in names if _private(a)]
+    return sorted(set(found))
+
+
+def test_only_one_module_uses_private_torch_names() -> None:
+    """Private PyTorch APIs live in radbo/_torch_private.py, each with a tested assumption
+    (tests/test_torch_private.py); no other module of radbo reaches for one."""
+    problems = {
+        str(path.relative_to(ROOT)): names
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.name != "_torch_private.py" and (names := private_torch_names(path))
+    }
+    assert not problems, problems
+
+
+def test_the_private_torch_check_sees_every_form(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import torch\n"
+        "import torch._dynamo\n"
+        "from torch.utils._pytree import tree_flatten\n"
+        "from torch.utils import _pytree, flop_counter\n"
+        "key = torch._C.DispatchKey\n"
+        "public = torch.utils.flop_counter.FlopCounterMode, torch.__version__\n",
+        encoding="utf-8",
+    )
+    assert private_torch_names(source) == [
+        "torch._C",
+        "torch._C.DispatchKey",
+        "torch._dynamo",
+        "torch.utils._pytree",
+    ]
 
 
 def module_name(path: Path) -> str:

@@ -15,7 +15,7 @@ from radbo.config import load_config, parse_config
 from radbo.cost import FlopMeter, _exact_line
 from radbo.experiment import build
 from radbo.flops import count_flops, new_scope, repeated
-from radbo.loops import cg_iteration_flops, cg_marks
+from radbo.loops import cg_iteration_flops, cg_product
 from radbo.models import CNN7, Conv4
 from tests.helpers import state_tensors
 from tests.test_algorithm_conformance import CASES
@@ -208,12 +208,12 @@ def test_solve_cg_counts_the_same_flops_with_uniform_products():
     b = (torch.randn(6, 2, dtype=torch.float64),)  # a matrix: a @ u is a counted mm
 
     def solve(uniform: bool):
-        mark = cg_marks() if uniform else None
-        return lambda: solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, mark=mark)
+        product = (lambda u: (a @ u[0],)) if not uniform else cg_product(lambda u: (a @ u[0],))
+        return lambda: solve_cg(product, b, max_iter=5, tol=0.0)
 
     assert count_flops(solve(True)) == count_flops(solve(False), reuse=False)
     assert count_flops(solve(True)) == 5 * 2 * 6 * 6 * 2
-    (v,), n = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0, mark=cg_marks())
+    (v,), n = solve_cg(cg_product(lambda u: (a @ u[0],)), b, max_iter=5, tol=0.0)
     (w,), m = solve_cg(lambda u: (a @ u[0],), b, max_iter=5, tol=0.0)
     assert n == m == 5 and torch.equal(v, w)
 
@@ -242,13 +242,13 @@ def test_every_algorithm_s_ledger_is_today_s_and_counting_changes_no_result(case
 
 
 def test_a_cg_iteration_s_flops_come_from_the_count_of_one_solve():
-    """cg_iteration_flops reads a count's blocks: one uniform solve with a free step gives the
-    product's FLOPs; other blocks, two solves, or a step with products give nothing."""
+    """cg_iteration_flops reads a count's blocks: one solve with a marked product gives the
+    product's FLOPs; other blocks or two solves give nothing."""
     a = torch.eye(4, dtype=torch.float64) * 2
     b = (torch.ones(4, 3, dtype=torch.float64),)
 
     def solve() -> None:
-        solve_cg(lambda u: (a @ u[0],), b, max_iter=3, tol=0.0, mark=cg_marks())
+        solve_cg(cg_product(lambda u: (a @ u[0],)), b, max_iter=3, tol=0.0)
 
     blocks: dict = {}
     total = count_flops(solve, blocks=blocks)
@@ -259,8 +259,34 @@ def test_a_cg_iteration_s_flops_come_from_the_count_of_one_solve():
     assert (
         cg_iteration_flops({("solve_cg", 1, "product"): 7, ("solve_cg", 2, "product"): 7}) is None
     )
-    assert cg_iteration_flops({("solve_cg", 1, "product"): 7, ("solve_cg", 1, "step"): 3}) is None
-    assert cg_iteration_flops({("solve_cg", 1, "product"): 7, ("solve_cg", 1, "step"): 0}) == 7
+    assert cg_iteration_flops({("solve_cg", 1, "product"): 7}) == 7
+
+
+@pytest.mark.parametrize("lead", [0, 1])
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_cg_iteration_counts_no_flops_but_its_product(lead, warm):
+    """What lets cg_product mark the product alone: the rest of solve_cg (step sizes, vector
+    updates, inner products, masks, damping, a warm start's residual) counts 0 FLOPs, for one
+    client and for a cohort, with the product's own count the only one a solve adds."""
+    torch.manual_seed(0)
+    b = (torch.randn(3, 4, 2, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64))
+    x0 = tuple(torch.randn_like(t) for t in b) if warm else None
+    if lead == 0:
+        b = tuple(t[0] for t in b)
+        x0 = None if x0 is None else tuple(t[0] for t in x0)
+
+    def solve() -> None:
+        solve_cg(
+            lambda u: tuple(2.0 * t for t in u),
+            b,
+            max_iter=4,
+            tol=0.0,
+            damping=0.5,
+            x0=x0,
+            lead=lead,
+        )
+
+    assert count_flops(solve, reuse=False) == 0
 
 
 def test_the_first_count_of_a_cg_workload_gives_its_line():
@@ -270,3 +296,32 @@ def test_the_first_count_of_a_cg_workload_gives_its_line():
     plain = FlopMeter()
     plain.store(("outer",), 1000, linear=4)  # no unit: three points are needed
     assert plain.lookup(("outer",), linear=7) is None
+
+
+def test_measure_counts_a_new_family_in_place_and_remeasures_only_new_workloads():
+    """FlopMeter.measure, what every backend calls through run_measured: the first run of a
+    family is counted while it runs (run once), a known workload is looked up (run once, not
+    counted), a new workload of a known family is run and then counted again (run twice), and
+    a result computed elsewhere is only counted when its workload is new."""
+    a = torch.ones(4, 3)
+    runs: list[int] = []
+
+    def run(n: int):
+        def go() -> int:
+            runs.append(n)
+            for _ in range(n):
+                a @ a.T  # 2*4*3*4 = 96 FLOPs each
+            return n
+
+        return go
+
+    def workload(n: int) -> tuple[tuple, None]:
+        return ("mm", n), None
+
+    meter = FlopMeter()
+    assert meter.measure(run(2), ("fam",), workload) == (2, 192) and runs == [2]
+    assert meter.measure(run(2), ("fam",), workload) == (2, 192) and runs == [2, 2]
+    assert meter.measure(run(3), ("fam",), workload) == (3, 288) and runs == [2, 2, 3, 3]
+    assert meter.measure(run(1), ("fam",), workload, result=1) == (1, 96) and runs[-1] == 1
+    assert meter.measure(run(1), ("fam",), workload, result=1) == (1, 96) and len(runs) == 5
+    assert meter.families == {("fam",)} and meter.measurements == 3

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from radbo.autodiff import solve_cg
-from radbo.flops import count_flops
-from radbo.loops import Work, cg_iteration_flops, cg_marks, local_steps
+from radbo.flops import RepeatedWorkError, count_flops
+from radbo.loops import Work, cg_iteration_flops, cg_product, local_steps
 
 
 def test_a_client_past_its_steps_keeps_its_carry_and_its_work_stops():
@@ -83,7 +83,34 @@ def test_a_marked_cg_solve_shows_one_iteration_s_flops():
     a = torch.eye(4, dtype=torch.float64) * 2
     b = (torch.ones(4, 3, dtype=torch.float64),)
     blocks: dict = {}
-    count_flops(
-        lambda: solve_cg(lambda u: (a @ u[0],), b, max_iter=3, mark=cg_marks()), blocks=blocks
-    )
+    count_flops(lambda: solve_cg(cg_product(lambda u: (a @ u[0],)), b, max_iter=3), blocks=blocks)
     assert cg_iteration_flops(blocks) == 2 * 4 * 4 * 3
+
+
+def test_steps_marked_uniform_whose_products_differ_are_caught():
+    """The promise of a uniform step is checked on a sample: the second step is counted too,
+    and a step whose products grow (here with t) raises instead of reusing the first count.
+    The sample is the second step only: work that changes from the third step on is a caller
+    error the check does not see (check=False shows what reusing would have counted)."""
+    a = torch.ones(4, 4)
+
+    def growing(t: int, carry: tuple[torch.Tensor]) -> tuple[tuple[torch.Tensor], Work]:
+        for _ in range(t + 1):
+            a @ a
+        return carry, Work(n_grad=1)
+
+    def run(step, uniform: bool = True):
+        return lambda: local_steps(step, (torch.zeros(2),), 4, name="test.grow", uniform=uniform)
+
+    with pytest.raises(RepeatedWorkError, match=r"'test.grow'.*128 FLOPs the first time and 256"):
+        count_flops(run(growing))
+    assert count_flops(run(growing, uniform=False)) == (1 + 2 + 3 + 4) * 128
+    assert count_flops(run(growing), check=False) == 4 * 128  # the wrong count the check stops
+
+    def late(t: int, carry: tuple[torch.Tensor]) -> tuple[tuple[torch.Tensor], Work]:
+        for _ in range(2 if t == 3 else 1):
+            a @ a
+        return carry, Work(n_grad=1)
+
+    assert count_flops(run(late)) == 4 * 128  # not caught: the fourth step ran two products
+    assert count_flops(run(late, uniform=False)) == 5 * 128

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from radbo._torch_private import TorchDispatchMode, tree_flatten
 from radbo.cost import DeviceLike
 from radbo.flops import meta_training_inputs, trainable_names, training_step_flops
 from radbo.hypergrad import Estimator, FiniteDifference, FirstOrder, ImplicitCG, MemoryFootprint
@@ -113,8 +112,53 @@ class DeviceTooSmallError(ValueError):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes needed to train a model on one batch, by component (see
-    :func:`estimate_training_memory`)."""
+    """Bytes needed to train a model on one batch, by component, as
+    :func:`estimate_training_memory` models them (SPEC "Devices": the training memory a device
+    must hold at a capacity level):
+
+    * ``weights``: every parameter (numel x element size). Buffers (BatchNorm running
+      statistics) are not counted; they are a few vectors per layer.
+    * ``gradients``: one gradient per parameter, the size of the weights (both x and y are
+      trained in a bilevel round: y by inner SGD steps, x by the hypergradient).
+    * ``optimizer_state``: ``optimizer_slots`` x the weights (0 for plain SGD, 1 for momentum,
+      2 for Adam).
+    * ``activations``: exactly what autograd saves for backward in one forward pass of
+      cross-entropy on this batch with every parameter trainable -- the tensors passed to
+      ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters
+      excluded (they are in ``weights``), the input batch and the targets included -- plus a
+      *backward working set* of twice the largest saved tensor: during backward, the gradient
+      arriving at a layer's output and the one it produces for its input coexist with the
+      saved tensors not yet released. The working-set term is the approximation; it ignores
+      that backward frees each node's saved tensors once the node has run, so the sum is an
+      upper bound in practice (see ``tests/test_budget.py`` for measured numbers).
+    * ``hypergradient``: the estimator's buffers beyond a plain training step, its
+      :meth:`~radbo.hypergrad.Estimator.hypergradient_bytes` (|x|, |y| are the bytes of the
+      outer and inner parameters); by the name given to :func:`estimate_training_memory`:
+
+      - ``"none"``: 0.
+      - ``"implicit"`` (RABO eq. (7), :class:`radbo.hypergrad.ImplicitCG` / ``Neumann``): the
+        graph of ``∇_y g`` built with ``create_graph=True`` and kept alive for the
+        Hessian-vector products -- a second set of saved activations (the forward of ``g``,
+        next to the first set that ``f``'s graph holds:
+        :class:`radbo.hypergrad.base.ImplicitSystem` keeps ``f``'s graph alive while it builds
+        ``g``'s) plus the tensors the backward itself saves for double backward, both counted
+        exactly with ``saved_tensors_hooks`` -- plus the CG vectors ``v, r, p, Ap`` (4|y|),
+        ``∇_x f, ∇_y f`` (|x| + |y|), and the mixed product ``∇²_xy g · v`` and the
+        hypergradient itself (2|x|). ``ImplicitSystem`` also makes detached copies of x and y
+        (|x| + |y|); they are not added, because the inner step's gradients (the
+        ``gradients`` term, same size) are not alive during the hypergradient call. The
+        transient gradients of the activations during Hessian-vector products are not added
+        either (the ``activations`` working set covers them).
+      - ``"finite_difference"`` (RAFBO, Alg. 2): ``∇_x f, ∇_y f`` (|x| + |y|), two gradient
+        buffers of y (``∇_y g`` at ``x`` and at ``x + μ e_p``), one of x (the hypergradient
+        being accumulated) and the CG vectors of the finite-difference solve (4|y|); no
+        second-order graph.
+      - ``"first_order"`` (penalty method, ``papers/fedsbo_first_order.txt``): the auxiliary
+        copies ``y_λ`` and ``z`` of y (2|y|).
+
+      The hypergradient call and the inner steps of a round run one after the other, so
+      adding their memory is conservative by up to one set of gradients.
+    """
 
     weights: int
     gradients: int
@@ -187,50 +231,10 @@ def estimate_training_memory(
 ) -> MemoryEstimate:
     """Bytes needed to train ``module`` on a batch of ``batch_size`` examples, by component.
 
-    SPEC "Devices": the training memory a device must hold at a capacity level. Components:
-
-    * ``weights``: every parameter (numel x element size). Buffers (BatchNorm running
-      statistics) are not counted; they are a few vectors per layer.
-    * ``gradients``: one gradient per parameter, the size of the weights (both x and y are
-      trained in a bilevel round: y by inner SGD steps, x by the hypergradient).
-    * ``optimizer_state``: ``optimizer_slots`` x the weights (0 for plain SGD, 1 for momentum,
-      2 for Adam).
-    * ``activations``: exactly what autograd saves for backward in one forward pass of
-      cross-entropy on this batch with every parameter trainable -- the tensors passed to
-      ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters
-      excluded (they are in ``weights``), the input batch and the targets included -- plus a
-      *backward working set* of twice the largest saved tensor: during backward, the gradient
-      arriving at a layer's output and the one it produces for its input coexist with the
-      saved tensors not yet released. The working-set term is the approximation; it ignores
-      that backward frees each node's saved tensors once the node has run, so the sum is an
-      upper bound in practice (see ``tests/test_budget.py`` for measured numbers).
-    * ``hypergradient``: the estimator's buffers beyond a plain training step, its
-      :meth:`~radbo.hypergrad.Estimator.hypergradient_bytes` (|x|, |y| are the bytes of the
-      outer and inner parameters); by name:
-
-      - ``"none"``: 0.
-      - ``"implicit"`` (RABO eq. (7), :class:`radbo.hypergrad.ImplicitCG` / ``Neumann``): the
-        graph of ``∇_y g`` built with ``create_graph=True`` and kept alive for the
-        Hessian-vector products -- a second set of saved activations (the forward of ``g``,
-        next to the first set that ``f``'s graph holds:
-        :class:`radbo.hypergrad.base.ImplicitSystem` keeps ``f``'s graph alive while it builds
-        ``g``'s) plus the tensors the backward itself saves for double backward, both counted
-        exactly with ``saved_tensors_hooks`` -- plus the CG vectors ``v, r, p, Ap`` (4|y|),
-        ``∇_x f, ∇_y f`` (|x| + |y|), and the mixed product ``∇²_xy g · v`` and the
-        hypergradient itself (2|x|). ``ImplicitSystem`` also makes detached copies of x and y
-        (|x| + |y|); they are not added, because the inner step's gradients (the
-        ``gradients`` term, same size) are not alive during the hypergradient call. The
-        transient gradients of the activations during Hessian-vector products are not added
-        either (the ``activations`` working set covers them).
-      - ``"finite_difference"`` (RAFBO, Alg. 2): ``∇_x f, ∇_y f`` (|x| + |y|), two gradient
-        buffers of y (``∇_y g`` at ``x`` and at ``x + μ e_p``), one of x (the hypergradient
-        being accumulated) and the CG vectors of the finite-difference solve (4|y|); no
-        second-order graph.
-      - ``"first_order"`` (penalty method, ``papers/fedsbo_first_order.txt``): the auxiliary
-        copies ``y_λ`` and ``z`` of y (2|y|).
-
-      The hypergradient call and the inner steps of a round run one after the other, so
-      adding their memory is conservative by up to one set of gradients.
+    SPEC "Devices": the training memory a device must hold at a capacity level, by component:
+    weights, gradients, optimiser state, the activations autograd saves (counted exactly) with
+    a backward working set, and the hypergradient estimator's buffers -- each is described,
+    with what it includes and leaves out, on :class:`MemoryEstimate`.
 
     The forward/backward is run on the ``meta`` device (shapes only: nothing is allocated or
     computed, ``module`` is untouched), in ``module``'s current train/eval mode. Assumes
@@ -259,40 +263,49 @@ def estimate_training_memory(
             f"optimizer_slots must be >= 0 (0 SGD, 1 momentum, 2 Adam), got {optimizer_slots}"
         )
     model = _memory_model(hypergradient)
-
     params = dict(module.named_parameters())
     weights = _param_bytes(list(params.values()))
-    names = trainable_names(module, "all")
-    state, inputs, targets = meta_training_inputs(module, batch_size, trainable=names)
-    meta_params = [state[n] for n in names]
-
-    forward = _SavedTensors(exclude=meta_params)
-    with torch.enable_grad(), forward.hooks():
-        loss = F.cross_entropy(functional_call(module, state, (inputs,)), targets)
-    activations = forward.bytes + 2 * forward.largest
-
+    step = _MetaForward(module, batch_size)
     extra = 0
     if model is not None:
         inner = trainable_names(module, "inner", inner_names)
         y_bytes = _param_bytes([params[n] for n in inner])
-
-        def second_order() -> int:
-            """``g``'s saved forward plus what ``∇_y g`` with ``create_graph`` saves."""
-            backward = _SavedTensors(exclude=meta_params)
-            backward._seen.update(forward._seen)  # already counted in the second set
-            with backward.hooks():
-                torch.autograd.grad(loss, [state[n] for n in inner], create_graph=True)
-            return forward.bytes + backward.bytes
-
-        footprint = MemoryFootprint(weights - y_bytes, y_bytes, second_order)
+        footprint = MemoryFootprint(weights - y_bytes, y_bytes, lambda: step.second_order(inner))
         extra = model.hypergradient_bytes(footprint)
     return MemoryEstimate(
         weights=weights,
         gradients=weights,
         optimizer_state=optimizer_slots * weights,
-        activations=activations,
+        activations=step.activations,
         hypergradient=extra,
     )
+
+
+class _MetaForward:
+    """One forward of cross-entropy on a batch on the ``meta`` device, every parameter
+    trainable, and the bytes autograd saved for its backward (:class:`_SavedTensors`)."""
+
+    def __init__(self, module: nn.Module, batch_size: int) -> None:
+        names = trainable_names(module, "all")
+        self.state, inputs, targets = meta_training_inputs(module, batch_size, trainable=names)
+        self.params = [self.state[n] for n in names]
+        self.saved = _SavedTensors(exclude=self.params)
+        with torch.enable_grad(), self.saved.hooks():
+            self.loss = F.cross_entropy(functional_call(module, self.state, (inputs,)), targets)
+
+    @property
+    def activations(self) -> int:
+        """The saved tensors plus a backward working set of twice the largest one."""
+        return self.saved.bytes + 2 * self.saved.largest
+
+    def second_order(self, inner: Sequence[str]) -> int:
+        """``g``'s saved forward plus what ``∇_y g`` (``y``: the parameters named ``inner``)
+        with ``create_graph`` saves."""
+        backward = _SavedTensors(exclude=self.params)
+        backward._seen.update(self.saved._seen)  # already counted in the second set
+        with backward.hooks():
+            torch.autograd.grad(self.loss, [self.state[n] for n in inner], create_graph=True)
+        return self.saved.bytes + backward.bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +381,13 @@ def _peak_allocator(fn: Callable[[], Any]) -> int:
     return peak
 
 
+#: How :func:`measure_peak_memory` measures, by its ``method``.
+_PEAK_METHODS: dict[str, Callable[[Callable[[], Any]], int]] = {
+    "allocator": _peak_allocator,
+    "dispatch": _peak_dispatch,
+}
+
+
 def measure_peak_memory(
     fn: Callable[[], Any], *, method: Literal["allocator", "dispatch"] = "allocator"
 ) -> int:
@@ -400,11 +420,11 @@ def measure_peak_memory(
     >>> measure_peak_memory(three_then_one, method="dispatch")
     3000000
     """
-    if method == "allocator":
-        return _peak_allocator(fn)
-    if method == "dispatch":
-        return _peak_dispatch(fn)
-    raise ValueError(f"method must be 'allocator' or 'dispatch', got {method!r}")
+    measure = _PEAK_METHODS.get(method) if isinstance(method, str) else None
+    if measure is None:
+        allowed = " or ".join(repr(m) for m in _PEAK_METHODS)
+        raise ValueError(f"method must be {allowed}, got {method!r}")
+    return measure(fn)
 
 
 # ---------------------------------------------------------------------------------------------

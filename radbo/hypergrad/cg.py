@@ -18,7 +18,7 @@ from radbo.hypergrad.base import (
     require_y,
 )
 from radbo.limits import Steps
-from radbo.loops import cg_marks
+from radbo.loops import cg_product
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["ImplicitCG", "solve_cg"]
@@ -84,13 +84,12 @@ class ImplicitCG(Estimator):
         require_y(y)
         system = ImplicitSystem(outer_loss, inner_loss, x, y, lead=lead)
         v, calls = solve_cg(
-            system.hvp,
+            cg_product(system.hvp),  # the same product every iteration: a FLOP count counts one
             system.grad_y_f,
             max_iter=self.max_iter,
             tol=self.tol,
             damping=self.damping,
             lead=lead,
-            mark=cg_marks(),
         )
         correction = system.mixed(v)
         return implicit_result(

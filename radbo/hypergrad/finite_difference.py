@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
 from pydantic import Field, model_validator
@@ -33,7 +34,7 @@ from radbo.hypergrad.base import (
     require_y,
 )
 from radbo.limits import Steps
-from radbo.loops import cg_marks
+from radbo.loops import cg_product
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FiniteDifference", "default_step"]
@@ -312,95 +313,97 @@ class FiniteDifference(Estimator):
         """The estimate at ``(x, y)``; ``P`` comes from ``draws`` (one row per client for a
         cohort) or is drawn with ``generator``; ``state`` is ignored."""
         require_y(y)
-        central = self.scheme == "central"
         x_names, y_names = tuple(x), tuple(y)
         xs = tuple(leaf("x", k, t).detach() for k, t in x.items())
         ys = tuple(leaf("y", k, t).detach() for k, t in y.items())
-        lead_shape = xs[0].shape[:lead] if xs else torch.Size()
-        sizes = [t[(0,) * lead].numel() if lead else t.numel() for t in xs]
-        dim = sum(sizes)
         if draws is None:
             draws = self.draw(generator, {k: t[(0,) * lead] for k, t in x.items()})
         # [|P|], or [C, |P|] for a cohort; drawn on the CPU, used where x lives
         coords = draws["coordinates"].to(device=xs[0].device if xs else None, dtype=torch.long)
-        num = coords.shape[-1]
-        scale = dim / num if self.rescale and num else 1.0
-
-        def grad_y_g(x_values: TensorTuple, y_values: TensorTuple) -> TensorTuple:
-            return loss_grads(
-                inner_loss,
-                "inner_loss",
-                x_names,
-                x_values,
-                y_names,
-                y_values,
-                wrt_x=False,
-                wrt_y=True,
-                lead=lead,
-            )[1]
-
+        grad_y_g = _InnerGradient(inner_loss, x_names, y_names, lead)
         grad_x_f, grad_y_f = loss_grads(
             outer_loss, "outer_loss", x_names, xs, y_names, ys, wrt_x=True, wrt_y=True, lead=lead
         )
-        base: TensorTuple = ()
-        hvp = None
-        if not central:
-            system = FiniteDifferenceSystem(
-                inner_loss,
-                dict(zip(x_names, xs, strict=True)),
-                dict(zip(y_names, ys, strict=True)),
-                mu=self.hvp_mu,
-                lead=lead,
-                with_x=False,
-            )
-            base, hvp = system.grad_y_g, system.hvp
-        elif not self.as_printed:
-
-            def central_hvp(u: Sequence[Tensor]) -> TensorTuple:
-                # ε per client: hvp_mu / ||u||, or hvp_mu where u = 0 (whose product is 0)
-                norm = tuple_norm(u, lead)
-                eps: Scalar
-                if lead == 0:
-                    value = float(norm)
-                    eps = self.hvp_mu / value if value > 0.0 else self.hvp_mu
-                else:
-                    eps = torch.where(
-                        norm > 0, self.hvp_mu / norm, torch.full_like(norm, self.hvp_mu)
-                    )
-                plus = grad_y_g(xs, tuple_axpy(eps, u, ys))
-                minus = grad_y_g(xs, tuple_axpy(-eps, u, ys))
-                return tuple(
-                    (p - m) / broadcast(2 * eps, p) for p, m in zip(plus, minus, strict=True)
-                )
-
-            hvp = central_hvp
+        base, hvp = self._products(grad_y_g, inner_loss, xs, ys)
         calls: int | Tensor = 0
         if self.as_printed or hvp is None:
             w = grad_y_f  # Alg. 2 line 7 as printed
         else:
             v, calls = solve_cg(
-                hvp,
+                cg_product(hvp),
                 grad_y_f,
                 max_iter=self.cg_iters,
                 tol=self.tol,
                 damping=self.damping,
                 lead=lead,
-                mark=cg_marks(),
             )
             w = tuple(-t for t in v)
+        grad = self._coordinate_terms(grad_y_g, _FlatX(xs, lead), ys, grad_x_f, base, w, coords)
+        num = coords.shape[-1]
+        central = self.scheme == "central"
+        n_grad = 1 + 2 * calls + 2 * num if central else 2 + calls + num
+        return HypergradResult(
+            grad=dict(zip(x_names, grad, strict=True)),
+            v={k: -t for k, t in zip(y_names, w, strict=True)},
+            n_grad=n_grad,
+            n_hvp=0,
+        )
 
-        # x as one flat vector per client; a coordinate p is perturbed in a copy of it
-        flat = torch.cat([t.reshape(*lead_shape, -1) for t in xs], dim=-1)
-        grad = torch.cat([t.reshape(*lead_shape, -1) for t in grad_x_f], dim=-1).clone()
+    def _products(
+        self, grad_y_g: _InnerGradient, inner_loss: BilevelLoss, xs: TensorTuple, ys: TensorTuple
+    ) -> tuple[TensorTuple, Callable[[Sequence[Tensor]], TensorTuple] | None]:
+        """``(∇_y g(x, y), u -> H u)`` by this scheme's differences: forward ones share the
+        gradient at ``(x, y)`` (returned); central ones need none (``()``); ``as_printed``
+        solves nothing (no product)."""
+        lead = grad_y_g.lead
+        if self.scheme != "central":
+            system = FiniteDifferenceSystem(
+                inner_loss,
+                dict(zip(grad_y_g.x_names, xs, strict=True)),
+                dict(zip(grad_y_g.y_names, ys, strict=True)),
+                mu=self.hvp_mu,
+                lead=lead,
+                with_x=False,
+            )
+            return system.grad_y_g, system.hvp
+        if self.as_printed:
+            return (), None
+
+        def central_hvp(u: Sequence[Tensor]) -> TensorTuple:
+            # ε per client: hvp_mu / ||u||, or hvp_mu where u = 0 (whose product is 0)
+            norm = tuple_norm(u, lead)
+            eps: Scalar
+            if lead == 0:
+                value = float(norm)
+                eps = self.hvp_mu / value if value > 0.0 else self.hvp_mu
+            else:
+                eps = torch.where(norm > 0, self.hvp_mu / norm, torch.full_like(norm, self.hvp_mu))
+            plus = grad_y_g(xs, tuple_axpy(eps, u, ys))
+            minus = grad_y_g(xs, tuple_axpy(-eps, u, ys))
+            return tuple((p - m) / broadcast(2 * eps, p) for p, m in zip(plus, minus, strict=True))
+
+        return (), central_hvp
+
+    def _coordinate_terms(
+        self,
+        grad_y_g: _InnerGradient,
+        flat_x: _FlatX,
+        ys: TensorTuple,
+        grad_x_f: TensorTuple,
+        base: TensorTuple,
+        w: TensorTuple,
+        coords: Tensor,
+    ) -> TensorTuple:
+        """``∇_x f`` plus, at every coordinate ``p`` of ``coords`` (in order), ``scale ·
+        ⟨δ_p, w⟩`` with ``δ_p`` this scheme's difference of ``∇_y g`` (forward ones from
+        ``base = ∇_y g(x, y)``); shaped like x."""
+        central = self.scheme == "central"
+        lead, lead_shape = grad_y_g.lead, flat_x.lead_shape
+        num = coords.shape[-1]
+        scale = flat_x.dim / num if self.rescale and num else 1.0
+        flat = flat_x.flat(flat_x.xs)
+        grad = flat_x.flat(grad_x_f).clone()
         mu = self.step(flat.dtype)
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
-
-        def unflat(values: Tensor) -> tuple[Tensor, ...]:
-            parts = values.split(sizes, dim=-1)
-            return tuple(p.reshape(t.shape) for p, t in zip(parts, xs, strict=True))
-
         for k in range(num):
             p = coords[..., k : k + 1]
             old = flat.gather(-1, p)
@@ -408,26 +411,79 @@ class FiniteDifference(Estimator):
             down = old - mu if central else old
             step = up - down  # the step actually taken in floating point
             if bool((step == 0).any()):
-                at = int((step == 0).reshape(-1).nonzero()[0])
-                j = int(p.reshape(-1)[at])
-                i = bisect.bisect_right(offsets, j) - 1
-                value = float(old.reshape(-1)[at])
-                which = "" if self.mu is not None else f" (the default of scheme {self.scheme!r})"
-                raise ValueError(
-                    f"FiniteDifference.mu = {mu!r}{which} vanishes next to "
-                    f"x[{x_names[i]!r}] = {value!r} in {old.dtype}; raise mu."
-                )
-            shifted = grad_y_g(unflat(flat.scatter(-1, p, up)), ys)
-            other = grad_y_g(unflat(flat.scatter(-1, p, down)), ys) if central else base
+                self._vanishing_step(flat_x, grad_y_g.x_names, p, old, step, mu)
+            shifted = grad_y_g(flat_x.unflat(flat.scatter(-1, p, up)), ys)
+            other = grad_y_g(flat_x.unflat(flat.scatter(-1, p, down)), ys) if central else base
             diff = tuple(s - b for s, b in zip(shifted, other, strict=True))
             # in float64, as a plain-float computation would be; then added once in x's dtype
             term = scale * tuple_dot(diff, w, lead).double() / step.reshape(lead_shape).double()
             grad = grad.scatter_add(-1, p, term.to(grad.dtype).reshape(p.shape))
+        return flat_x.unflat(grad)
 
-        n_grad = 1 + 2 * calls + 2 * num if central else 2 + calls + num
-        return HypergradResult(
-            grad=dict(zip(x_names, unflat(grad), strict=True)),
-            v={k: -t for k, t in zip(y_names, w, strict=True)},
-            n_grad=n_grad,
-            n_hvp=0,
+    def _vanishing_step(
+        self,
+        flat_x: _FlatX,
+        x_names: tuple[str, ...],
+        p: Tensor,
+        old: Tensor,
+        step: Tensor,
+        mu: float,
+    ) -> NoReturn:
+        """Raise the error of a coordinate step ``mu`` lost in rounding next to ``old``."""
+        at = int((step == 0).reshape(-1).nonzero()[0])
+        j = int(p.reshape(-1)[at])
+        i = bisect.bisect_right(flat_x.offsets, j) - 1
+        value = float(old.reshape(-1)[at])
+        which = "" if self.mu is not None else f" (the default of scheme {self.scheme!r})"
+        raise ValueError(
+            f"FiniteDifference.mu = {mu!r}{which} vanishes next to "
+            f"x[{x_names[i]!r}] = {value!r} in {old.dtype}; raise mu."
         )
+
+
+@dataclass(frozen=True)
+class _InnerGradient:
+    """``(x, y) -> ∇_y g(x, y)`` on tuples of tensors named ``x_names`` / ``y_names``: the
+    gradient every difference of :class:`FiniteDifference` takes."""
+
+    inner_loss: BilevelLoss
+    x_names: tuple[str, ...]
+    y_names: tuple[str, ...]
+    lead: int
+
+    def __call__(self, x_values: TensorTuple, y_values: TensorTuple) -> TensorTuple:
+        return loss_grads(
+            self.inner_loss,
+            "inner_loss",
+            self.x_names,
+            x_values,
+            self.y_names,
+            y_values,
+            wrt_x=False,
+            wrt_y=True,
+            lead=self.lead,
+        )[1]
+
+
+class _FlatX:
+    """x as one flat vector per client (tensors in dict order), in which
+    :class:`FiniteDifference` perturbs one coordinate at a time."""
+
+    def __init__(self, xs: TensorTuple, lead: int) -> None:
+        self.xs = xs
+        self.lead_shape = xs[0].shape[:lead] if xs else torch.Size()
+        self.sizes = [t[(0,) * lead].numel() if lead else t.numel() for t in xs]
+        self.dim = sum(self.sizes)
+        #: where each tensor of x starts in the flat vector, and the end
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+
+    def flat(self, tensors: TensorTuple) -> Tensor:
+        """``tensors`` (shaped like x) as one flat vector per client."""
+        return torch.cat([t.reshape(*self.lead_shape, -1) for t in tensors], dim=-1)
+
+    def unflat(self, values: Tensor) -> TensorTuple:
+        """A flat vector per client back to tensors shaped like x."""
+        parts = values.split(self.sizes, dim=-1)
+        return tuple(p.reshape(t.shape) for p, t in zip(parts, self.xs, strict=True))
