@@ -79,7 +79,6 @@ import math
 import os
 import re
 import stat
-import tempfile
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -106,6 +105,8 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 from torch import Tensor
 from typing_extensions import TypedDict
+
+from radbo.atomic import atomic_write, atomic_write_text
 
 __all__ = [
     "FORMAT",
@@ -142,38 +143,6 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointWarning(UserWarning):
     """A resume continues from the previous checkpoint because the newest one was refused."""
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Create ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder,
-    which is flushed to disk and then renamed over ``path`` (what ``write`` returns is
-    ignored)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        # mkstemp makes the file private (0600); give it the permissions a plain open() would
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (temporary file + rename)."""
-    atomic_write(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def state_to_tensors(state: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radbo.checkpoint import atomic_write, atomic_write_text
+from radbo.atomic import atomic_write, atomic_write_text
 from radbo.jsonio import dumps as json_dumps
 
 __all__ = [
@@ -92,7 +92,7 @@ def _pyplot() -> Any:
 
 def _save_figure(fig: Any, files: Sequence[tuple[Path, str]]) -> list[Path]:
     """Write ``fig`` to each ``(path, format)`` of ``files`` atomically
-    (:func:`radbo.checkpoint.atomic_write`), then close it. Returns the paths."""
+    (:func:`radbo.atomic.atomic_write`), then close it. Returns the paths."""
     plt = _pyplot()
 
     def writer(fmt: str) -> Callable[[Path], None]:

@@ -52,6 +52,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
+from radbo.atomic import atomic_write_bytes
+
 __all__ = [
     "IDX_IMAGES_MAGIC",
     "IDX_LABELS_MAGIC",
@@ -475,7 +477,7 @@ def write_idx(path: str | Path, array: np.ndarray) -> Path:
     if path.suffix == ".gz":
         # mtime=0: the same array gives the same bytes (no time stamp in the gzip header)
         data = gzip.compress(data, mtime=0)
-    path.write_bytes(data)
+    atomic_write_bytes(path, data)
     return path
 
 

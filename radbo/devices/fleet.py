@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +26,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from radbo.atomic import atomic_write_bytes
 from radbo.data.readers import open_regular_file, read_at_most
 from radbo.devices.catalog import load_catalog, unknown_device_message
 from radbo.devices.profile import DAY_S, DeviceProfile, ProfileError, parse_profile
 from radbo.limits import caps_are_lifted
+from radbo.tomlfile import toml_lines
 
 __all__ = ["FLEET_FORMAT", "Fleet", "WindowSchedule", "largest_remainder_counts"]
 
@@ -93,41 +94,17 @@ def largest_remainder_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
-# -- TOML writing (tomllib only reads) ------------------------------------------------------
-def _toml_string(text: str) -> str:
-    out = ['"']
-    for ch in text:
-        code = ord(ch)
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif code < 0x20 or code == 0x7F:
-            out.append(f"\\u{code:04X}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, bool):  # never in a profile; guard against silent 0/1
+# -- TOML writing (the values by radbo.tomlfile) ------------------------------------------
+def _check_writable(value: object) -> None:
+    """Refuse what a fleet file must not hold: a bool (never in a profile, where it would
+    read back as 0/1) and a non-finite float (a profile is finite)."""
+    if isinstance(value, bool):
         raise TypeError(f"cannot write bool {value!r} to a fleet file")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"cannot write non-finite float {value!r} to a fleet file")
-        return repr(value)  # shortest repr: valid TOML and round-trips exactly
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"cannot write non-finite float {value!r} to a fleet file")
     if isinstance(value, list | tuple):  # availability windows: [[start_s, end_s], ...]
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to a fleet file")
+        for item in value:
+            _check_writable(item)
 
 
 def _profile_record(profile: DeviceProfile) -> dict[str, Any]:
@@ -146,27 +123,13 @@ def _fleet_toml(records: list[dict[str, Any]]) -> str:
     lines = [
         "# radbo fleet: one [[device]] table per client, in client order (client 0 first).",
         "# Units: FLOP/s, bytes, bit/s; availability is a probability per round.",
-        f"format = {_toml_string(FLEET_FORMAT)}",
-        f"version = {_FLEET_VERSION}",
+        *toml_lines({"format": FLEET_FORMAT, "version": _FLEET_VERSION}),
     ]
     for i, record in enumerate(records):
-        lines += ["", f"# client {i}", "[[device]]"]
-        lines += [f"{key} = {_toml_value(value)}" for key, value in record.items()]
+        for value in record.values():
+            _check_writable(value)
+        lines += ["", f"# client {i}", "[[device]]", *toml_lines(record)]
     return "\n".join(lines) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _suffix(path: Path) -> str:
@@ -486,7 +449,7 @@ class Fleet(Sequence[DeviceProfile]):
 
         The file is a readable list of profiles (``device``: one table per client, in order);
         :meth:`from_file` reads it back exactly. Written to a temporary file in the same folder,
-        then moved over ``path`` with :func:`os.replace`.
+        flushed, then moved over ``path`` (:func:`radbo.atomic.atomic_write`).
         """
         path = Path(path)
         suffix = _suffix(path)
@@ -496,7 +459,7 @@ class Fleet(Sequence[DeviceProfile]):
             text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
         else:
             text = _fleet_toml(records)
-        _atomic_write(path, text)
+        atomic_write_bytes(path, text.encode("utf-8"))
 
     def tiers(self) -> list[str]:
         """Per-client tier label: ``profile.tier``, or ``profile.name`` when the tier is empty."""

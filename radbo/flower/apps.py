@@ -39,7 +39,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from radbo.checkpoint import atomic_write_text
+from radbo.atomic import atomic_write_text
 from radbo.config import RunConfig, load_config, parse_config
 from radbo.experiment import RunResult, run
 from radbo.flower.backend import (
