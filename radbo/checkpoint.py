@@ -856,21 +856,62 @@ def _load(
     ignore: tuple[str, ...],
     restore: Callable[[Checkpoint], object] | None = None,
 ) -> Checkpoint:
+    """The checkpoint whose index is ``directory / name``, after every check of the module
+    docstring's **Loading**, in its order: the index, the config (unless ``config`` is None;
+    keys in ``ignore`` may differ), the tensors, the history, the counters, the state against
+    ``template``, and last ``restore``."""
     path = directory / name
     if not path.is_file():
         raise CheckpointCorruptError(f"{path} is missing")
     index, data = _parse_index(path, _read(path, _index_cap(config)))
     if config is not None:
-        differences = _config_differences(index.config, dict(config), ignore)
-        if differences:
-            shown = "; ".join(differences[:_SHOWN_DIFFERENCES])
-            if len(differences) > _SHOWN_DIFFERENCES:
-                shown += f"; and {len(differences) - _SHOWN_DIFFERENCES} more"
-            raise _ConfigMismatch(
-                f"the checkpoint in {directory} was written by a different config ({shown}); "
-                "use another output_dir, or start afresh without resume (radbo run "
-                "--overwrite)"
-            )
+        _check_same_config(directory, index, config, ignore)
+    tensors = _load_tensors(directory, index, template)
+    history_path = directory / index.files.history.file
+    history = _load_history(history_path, index, config)
+    _check_counters(path, index, data, history, history_path)
+    sim_tensors = {k[4:]: t for k, t in tensors.items() if k.startswith("sim/")}
+    state_tensors = {k: t for k, t in tensors.items() if not k.startswith("sim/")}
+    try:
+        state = state_from_tensors(template, state_tensors, index.state_scalars)
+    except CheckpointCorruptError:
+        raise
+    except CheckpointError as err:  # the config is this run's: its tensors must fit
+        raise CheckpointCorruptError(f"{path}: {err}") from None
+    ckpt = Checkpoint(
+        rounds_done=index.rounds_done,
+        clock_s=float(index.clock_s),
+        state=state,
+        rows=history["rows"],
+        ledger=history["ledger"],
+        sim_tensors=sim_tensors,
+        sim_meta=data["simulation"],
+    )
+    if restore is not None:
+        _restore(path, ckpt, restore)
+    return ckpt
+
+
+def _check_same_config(
+    directory: Path, index: CheckpointIndex, config: Mapping[str, Any], ignore: tuple[str, ...]
+) -> None:
+    """Refuse (:class:`_ConfigMismatch`, no fallback) a checkpoint written by another config
+    than ``config`` (keys in ``ignore`` aside), naming the first differences."""
+    differences = _config_differences(index.config, dict(config), ignore)
+    if differences:
+        shown = "; ".join(differences[:_SHOWN_DIFFERENCES])
+        if len(differences) > _SHOWN_DIFFERENCES:
+            shown += f"; and {len(differences) - _SHOWN_DIFFERENCES} more"
+        raise _ConfigMismatch(
+            f"the checkpoint in {directory} was written by a different config ({shown}); "
+            "use another output_dir, or start afresh without resume (radbo run "
+            "--overwrite)"
+        )
+
+
+def _load_tensors(directory: Path, index: CheckpointIndex, template: Any) -> dict[str, Tensor]:
+    """The checkpoint's tensor file, read (at most three times ``template``'s bytes), matched
+    against its SHA-256 and parsed as safetensors; every floating-point tensor finite."""
     tensors_path = directory / index.files.tensors.file
     raw = _read_verified(tensors_path, index.files.tensors.sha256, _tensor_cap(template))
     try:
@@ -891,7 +932,14 @@ def _load(
             ) from None
         if not finite:
             raise CheckpointCorruptError(f"{tensors_path}: tensor {key!r} holds NaN or Inf")
-    history_path = directory / index.files.history.file
+    return tensors
+
+
+def _load_history(
+    history_path: Path, index: CheckpointIndex, config: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The checkpoint's history file, read (at most the cap of ``config``'s run), matched
+    against its SHA-256 and validated by :class:`CheckpointHistory`."""
     content = _read_verified(history_path, index.files.history.sha256, _history_cap(config))
     history = _parse_json(history_path, content, "checkpoint history")
     del content
@@ -901,41 +949,28 @@ def _load(
         raise CheckpointCorruptError(
             f"{history_path} is a malformed checkpoint history: {_describe(err)}"
         ) from None
-    _check_counters(path, index, data, history, history_path)
-    sim_tensors = {k[4:]: t for k, t in tensors.items() if k.startswith("sim/")}
-    state_tensors = {k: t for k, t in tensors.items() if not k.startswith("sim/")}
+    return history
+
+
+def _restore(path: Path, ckpt: Checkpoint, restore: Callable[[Checkpoint], object]) -> None:
+    """Run the caller's ``restore`` on ``ckpt`` as one more check: what it refuses (a
+    :class:`CheckpointError` or one of :data:`_RESTORE_ERRORS`) makes the checkpoint at
+    ``path`` corrupt, in one line."""
     try:
-        state = state_from_tensors(template, state_tensors, index.state_scalars)
-    except CheckpointCorruptError:
-        raise
-    except CheckpointError as err:  # the config is this run's: its tensors must fit
-        raise CheckpointCorruptError(f"{path}: {err}") from None
-    ckpt = Checkpoint(
-        rounds_done=index.rounds_done,
-        clock_s=float(index.clock_s),
-        state=state,
-        rows=history["rows"],
-        ledger=history["ledger"],
-        sim_tensors=sim_tensors,
-        sim_meta=data["simulation"],
-    )
-    if restore is not None:
-        try:
-            restore(ckpt)
-        except CheckpointError as err:
-            raise CheckpointCorruptError(
-                f"{path} holds an engine state this run cannot restore: {err}"
-            ) from None
-        except _RESTORE_ERRORS as err:
-            detail = _one_line(str(err))
-            if isinstance(err, KeyError) or not detail:
-                detail = f"{type(err).__name__} {detail}".strip()
-            if len(detail) > 300:
-                detail = detail[:297] + "..."
-            raise CheckpointCorruptError(
-                f"{path} holds an engine state this run cannot restore: {detail}"
-            ) from None
-    return ckpt
+        restore(ckpt)
+    except CheckpointError as err:
+        raise CheckpointCorruptError(
+            f"{path} holds an engine state this run cannot restore: {err}"
+        ) from None
+    except _RESTORE_ERRORS as err:
+        detail = _one_line(str(err))
+        if isinstance(err, KeyError) or not detail:
+            detail = f"{type(err).__name__} {detail}".strip()
+        if len(detail) > 300:
+            detail = detail[:297] + "..."
+        raise CheckpointCorruptError(
+            f"{path} holds an engine state this run cannot restore: {detail}"
+        ) from None
 
 
 def _check_counters(
@@ -950,7 +985,31 @@ def _check_counters(
     ``clock_s``; ledger rows of those rounds (in order, of their clients); a coverage history
     of one entry per round that had clients, for the blocks the rows report; the divergence
     guard's good rounds among those done."""
-    rows, ledger = history["rows"], history["ledger"]
+    rows = history["rows"]
+    _check_rounds(path, index, rows, history_path)
+    _check_ledger(history["ledger"], rows, index.rounds_done, history_path)
+    simulation = data["simulation"]
+    _check_coverage_history(path, simulation.get("coverage") or {}, rows)
+    guard = simulation.get("divergence")
+    if isinstance(guard, dict):
+        _check_guard(path, guard, rows)
+    elif any("divergence" in row for row in rows):
+        raise CheckpointCorruptError(
+            f"{path}: rounds record divergences, but the engine state has no divergence guard"
+        )
+    meter = index.simulation.flop_meter
+    if meter is not None and meter.measurements < len(meter.cache):
+        raise CheckpointCorruptError(
+            f"{path}: the FLOP meter made {meter.measurements} measurements but caches "
+            f"{len(meter.cache)}"
+        )
+
+
+def _check_rounds(
+    path: Path, index: CheckpointIndex, rows: list[dict[str, Any]], history_path: Path
+) -> None:
+    """``rounds_done`` round records, numbered 0 to ``rounds_done - 1``, on a clock that never
+    runs back and ends at the index's ``clock_s``."""
     done = index.rounds_done
     if len(rows) != done:
         raise CheckpointCorruptError(
@@ -976,6 +1035,16 @@ def _check_counters(
             if rows
             else f"{path}: clock_s = {index.clock_s!r} before any round, not 0.0"
         )
+
+
+def _check_ledger(
+    ledger: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    done: int,
+    history_path: Path,
+) -> None:
+    """Ledger rows of the ``done`` rounds, in round order, each charging a client its round
+    sampled."""
     clients = [set(row["clients"]) for row in rows]
     last = 0
     for i, entry in enumerate(ledger):
@@ -991,8 +1060,14 @@ def _check_counters(
                 f"{q} did not sample"
             )
         last = q
-    simulation = data["simulation"]
-    coverage = simulation.get("coverage") or {}
+
+
+def _check_coverage_history(
+    path: Path, coverage: Mapping[str, Any], rows: list[dict[str, Any]]
+) -> None:
+    """The engine's coverage trackers: those of the blocks the rounds report (when a round had
+    clients), each with one history entry per round that had clients, equal to what the
+    rounds report (:func:`_check_coverage`)."""
     busy = [row for row in rows if row["clients"]]
     reported = {
         k[len("coverage_") : -len("_min")]
@@ -1013,19 +1088,6 @@ def _check_counters(
                 f"{_short(rounds)}, but {len(busy)} rounds had clients"
             )
         _check_coverage(path, block, tracker["history"], busy)
-    guard = simulation.get("divergence")
-    if isinstance(guard, dict):
-        _check_guard(path, guard, rows)
-    elif any("divergence" in row for row in rows):
-        raise CheckpointCorruptError(
-            f"{path}: rounds record divergences, but the engine state has no divergence guard"
-        )
-    meter = index.simulation.flop_meter
-    if meter is not None and meter.measurements < len(meter.cache):
-        raise CheckpointCorruptError(
-            f"{path}: the FLOP meter made {meter.measurements} measurements but caches "
-            f"{len(meter.cache)}"
-        )
 
 
 def _check_coverage(

@@ -245,6 +245,72 @@ def _read_table(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     return data
 
 
+def _check_trace_arguments(flops_per_sample: float, memory_bytes: int, availability: float) -> None:
+    """Refuse :meth:`Fleet.from_trace`'s numbers when they are not what a profile takes."""
+    if not _is_finite_number(flops_per_sample):
+        raise ValueError(f"flops_per_sample = {flops_per_sample!r}: must be a finite number > 0")
+    if not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool) or memory_bytes < 1:
+        raise ValueError(f"memory_bytes = {memory_bytes!r}: must be an integer > 0 (bytes)")
+    if not _is_finite_number(availability, strict=False) or availability > 1:
+        raise ValueError(f"availability = {availability!r}: must be a number in [0, 1]")
+
+
+def _trace_entries(path: Path) -> dict[int, Mapping[str, Any]]:
+    """The checked entries of the device-capacity trace at ``path``, by integer client id;
+    :class:`ProfileError` for an empty trace, an id that is not an integer or appears twice."""
+    data = _read_table(path, "trace")
+    if not data:
+        raise ProfileError(f"device profile error: trace {path} lists no clients")
+    entries: dict[int, Mapping[str, Any]] = {}
+    for key, entry in data.items():
+        try:
+            cid = int(str(key).strip())
+        except ValueError:
+            raise ProfileError(
+                f"device profile error: trace[{key!r}] = {{...}}: client ids must be integers"
+            ) from None
+        if cid in entries:
+            raise ProfileError(
+                f"device profile error: trace[{key!r}]: client id {cid} appears twice"
+            )
+        entries[cid] = _check_trace_entry(key, entry)
+    return entries
+
+
+def _trace_record(
+    path: Path,
+    cid: int,
+    entry: Mapping[str, Any],
+    *,
+    flops_per_sample: float,
+    memory_bytes: int,
+    availability: float,
+    base: DeviceProfile | None,
+) -> dict[str, Any]:
+    """The profile fields of trace client ``cid`` (see :meth:`Fleet.from_trace`)."""
+    computation = float(entry["computation"])
+    communication = float(entry["communication"])
+    note = (
+        f"FedScale-style trace {path.name}, client {cid}: computation {computation} "
+        f"ms/sample, communication {communication} kbit/s, flops_per_sample "
+        f"{flops_per_sample}"
+    )
+    return {
+        "name": f"client {cid}" if base is None else f"{base.name} (client {cid})",
+        "tier": "trace" if base is None else base.tier,
+        # = flops_per_sample / (computation / 1000), without underflow to 0 for tiny values
+        "compute_flops": flops_per_sample * 1000.0 / computation,
+        "memory_bytes": memory_bytes,
+        "uplink_bps": communication * 1000.0,
+        "downlink_bps": communication * 1000.0,
+        "availability": availability,
+        "energy_per_flop": None if base is None else base.energy_per_flop,
+        "energy_per_byte_up": None if base is None else base.energy_per_byte_up,
+        "energy_per_byte_down": None if base is None else base.energy_per_byte_down,
+        "source": note if base is None or not base.source else f"{note}; {base.source}",
+    }
+
+
 @dataclass(frozen=True)
 class Fleet(Sequence[DeviceProfile]):
     """Immutable sequence of client device profiles; client ``i`` has profile ``fleet[i]``."""
@@ -348,55 +414,21 @@ class Fleet(Sequence[DeviceProfile]):
         ``duration`` and ``model`` keys are allowed and not used). Every client of the capacity
         trace needs an entry with at least one window; entries for other ids are not used.
         """
-        if not _is_finite_number(flops_per_sample):
-            raise ValueError(
-                f"flops_per_sample = {flops_per_sample!r}: must be a finite number > 0"
-            )
-        if not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool) or memory_bytes < 1:
-            raise ValueError(f"memory_bytes = {memory_bytes!r}: must be an integer > 0 (bytes)")
-        if not _is_finite_number(availability, strict=False) or availability > 1:
-            raise ValueError(f"availability = {availability!r}: must be a number in [0, 1]")
+        _check_trace_arguments(flops_per_sample, memory_bytes, availability)
         path = Path(path)
-        data = _read_table(path, "trace")
-        if not data:
-            raise ProfileError(f"device profile error: trace {path} lists no clients")
-        entries: dict[int, Mapping[str, Any]] = {}
-        for key, entry in data.items():
-            try:
-                cid = int(str(key).strip())
-            except ValueError:
-                raise ProfileError(
-                    f"device profile error: trace[{key!r}] = {{...}}: client ids must be integers"
-                ) from None
-            if cid in entries:
-                raise ProfileError(
-                    f"device profile error: trace[{key!r}]: client id {cid} appears twice"
-                )
-            entries[cid] = _check_trace_entry(key, entry)
+        entries = _trace_entries(path)
         windows = {} if behavior is None else _read_behavior(Path(behavior), sorted(entries))
         profiles = []
         for cid in sorted(entries):
-            computation = float(entries[cid]["computation"])
-            communication = float(entries[cid]["communication"])
-            note = (
-                f"FedScale-style trace {path.name}, client {cid}: computation {computation} "
-                f"ms/sample, communication {communication} kbit/s, flops_per_sample "
-                f"{flops_per_sample}"
+            record = _trace_record(
+                path,
+                cid,
+                entries[cid],
+                flops_per_sample=flops_per_sample,
+                memory_bytes=memory_bytes,
+                availability=availability,
+                base=base,
             )
-            record: dict[str, Any] = {
-                "name": f"client {cid}" if base is None else f"{base.name} (client {cid})",
-                "tier": "trace" if base is None else base.tier,
-                # = flops_per_sample / (computation / 1000), without underflow to 0 for tiny values
-                "compute_flops": flops_per_sample * 1000.0 / computation,
-                "memory_bytes": memory_bytes,
-                "uplink_bps": communication * 1000.0,
-                "downlink_bps": communication * 1000.0,
-                "availability": availability,
-                "energy_per_flop": None if base is None else base.energy_per_flop,
-                "energy_per_byte_up": None if base is None else base.energy_per_byte_up,
-                "energy_per_byte_down": None if base is None else base.energy_per_byte_down,
-                "source": note if base is None or not base.source else f"{note}; {base.source}",
-            }
             if cid in windows:
                 record["windows"], record["period_s"] = windows[cid]
             profiles.append(parse_profile(record, where=f"trace client {cid}: "))
