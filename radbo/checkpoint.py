@@ -107,6 +107,7 @@ from torch import Tensor
 from typing_extensions import TypedDict
 
 from radbo.atomic import atomic_write, atomic_write_text
+from radbo.errors import field_path, more_problems, problems
 
 __all__ = [
     "FORMAT",
@@ -464,36 +465,24 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _location(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(part)):
-            out += f".{part}" if out else str(part)
-        else:
-            out += f"[{str(part)!r}]"
-    return out
-
-
 def _describe(error: ValidationError) -> str:
     """The first problem of ``error`` in one line: ``FIELD = VALUE: what is wrong``."""
-    errors = error.errors()
-    first = errors[0]
-    where = _location(tuple(first["loc"]))
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] in ("model_type", "dict_type"):
+    found = problems(error)
+    first = found[0]
+    where = field_path(first.loc)
+    msg = first.message
+    if first.kind in ("model_type", "dict_type"):
         msg = "Input should be a JSON object"
-    if first["type"] == "missing":
+    if first.kind == "missing":
         text = f"{where} is missing"
-    elif first["type"] == "extra_forbidden":
+    elif first.kind == "extra_forbidden":
         text = f"{where} is an unknown field"
-    elif first["type"] == "value_error":
+    elif first.kind == "value_error":
         text = f"{where}: {msg}" if where else msg
     else:
-        text = f"{where} = {_short(first.get('input'))}: {msg}"
-    more = len(errors) - 1
-    return text + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+        text = f"{where} = {_short(first.value)}: {msg}"
+    more = len(found) - 1
+    return text + (f" ({more_problems(more)})" if more else "")
 
 
 def _one_line(text: str) -> str:

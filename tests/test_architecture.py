@@ -45,7 +45,7 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: The layers of radbo, lowest first. A module may import its own package and any package of a
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
-    {"typing", "randomness", "registry", "version", "limits", "lazy", "jsonio", "atomic"},
+    {"typing", "randomness", "registry", "version", "limits", "lazy", "jsonio", "atomic", "errors"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
     # loops: the local-step primitive (masks finished clients, marks repeated blocks for the
