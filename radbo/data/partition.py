@@ -249,9 +249,8 @@ def partition_dirichlet(
     num_clients = _check_num_clients(num_clients, labels.numel(), where)
     _check_generator(generator, where)
     min_size = _check_dirichlet(where, alpha, min_size, num_clients, labels.numel())
-    return _sorted_parts(
-        _top_up(_dirichlet_parts(labels, num_clients, alpha, generator), min_size, generator)
-    )
+    parts = _dirichlet_parts(labels, num_clients, alpha, generator)
+    return _sorted_parts(_top_up(parts, min_size, generator))
 
 
 def _check_dirichlet(where: str, alpha: float, min_size: int, num_clients: int, n: int) -> int:
