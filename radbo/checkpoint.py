@@ -79,7 +79,6 @@ import math
 import os
 import re
 import stat
-import tempfile
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -106,6 +105,11 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 from torch import Tensor
 from typing_extensions import TypedDict
+
+# atomic_write and atomic_write_text stay importable from here (listed in __all__) for the
+# modules that import them from radbo.checkpoint; radbo.atomic is where they live
+from radbo.atomic import atomic_write, atomic_write_text
+from radbo.errors import field_path, more_problems, problems
 
 __all__ = [
     "FORMAT",
@@ -142,38 +146,6 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointWarning(UserWarning):
     """A resume continues from the previous checkpoint because the newest one was refused."""
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Create ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder,
-    which is flushed to disk and then renamed over ``path`` (what ``write`` returns is
-    ignored)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        # mkstemp makes the file private (0600); give it the permissions a plain open() would
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (temporary file + rename)."""
-    atomic_write(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def state_to_tensors(state: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -495,36 +467,24 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _location(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(part)):
-            out += f".{part}" if out else str(part)
-        else:
-            out += f"[{str(part)!r}]"
-    return out
-
-
 def _describe(error: ValidationError) -> str:
     """The first problem of ``error`` in one line: ``FIELD = VALUE: what is wrong``."""
-    errors = error.errors()
-    first = errors[0]
-    where = _location(tuple(first["loc"]))
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] in ("model_type", "dict_type"):
+    found = problems(error)
+    first = found[0]
+    where = field_path(first.loc)
+    msg = first.message
+    if first.kind in ("model_type", "dict_type"):
         msg = "Input should be a JSON object"
-    if first["type"] == "missing":
+    if first.kind == "missing":
         text = f"{where} is missing"
-    elif first["type"] == "extra_forbidden":
+    elif first.kind == "extra_forbidden":
         text = f"{where} is an unknown field"
-    elif first["type"] == "value_error":
+    elif first.kind == "value_error":
         text = f"{where}: {msg}" if where else msg
     else:
-        text = f"{where} = {_short(first.get('input'))}: {msg}"
-    more = len(errors) - 1
-    return text + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+        text = f"{where} = {_short(first.value)}: {msg}"
+    more = len(found) - 1
+    return text + (f" ({more_problems(more)})" if more else "")
 
 
 def _one_line(text: str) -> str:
@@ -887,21 +847,62 @@ def _load(
     ignore: tuple[str, ...],
     restore: Callable[[Checkpoint], object] | None = None,
 ) -> Checkpoint:
+    """The checkpoint whose index is ``directory / name``, after every check of the module
+    docstring's **Loading**, in its order: the index, the config (unless ``config`` is None;
+    keys in ``ignore`` may differ), the tensors, the history, the counters, the state against
+    ``template``, and last ``restore``."""
     path = directory / name
     if not path.is_file():
         raise CheckpointCorruptError(f"{path} is missing")
     index, data = _parse_index(path, _read(path, _index_cap(config)))
     if config is not None:
-        differences = _config_differences(index.config, dict(config), ignore)
-        if differences:
-            shown = "; ".join(differences[:_SHOWN_DIFFERENCES])
-            if len(differences) > _SHOWN_DIFFERENCES:
-                shown += f"; and {len(differences) - _SHOWN_DIFFERENCES} more"
-            raise _ConfigMismatch(
-                f"the checkpoint in {directory} was written by a different config ({shown}); "
-                "use another output_dir, or start afresh without resume (radbo run "
-                "--overwrite)"
-            )
+        _check_same_config(directory, index, config, ignore)
+    tensors = _load_tensors(directory, index, template)
+    history_path = directory / index.files.history.file
+    history = _load_history(history_path, index, config)
+    _check_counters(path, index, data, history, history_path)
+    sim_tensors = {k[4:]: t for k, t in tensors.items() if k.startswith("sim/")}
+    state_tensors = {k: t for k, t in tensors.items() if not k.startswith("sim/")}
+    try:
+        state = state_from_tensors(template, state_tensors, index.state_scalars)
+    except CheckpointCorruptError:
+        raise
+    except CheckpointError as err:  # the config is this run's: its tensors must fit
+        raise CheckpointCorruptError(f"{path}: {err}") from None
+    ckpt = Checkpoint(
+        rounds_done=index.rounds_done,
+        clock_s=float(index.clock_s),
+        state=state,
+        rows=history["rows"],
+        ledger=history["ledger"],
+        sim_tensors=sim_tensors,
+        sim_meta=data["simulation"],
+    )
+    if restore is not None:
+        _restore(path, ckpt, restore)
+    return ckpt
+
+
+def _check_same_config(
+    directory: Path, index: CheckpointIndex, config: Mapping[str, Any], ignore: tuple[str, ...]
+) -> None:
+    """Refuse (:class:`_ConfigMismatch`, no fallback) a checkpoint written by another config
+    than ``config`` (keys in ``ignore`` aside), naming the first differences."""
+    differences = _config_differences(index.config, dict(config), ignore)
+    if differences:
+        shown = "; ".join(differences[:_SHOWN_DIFFERENCES])
+        if len(differences) > _SHOWN_DIFFERENCES:
+            shown += f"; and {len(differences) - _SHOWN_DIFFERENCES} more"
+        raise _ConfigMismatch(
+            f"the checkpoint in {directory} was written by a different config ({shown}); "
+            "use another output_dir, or start afresh without resume (radbo run "
+            "--overwrite)"
+        )
+
+
+def _load_tensors(directory: Path, index: CheckpointIndex, template: Any) -> dict[str, Tensor]:
+    """The checkpoint's tensor file, read (at most three times ``template``'s bytes), matched
+    against its SHA-256 and parsed as safetensors; every floating-point tensor finite."""
     tensors_path = directory / index.files.tensors.file
     raw = _read_verified(tensors_path, index.files.tensors.sha256, _tensor_cap(template))
     try:
@@ -922,7 +923,14 @@ def _load(
             ) from None
         if not finite:
             raise CheckpointCorruptError(f"{tensors_path}: tensor {key!r} holds NaN or Inf")
-    history_path = directory / index.files.history.file
+    return tensors
+
+
+def _load_history(
+    history_path: Path, index: CheckpointIndex, config: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The checkpoint's history file, read (at most the cap of ``config``'s run), matched
+    against its SHA-256 and validated by :class:`CheckpointHistory`."""
     content = _read_verified(history_path, index.files.history.sha256, _history_cap(config))
     history = _parse_json(history_path, content, "checkpoint history")
     del content
@@ -932,41 +940,28 @@ def _load(
         raise CheckpointCorruptError(
             f"{history_path} is a malformed checkpoint history: {_describe(err)}"
         ) from None
-    _check_counters(path, index, data, history, history_path)
-    sim_tensors = {k[4:]: t for k, t in tensors.items() if k.startswith("sim/")}
-    state_tensors = {k: t for k, t in tensors.items() if not k.startswith("sim/")}
+    return history
+
+
+def _restore(path: Path, ckpt: Checkpoint, restore: Callable[[Checkpoint], object]) -> None:
+    """Run the caller's ``restore`` on ``ckpt`` as one more check: what it refuses (a
+    :class:`CheckpointError` or one of :data:`_RESTORE_ERRORS`) makes the checkpoint at
+    ``path`` corrupt, in one line."""
     try:
-        state = state_from_tensors(template, state_tensors, index.state_scalars)
-    except CheckpointCorruptError:
-        raise
-    except CheckpointError as err:  # the config is this run's: its tensors must fit
-        raise CheckpointCorruptError(f"{path}: {err}") from None
-    ckpt = Checkpoint(
-        rounds_done=index.rounds_done,
-        clock_s=float(index.clock_s),
-        state=state,
-        rows=history["rows"],
-        ledger=history["ledger"],
-        sim_tensors=sim_tensors,
-        sim_meta=data["simulation"],
-    )
-    if restore is not None:
-        try:
-            restore(ckpt)
-        except CheckpointError as err:
-            raise CheckpointCorruptError(
-                f"{path} holds an engine state this run cannot restore: {err}"
-            ) from None
-        except _RESTORE_ERRORS as err:
-            detail = _one_line(str(err))
-            if isinstance(err, KeyError) or not detail:
-                detail = f"{type(err).__name__} {detail}".strip()
-            if len(detail) > 300:
-                detail = detail[:297] + "..."
-            raise CheckpointCorruptError(
-                f"{path} holds an engine state this run cannot restore: {detail}"
-            ) from None
-    return ckpt
+        restore(ckpt)
+    except CheckpointError as err:
+        raise CheckpointCorruptError(
+            f"{path} holds an engine state this run cannot restore: {err}"
+        ) from None
+    except _RESTORE_ERRORS as err:
+        detail = _one_line(str(err))
+        if isinstance(err, KeyError) or not detail:
+            detail = f"{type(err).__name__} {detail}".strip()
+        if len(detail) > 300:
+            detail = detail[:297] + "..."
+        raise CheckpointCorruptError(
+            f"{path} holds an engine state this run cannot restore: {detail}"
+        ) from None
 
 
 def _check_counters(
@@ -981,7 +976,31 @@ def _check_counters(
     ``clock_s``; ledger rows of those rounds (in order, of their clients); a coverage history
     of one entry per round that had clients, for the blocks the rows report; the divergence
     guard's good rounds among those done."""
-    rows, ledger = history["rows"], history["ledger"]
+    rows = history["rows"]
+    _check_rounds(path, index, rows, history_path)
+    _check_ledger(history["ledger"], rows, index.rounds_done, history_path)
+    simulation = data["simulation"]
+    _check_coverage_history(path, simulation.get("coverage") or {}, rows)
+    guard = simulation.get("divergence")
+    if isinstance(guard, dict):
+        _check_guard(path, guard, rows)
+    elif any("divergence" in row for row in rows):
+        raise CheckpointCorruptError(
+            f"{path}: rounds record divergences, but the engine state has no divergence guard"
+        )
+    meter = index.simulation.flop_meter
+    if meter is not None and meter.measurements < len(meter.cache):
+        raise CheckpointCorruptError(
+            f"{path}: the FLOP meter made {meter.measurements} measurements but caches "
+            f"{len(meter.cache)}"
+        )
+
+
+def _check_rounds(
+    path: Path, index: CheckpointIndex, rows: list[dict[str, Any]], history_path: Path
+) -> None:
+    """``rounds_done`` round records, numbered 0 to ``rounds_done - 1``, on a clock that never
+    runs back and ends at the index's ``clock_s``."""
     done = index.rounds_done
     if len(rows) != done:
         raise CheckpointCorruptError(
@@ -1007,6 +1026,16 @@ def _check_counters(
             if rows
             else f"{path}: clock_s = {index.clock_s!r} before any round, not 0.0"
         )
+
+
+def _check_ledger(
+    ledger: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    done: int,
+    history_path: Path,
+) -> None:
+    """Ledger rows of the ``done`` rounds, in round order, each charging a client its round
+    sampled."""
     clients = [set(row["clients"]) for row in rows]
     last = 0
     for i, entry in enumerate(ledger):
@@ -1022,8 +1051,14 @@ def _check_counters(
                 f"{q} did not sample"
             )
         last = q
-    simulation = data["simulation"]
-    coverage = simulation.get("coverage") or {}
+
+
+def _check_coverage_history(
+    path: Path, coverage: Mapping[str, Any], rows: list[dict[str, Any]]
+) -> None:
+    """The engine's coverage trackers: those of the blocks the rounds report (when a round had
+    clients), each with one history entry per round that had clients, equal to what the
+    rounds report (:func:`_check_coverage`)."""
     busy = [row for row in rows if row["clients"]]
     reported = {
         k[len("coverage_") : -len("_min")]
@@ -1044,19 +1079,6 @@ def _check_counters(
                 f"{_short(rounds)}, but {len(busy)} rounds had clients"
             )
         _check_coverage(path, block, tracker["history"], busy)
-    guard = simulation.get("divergence")
-    if isinstance(guard, dict):
-        _check_guard(path, guard, rows)
-    elif any("divergence" in row for row in rows):
-        raise CheckpointCorruptError(
-            f"{path}: rounds record divergences, but the engine state has no divergence guard"
-        )
-    meter = index.simulation.flop_meter
-    if meter is not None and meter.measurements < len(meter.cache):
-        raise CheckpointCorruptError(
-            f"{path}: the FLOP meter made {meter.measurements} measurements but caches "
-            f"{len(meter.cache)}"
-        )
 
 
 def _check_coverage(

@@ -86,11 +86,23 @@ _FORCE_HELP = (
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``radbo`` command line: one subcommand per task, each parser built by its own
+    ``_add_*`` step below."""
     parser = argparse.ArgumentParser(
         prog="radbo", description="Resource-aware federated bilevel optimization."
     )
     parser.add_argument("--version", action="version", version=_version_text())
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_fleet(sub)
+    _add_report(sub)
+    _add_export(sub)
+    _add_flower(sub)
+    return parser
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``radbo run CONFIG [KEY=VALUE ...]``: a simulated run (or one per ``--seeds``)."""
     run = sub.add_parser("run", help="run a simulated federated bilevel job from a TOML config")
     run.add_argument("config", help="path to the TOML run configuration")
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
@@ -120,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
         "confidence interval over them to OUTPUT/aggregate.json and aggregate.md",
     )
     run.add_argument("--force", action="store_true", help=_FORCE_HELP)
+
+
+def _add_fleet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``radbo fleet CONFIG``: the fleet of a config, or with ``--calibrate`` its latencies."""
     fleet = sub.add_parser("fleet", help="show the fleet of a config: devices, r, tau, memory fit")
     fleet.add_argument("config", help="path to the TOML run configuration")
     fleet.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
@@ -138,6 +154,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"--calibrate: timed runs per figure, median taken (default {LATENCY_RUNS})",
     )
+
+
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``radbo report RUN_DIR ...``: plots and tables comparing finished runs."""
     report = sub.add_parser(
         "report",
         help="compare finished runs: accuracy vs rounds, communication rounds, time, bytes, "
@@ -167,6 +187,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one curve and row per run, not per group of runs that differ only by seed",
     )
+
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``radbo export CONFIG|RUN_DIR``: each client's submodel, written and checked."""
     export = sub.add_parser(
         "export",
         help="write each client's submodel of a trained model (a run folder, a checkpoint) or "
@@ -223,6 +247,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"timed runs per latency figure of a .pte / .onnx (default {LATENCY_RUNS}; 0: none)",
     )
     export.add_argument("--force", action="store_true", help=_FORCE_HELP)
+
+
+def _add_flower(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``radbo flower partition|deploy-local``: Flower deployments."""
     flower = sub.add_parser(
         "flower", help="Flower deployments: write each node's own data, deploy on this machine"
     )
@@ -254,7 +282,6 @@ def _parser() -> argparse.ArgumentParser:
         help="node i's config as 'k=v ...' (TOML values, {i} = node index), instead of "
         "partition-id=i and the data written to DIR/nodes",
     )
-    return parser
 
 
 def _flower(args: argparse.Namespace) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import difflib
 import re
-import reprlib
 import tomllib
 import types
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from pydantic import (
 
 from radbo.algorithms import ALGORITHMS, AlgorithmConfig, RABOConfig
 from radbo.data import DATA, PARTITIONS, DataConfig, DigitsData, DirichletPartition, PartitionConfig
+from radbo.errors import problem_line, problem_lines, problems, value_text
 from radbo.hypergrad import ESTIMATORS, Estimator
 from radbo.limits import (
     MAX_CLIENTS,
@@ -645,17 +645,6 @@ def _location(loc: tuple[Any, ...], tags: set[str] | None = None) -> str:
     return ".".join(parts) or "<root>"
 
 
-def _value_text(value: Any) -> str:
-    """A value as a message shows it: tables as ``{...}``, long values cut to 100 characters."""
-    if isinstance(value, dict):
-        return "{...}"
-    try:
-        text = repr(value)
-    except RecursionError:  # a list nested thousands deep (possible from Python, not TOML)
-        text = reprlib.repr(value)
-    return text if len(text) <= 100 else text[:97] + "..."
-
-
 def _unknown_field(loc: tuple[Any, ...]) -> str:
     """What an unknown key's error says: the closest allowed key of its section when one is
     close (``did you mean 'inner_lr'?``), else where the allowed keys are listed."""
@@ -715,24 +704,48 @@ def format_validation_error(
     For a field that accepts several types (a union), errors saying "not this type" are
     dropped when another member reports a real problem, and merged into one line otherwise.
     """
+    merged = _merged_problems(error)
+
+    def line(where: str, value: Any, found: list[tuple[tuple[Any, ...], str | None]]) -> str:
+        msgs = [_unknown_field(loc) if msg is None else msg for loc, msg in found]
+        rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
+        text = " or ".join([msgs[0], *rest])
+        if isinstance(value, _Refused):
+            text += f" ({value.hint})"
+        if where == "<root>":  # a rule across sections: no single field to name
+            return f"config error: {text}"
+        return problem_line("config error", where, value_text(value), text)
+
+    return problem_lines(
+        (line(where, value, found) for (where, _), (value, found) in merged.items()),
+        len(merged),
+        prefix="config error",
+        max_lines=max_lines,
+    )
+
+
+def _merged_problems(
+    error: ValidationError,
+) -> dict[tuple[str, int], tuple[Any, list[tuple[tuple[Any, ...], str | None]]]]:
+    """The problems of ``error`` by the line that shows them: ``(field, key) -> (value,
+    [(location, message), ...])``, a union's "not this type" errors dropped when another of
+    its members reports a real problem and merged into one line otherwise (message ``None``:
+    an unknown key, whose did-you-mean search is made only for the lines shown)."""
     tags = all_tags()
     rows = []
-    for e in error.errors(include_url=False, include_context=False):
-        loc = tuple(e["loc"])
-        # an unknown key's message (a did-you-mean search) is made only for the lines shown
-        msg = None if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
-        value = e.get("input")
+    for p in problems(error):
+        msg = None if p.kind == "extra_forbidden" else p.message
         # a refused scalar (a boolean for a number, ...) is a real problem, not a union member
         # saying "not my type"
-        is_type = e["type"] in _TYPE_ERRORS and not isinstance(value, _Refused)
-        rows.append((_location(loc, tags), loc, value, msg, is_type))
+        is_type = p.kind in _TYPE_ERRORS and not isinstance(p.value, _Refused)
+        rows.append((_location(p.loc, tags), p.loc, p.value, msg, is_type))
     # every field holding a real problem, and the fields it lies in
     specific: set[str] = set()
     for where, _, _, _, is_type in rows:
         if not is_type:
             parts = where.split(".")
             specific.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
-    problems: dict[tuple[str, int], tuple[Any, list[tuple[tuple[Any, ...], str | None]]]] = {}
+    merged: dict[tuple[str, int], tuple[Any, list[tuple[tuple[Any, ...], str | None]]]] = {}
     for i, (where, loc, value, msg, is_type) in enumerate(rows):
         if is_type:
             if where in specific:
@@ -742,23 +755,8 @@ def format_validation_error(
             key = (where, -2)  # as the union members refusing it
         else:
             key = (where, i)
-        problems.setdefault(key, (value, []))[1].append((loc, msg))
-    lines: list[str] = []
-    for (where, _), (value, found) in problems.items():
-        if max_lines is not None and len(lines) == max_lines:
-            more = len(problems) - max_lines
-            lines.append(f"config error: and {more:,} more problem{'s' if more > 1 else ''}")
-            break
-        msgs = [_unknown_field(loc) if msg is None else msg for loc, msg in found]
-        rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
-        text = " or ".join([msgs[0], *rest])
-        if isinstance(value, _Refused):
-            text += f" ({value.hint})"
-        if where == "<root>":  # a rule across sections: no single field to name
-            lines.append(f"config error: {text}")
-        else:
-            lines.append(f"config error: {where} = {_value_text(value)}: {text}")
-    return "\n".join(lines)
+        merged.setdefault(key, (value, []))[1].append((loc, msg))
+    return merged
 
 
 def parse_config(data: dict[str, Any], *, force: bool = False) -> RunConfig:
@@ -817,11 +815,11 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     key, value = key.strip(), value.strip()
     if not equals or not _KEY.fullmatch(key):
         raise ConfigError(
-            f"config error: override {_value_text(text)} is not KEY=VALUE: {_OVERRIDE_HINT}"
+            f"config error: override {value_text(text)} is not KEY=VALUE: {_OVERRIDE_HINT}"
         )
     if "\n" in value or "\r" in value:
         raise ConfigError(
-            f"config error: override {key} = {_value_text(value)}: a value is one line"
+            f"config error: override {key} = {value_text(value)}: a value is one line"
         )
     try:
         document = tomllib.loads(f"value = {value}")
@@ -829,7 +827,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
         if _BARE_WORD.fullmatch(value):
             return tuple(key.split(".")), value
         raise ConfigError(
-            f"config error: override {key} = {_value_text(value)} is not a TOML value (a "
+            f"config error: override {key} = {value_text(value)} is not a TOML value (a "
             f"string with spaces or symbols needs quotes: {key}='\"a b\"'; a list: [1, 2])"
         ) from None
     return tuple(key.split(".")), document["value"]
@@ -853,7 +851,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(inner, dict):
                 table = ".".join(path[: depth + 1])
                 raise ConfigError(
-                    f"config error: override {text}: {table} = {_value_text(inner)} is not a "
+                    f"config error: override {text}: {table} = {value_text(inner)} is not a "
                     f"table, so it has no key {path[depth + 1]!r}"
                 )
             where = inner

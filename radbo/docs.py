@@ -17,7 +17,6 @@ the same check).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import types
@@ -30,8 +29,10 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from radbo.atomic import atomic_write_text
 from radbo.config import RunConfig
 from radbo.registry import Named, Registry, Section
+from radbo.tomlfile import toml_value
 
 __all__ = [
     "BEGIN",
@@ -66,14 +67,15 @@ def default_text(field: FieldInfo) -> str:
 
 
 def _toml(value: Any) -> str:
+    """``value`` as the README shows it: as TOML (:func:`radbo.tomlfile.toml_value`) but for
+    None (``unset``), a config table (``a table``) and numbers (:func:`_number`: ``1e+06``
+    for a large whole float)."""
     if value is None:
         return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
+    if isinstance(value, bool | str):
+        return toml_value(value)
     if isinstance(value, int | float):
         return _number(value)
-    if isinstance(value, str):
-        return json.dumps(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
@@ -144,7 +146,7 @@ def allowed_text(annotation: Any, metadata: Sequence[Any] = ()) -> str:
         text = " or ".join(texts)
         return f"{text} or unset" if len(members) < len(args) else text
     if origin is Literal:
-        names = [json.dumps(a) for a in args]
+        names = [toml_value(a) for a in args]
         return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
     if annotation is bool:
         return "true or false"
@@ -261,7 +263,7 @@ def _tagged_section(name: str, registry: Registry[Any], field: FieldInfo) -> lis
     if default is None:
         head = f"**`[{name}]`** (optional), chosen by `{key}`"
     else:
-        tag = json.dumps(getattr(default, key))
+        tag = toml_value(getattr(default, key))
         head = (
             f"**`[{name}]`**, chosen by `{key}` (default {tag}; a section without `{key}` "
             "takes the default kind)"
@@ -287,7 +289,7 @@ def _tagged_section(name: str, registry: Registry[Any], field: FieldInfo) -> lis
         tags, _ = groups.setdefault(signature, ([], own))
         tags.extend(get_args(cls.model_fields[key].annotation))
     for tags, own in groups.values():
-        label = ", ".join(f"`{json.dumps(t)}`" for t in tags)
+        label = ", ".join(f"`{toml_value(t)}`" for t in tags)
         if not own:
             lines.append(f"| {label} | | | | no settings |")
         for i, (k, f) in enumerate(own):
@@ -297,7 +299,7 @@ def _tagged_section(name: str, registry: Registry[Any], field: FieldInfo) -> lis
 
 
 def _names(tags: Iterable[str]) -> str:
-    return ", ".join(f"`{json.dumps(t)}`" for t in tags)
+    return ", ".join(f"`{toml_value(t)}`" for t in tags)
 
 
 def combinations() -> str:
@@ -336,21 +338,21 @@ def combinations() -> str:
                     kept = ", ".join(f"`{f}`" for f in sorted(used)) or "no setting"
                     notes.append(f"only {kept} used")
                 note = f" ({'; '.join(notes)})" if notes else ""
-                entries.append(f"`{json.dumps(name)}`{note}")
+                entries.append(f"`{toml_value(name)}`{note}")
             estimators = ", ".join(entries)
         masks = '`"none"` (it trains the full model)' if cls.full_model else "any"
-        lines.append(f"| `{json.dumps(tag)}` | {estimators} | {masks} |")
+        lines.append(f"| `{toml_value(tag)}` | {estimators} | {masks} |")
     lines += ["", "| `[task] name` | `[model] name` | `[mask] policy` |", "|---|---|---|"]
     own = {tag: MODELS[tag].task for tag in MODELS if MODELS[tag].task is not None}
     for tag in TASKS:
         task = TASKS[tag]
         if task.model is not None:
-            models = f"`{json.dumps(task.model)}`"
+            models = f"`{toml_value(task.model)}`"
         else:
             theirs = [m for m, t in own.items() if t != tag]
             models = f"any but {_names(theirs)}" if theirs else "any"
         masks = "any" if task.maskable else '`"none"` (nothing to prune)'
-        lines.append(f"| `{json.dumps(tag)}` | {models} | {masks} |")
+        lines.append(f"| `{toml_value(tag)}` | {models} | {masks} |")
     return "\n".join(lines) + "\n"
 
 
@@ -412,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{path}: the configuration reference is not current", file=sys.stderr)
                 return 1
             return 0
-        path.write_text(new, encoding="utf-8")
+        atomic_write_text(path, new)
         return 0
     sys.stdout.write(readme_reference())
     return 0

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radbo.checkpoint import atomic_write, atomic_write_text
+from radbo.atomic import atomic_write, atomic_write_text
 from radbo.jsonio import dumps as json_dumps
 
 __all__ = [
@@ -92,7 +92,7 @@ def _pyplot() -> Any:
 
 def _save_figure(fig: Any, files: Sequence[tuple[Path, str]]) -> list[Path]:
     """Write ``fig`` to each ``(path, format)`` of ``files`` atomically
-    (:func:`radbo.checkpoint.atomic_write`), then close it. Returns the paths."""
+    (:func:`radbo.atomic.atomic_write`), then close it. Returns the paths."""
     plt = _pyplot()
 
     def writer(fmt: str) -> Callable[[Path], None]:
@@ -1147,6 +1147,50 @@ def compare(
         ReportError: a run folder cannot be read, a format or the labels are wrong, or the
             output cannot be written. Nothing is written then.
     """
+    loaded = _load_runs(runs, labels)
+    fmts = _formats(formats)
+    indices, groups, names = _group(loaded, labels, group)
+    out = Path(out_dir)
+    summary = [_summary_row(run, label) for run, label in zip(loaded, names, strict=True)]
+    tiers = {label: _tier_rows(run) for run, label in zip(loaded, names, strict=True)}
+    grouped = [(grp.label, [summary[i] for i in g]) for g, grp in zip(indices, groups, strict=True)]
+    table = _main_table(grouped)
+    accuracy_table = _accuracy_savings_table(grouped)
+    figures = _figure_data(groups)
+    notes = _notes(figures)
+    markdown = _report_markdown(
+        loaded,
+        names,
+        several_seeds=any(len(g) > 1 for g in indices),
+        table=table,
+        accuracy_table=accuracy_table,
+        tiers=tiers,
+        figures=figures,
+        notes=notes,
+        fmts=fmts,
+    )
+    data = _report_data(loaded, summary, tiers, indices, groups, figures, notes, fmts)
+    plots, md_path, json_path = _write_report(out, figures, fmts, markdown, data)
+    return ReportResult(
+        out_dir=out,
+        runs=loaded,
+        labels=names,
+        summary=summary,
+        tiers=tiers,
+        plots=plots,
+        markdown=md_path,
+        json=json_path,
+        table=table,
+        data=data,
+        groups=groups,
+        notes=notes,
+    )
+
+
+def _load_runs(runs: Sequence[Run | str | Path], labels: Sequence[str] | None) -> list[Run]:
+    """The runs :func:`compare` is given, folders read (a ``--seeds`` output folder stands for
+    its ``seed-<s>`` folders); :class:`ReportError` when there are none or ``labels`` is not
+    one distinct label per run."""
     loaded: list[Run] = []
     for r in runs:
         if isinstance(r, Run):
@@ -1159,7 +1203,16 @@ def compare(
         raise ReportError(
             f"report error: need {len(loaded)} distinct labels, got {len(labels)}: {list(labels)}"
         )
-    fmts = _formats(formats)
+    return loaded
+
+
+def _group(
+    loaded: Sequence[Run], labels: Sequence[str] | None, group: bool
+) -> tuple[list[list[int]], list[RunGroup], list[str]]:
+    """The groups of :func:`compare` (runs differing only by seed with ``group``, else one per
+    run): each group's run indices, the groups, and one distinct label per run (``labels``
+    when given, else the group's label, with the seed for a group of several; ``#i`` added
+    when two would be equal)."""
     indices = group_runs(loaded) if group else [[i] for i in range(len(loaded))]
     members = [[loaded[i] for i in g] for g in indices]
     if labels is not None:
@@ -1183,18 +1236,25 @@ def compare(
         names = [f"{n} #{i + 1}" for i, n in enumerate(names)]
         for g, grp in zip(indices, groups, strict=True):
             grp.labels = [names[i] for i in g]
+    return indices, groups, names
 
-    out = Path(out_dir)
-    summary = [_summary_row(run, label) for run, label in zip(loaded, names, strict=True)]
-    tiers = {label: _tier_rows(run) for run, label in zip(loaded, names, strict=True)}
-    grouped = [(grp.label, [summary[i] for i in g]) for g, grp in zip(indices, groups, strict=True)]
-    table = _main_table(grouped)
-    accuracy_table = _accuracy_savings_table(grouped)
-    figures = _figure_data(groups)
-    notes = _notes(figures)
 
+def _report_markdown(
+    loaded: Sequence[Run],
+    names: Sequence[str],
+    *,
+    several_seeds: bool,
+    table: str,
+    accuracy_table: str | None,
+    tiers: Mapping[str, list[dict[str, Any]]],
+    figures: Sequence[Mapping[str, Any]],
+    notes: Sequence[str],
+    fmts: Sequence[str],
+) -> str:
+    """The text of ``report.md``: the main table (with a note on the CI when a row is several
+    seeds), the savings at equal accuracy, the cost per tier of each run, and the plots."""
     lines = ["# radbo report", "", table, ""]
-    if any(len(g) > 1 for g in indices):
+    if several_seeds:
         lines += [
             "Rows of several seeds show mean ± the half-width of the 95 % confidence interval "
             "of the mean (Student's t, n - 1 degrees of freedom).",
@@ -1217,8 +1277,21 @@ def compare(
     lines += [_markdown_image(f["name"], fmts) for f in figures if f["drawn"]]
     if notes:
         lines += ["", *(f"- {note}" for note in notes)]
-    markdown = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
+
+def _report_data(
+    loaded: Sequence[Run],
+    summary: Sequence[dict[str, Any]],
+    tiers: Mapping[str, list[dict[str, Any]]],
+    indices: Sequence[Sequence[int]],
+    groups: Sequence[RunGroup],
+    figures: list[dict[str, Any]],
+    notes: list[str],
+    fmts: Sequence[str],
+) -> dict[str, Any]:
+    """The content of ``report.json`` (see :func:`compare`): per run, per group, the files
+    the figures are written to, the figures and the notes."""
     runs_json = []
     for run, row in zip(loaded, summary, strict=True):
         runs_json.append(
@@ -1249,7 +1322,7 @@ def compare(
         for g, grp in zip(indices, groups, strict=True)
     ]
     written = [f"{f['name']}.{fmt}" for f in figures if f["drawn"] for fmt in fmts]
-    data = {
+    return {
         "runs": runs_json,
         "groups": groups_json,
         "plots": written,
@@ -1257,6 +1330,17 @@ def compare(
         "notes": notes,
     }
 
+
+def _write_report(
+    out: Path,
+    figures: Sequence[Mapping[str, Any]],
+    fmts: Sequence[str],
+    markdown: str,
+    data: Mapping[str, Any],
+) -> tuple[list[Path], Path, Path]:
+    """Write the figures, ``report.md`` and ``report.json`` to ``out`` (made if missing, each
+    file atomically); returns the figure paths and those of the two files. An ``OSError`` is
+    one :class:`ReportError` line naming the file or folder."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         plots = _draw(figures, out, fmts)
@@ -1266,20 +1350,7 @@ def compare(
     except OSError as err:
         where = err.filename or out
         raise ReportError(f"report error: {where}: cannot write: {err.strerror or err}") from None
-    return ReportResult(
-        out_dir=out,
-        runs=loaded,
-        labels=names,
-        summary=summary,
-        tiers=tiers,
-        plots=plots,
-        markdown=md_path,
-        json=json_path,
-        table=table,
-        data=data,
-        groups=groups,
-        notes=notes,
-    )
+    return plots, md_path, json_path
 
 
 #: per-run numbers aggregated over a group's seeds in ``report.json``

@@ -46,7 +46,8 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
     # _torch_private: every private PyTorch name radbo uses (see test_only_one_module_...)
-    {"typing", "randomness", "registry", "version", "limits", "jsonio", "_torch_private"},
+    {"typing", "randomness", "registry", "version", "limits", "jsonio", "atomic", "errors"}
+    | {"_torch_private"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},
     # loops: the local-step primitive (masks finished clients, marks repeated blocks for the
@@ -269,6 +270,28 @@ def test_the_cycle_check_finds_a_cycle_inside_a_package() -> None:
     assert import_cycles(graph) == [
         ["radbo.algorithms.shrofbo", "radbo.algorithms.simfbo", "radbo.algorithms.shrofbo"]
     ]
+
+
+#: The calls that make a file by writing a temporary one and renaming it: only
+#: :mod:`radbo.atomic` makes them (``radbo.flower.worker`` renames its PID file with
+#: ``Path.replace``: it imports nothing but the standard library).
+RENAMING_CALLS = {("os", "replace"), ("os", "rename"), ("tempfile", "mkstemp")}
+
+
+def test_one_atomic_write() -> None:
+    """Every file radbo creates by temporary file + rename goes through radbo.atomic."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "atomic.py":
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name)
+                and (n.value.id, n.attr) in RENAMING_CALLS
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno}: {n.value.id}.{n.attr}")
+    assert not found, "\n".join(found)
 
 
 # ------------------------------------------------------------------- a toy algorithm, here only

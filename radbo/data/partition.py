@@ -248,6 +248,15 @@ def partition_dirichlet(
     labels = _check_labels(labels, where)
     num_clients = _check_num_clients(num_clients, labels.numel(), where)
     _check_generator(generator, where)
+    min_size = _check_dirichlet(where, alpha, min_size, num_clients, labels.numel())
+    parts = _dirichlet_parts(labels, num_clients, alpha, generator)
+    return _sorted_parts(_top_up(parts, min_size, generator))
+
+
+def _check_dirichlet(where: str, alpha: float, min_size: int, num_clients: int, n: int) -> int:
+    """``min_size`` as an int, after checking :func:`partition_dirichlet`'s ``alpha`` (a
+    positive finite number) and ``min_size`` (an int >= 1, ``num_clients`` times it at most
+    the ``n`` samples)."""
     if not (_is_real(alpha) and alpha > 0):
         raise ValueError(
             f"{where}: alpha must be a positive finite number (small = skewed, large = near "
@@ -258,11 +267,20 @@ def partition_dirichlet(
             f"{where}: min_size must be an int >= 1 (no client may be empty), got {min_size!r}."
         )
     min_size = int(min_size)
-    if num_clients * min_size > labels.numel():
+    if num_clients * min_size > n:
         raise ValueError(
             f"{where}: {num_clients} clients x min_size {min_size} = "
-            f"{num_clients * min_size} samples needed, but there are only {labels.numel()}."
+            f"{num_clients * min_size} samples needed, but there are only {n}."
         )
+    return min_size
+
+
+def _dirichlet_parts(
+    labels: Tensor, num_clients: int, alpha: float, generator: torch.Generator
+) -> list[Tensor]:
+    """The Dirichlet draw of :func:`partition_dirichlet`, before the minimum size rule: each
+    class's samples, in random order, cut at ``floor(N_c * cumsum(p_c))``; a client's part is
+    its chunk of every class, in class order."""
     rng = _torch_seeded_numpy(generator)
     chunks: list[Tensor] = []
     owners: list[np.ndarray] = []
@@ -278,8 +296,14 @@ def partition_dirichlet(
     # a client's part: its chunk of every class, in class order (a stable sort by owner)
     owner = torch.from_numpy(np.concatenate(owners))
     flat = torch.cat(chunks)[torch.argsort(owner, stable=True)]
-    sizes_now = torch.bincount(owner, minlength=num_clients).tolist()
-    parts = list(torch.split(flat, sizes_now))
+    return list(torch.split(flat, torch.bincount(owner, minlength=num_clients).tolist()))
+
+
+def _top_up(parts: list[Tensor], min_size: int, generator: torch.Generator) -> list[Tensor]:
+    """``parts`` after the minimum size rule of :func:`partition_dirichlet`: while a client
+    has fewer than ``min_size`` samples, one sample drawn uniformly (with ``generator``) from
+    the largest client (lowest index on ties) moves to the smallest (lowest index on ties)."""
+    sizes_now = [p.numel() for p in parts]
     # the smallest and the largest client (lowest index on ties), from heaps of (size, client)
     # entries; an entry whose size is no longer the client's is skipped
     smallest = [(s, c) for c, s in enumerate(sizes_now)]
@@ -303,7 +327,7 @@ def partition_dirichlet(
         for c in (donor, needy):
             heapq.heappush(smallest, (sizes_now[c], c))
             heapq.heappush(largest, (-sizes_now[c], c))
-    return _sorted_parts(parts)
+    return parts
 
 
 def partition_q_dominant(

@@ -52,6 +52,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
+from radbo.atomic import atomic_write_bytes
+
 __all__ = [
     "IDX_IMAGES_MAGIC",
     "IDX_LABELS_MAGIC",
@@ -475,7 +477,7 @@ def write_idx(path: str | Path, array: np.ndarray) -> Path:
     if path.suffix == ".gz":
         # mtime=0: the same array gives the same bytes (no time stamp in the gzip header)
         data = gzip.compress(data, mtime=0)
-    path.write_bytes(data)
+    atomic_write_bytes(path, data)
     return path
 
 
@@ -867,8 +869,6 @@ def read_libsvm(
         ValueError: a malformed line (naming the file and line number), an undecodable
             compressed file, or a file without examples.
     """
-    from sklearn.datasets import load_svmlight_file
-
     path = Path(path)
     if not path.exists():  # exists(), not is_file(): a FIFO is refused by name below
         raise FileNotFoundError(
@@ -883,6 +883,27 @@ def read_libsvm(
     )
     if size > limit:
         raise ValueError(f"LIBSVM: {path} holds {size} bytes, {too_much}.")
+    sparse, labels = _parse_libsvm(path, num_features, limit, too_much)
+    if labels.size == 0:
+        raise ValueError(f"LIBSVM: {path} holds no examples; expected {_LIBSVM_FORMAT}.")
+    if (
+        not (np.isfinite(sparse.data).all() and np.isfinite(labels).all())
+        or not np.array_equal(labels, np.round(labels))
+        or bool((np.abs(labels) >= _LIBSVM_MAX_LABEL).any())
+    ):
+        raise _libsvm_error(path, num_features, "non-integer label or non-finite value", limit)
+    return _dense(path, sparse), labels.astype(np.int64)
+
+
+def _parse_libsvm(
+    path: Path, num_features: int | None, limit: int, too_much: str
+) -> tuple[Any, np.ndarray]:
+    """The sparse features (a SciPy CSR matrix) and the ``float64`` labels scikit-learn's
+    parser reads from ``path`` (at most ``limit`` bytes of text, decompressed; ``too_much``
+    says why more is refused); every failure is one :class:`ValueError` naming the file
+    (a malformed line by its number, :func:`_libsvm_error`)."""
+    from sklearn.datasets import load_svmlight_file
+
     stream = _open_text(path, limit)
     try:
         with stream:
@@ -902,15 +923,12 @@ def read_libsvm(
         raise ValueError(
             f"LIBSVM: {path}: parsing it takes more memory than is free now."
         ) from None
-    labels = np.asarray(raw_labels, dtype=np.float64)
-    if labels.size == 0:
-        raise ValueError(f"LIBSVM: {path} holds no examples; expected {_LIBSVM_FORMAT}.")
-    if (
-        not (np.isfinite(sparse.data).all() and np.isfinite(labels).all())
-        or not np.array_equal(labels, np.round(labels))
-        or bool((np.abs(labels) >= _LIBSVM_MAX_LABEL).any())
-    ):
-        raise _libsvm_error(path, num_features, "non-integer label or non-finite value", limit)
+    return sparse, np.asarray(raw_labels, dtype=np.float64)
+
+
+def _dense(path: Path, sparse: Any) -> np.ndarray:
+    """The sparse features of ``path`` as a dense ``float64`` array; :class:`ValueError` when
+    it would not fit in this machine's memory, or does not in the memory free now."""
     rows, columns = sparse.shape
     dense_bytes = 8 * rows * columns
     if dense_bytes > _memory_bytes():
@@ -920,7 +938,7 @@ def read_libsvm(
             "of memory; set a smaller num_features (or check the file's largest index)."
         )
     try:
-        return sparse.toarray(), labels.astype(np.int64)
+        return sparse.toarray()
     except MemoryError:
         raise ValueError(
             f"LIBSVM: {path}: {rows} examples x {columns} features as dense float64 "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +26,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from radbo.atomic import atomic_write_bytes
 from radbo.data.readers import open_regular_file, read_at_most
 from radbo.devices.catalog import load_catalog, unknown_device_message
 from radbo.devices.profile import DAY_S, DeviceProfile, ProfileError, parse_profile
 from radbo.limits import caps_are_lifted
+from radbo.tomlfile import toml_lines
 
 __all__ = ["FLEET_FORMAT", "Fleet", "WindowSchedule", "largest_remainder_counts"]
 
@@ -93,41 +94,17 @@ def largest_remainder_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
-# -- TOML writing (tomllib only reads) ------------------------------------------------------
-def _toml_string(text: str) -> str:
-    out = ['"']
-    for ch in text:
-        code = ord(ch)
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif code < 0x20 or code == 0x7F:
-            out.append(f"\\u{code:04X}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, bool):  # never in a profile; guard against silent 0/1
+# -- TOML writing (the values by radbo.tomlfile) ------------------------------------------
+def _check_writable(value: object) -> None:
+    """Refuse what a fleet file must not hold: a bool (never in a profile, where it would
+    read back as 0/1) and a non-finite float (a profile is finite)."""
+    if isinstance(value, bool):
         raise TypeError(f"cannot write bool {value!r} to a fleet file")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"cannot write non-finite float {value!r} to a fleet file")
-        return repr(value)  # shortest repr: valid TOML and round-trips exactly
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"cannot write non-finite float {value!r} to a fleet file")
     if isinstance(value, list | tuple):  # availability windows: [[start_s, end_s], ...]
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to a fleet file")
+        for item in value:
+            _check_writable(item)
 
 
 def _profile_record(profile: DeviceProfile) -> dict[str, Any]:
@@ -146,27 +123,13 @@ def _fleet_toml(records: list[dict[str, Any]]) -> str:
     lines = [
         "# radbo fleet: one [[device]] table per client, in client order (client 0 first).",
         "# Units: FLOP/s, bytes, bit/s; availability is a probability per round.",
-        f"format = {_toml_string(FLEET_FORMAT)}",
-        f"version = {_FLEET_VERSION}",
+        *toml_lines({"format": FLEET_FORMAT, "version": _FLEET_VERSION}),
     ]
     for i, record in enumerate(records):
-        lines += ["", f"# client {i}", "[[device]]"]
-        lines += [f"{key} = {_toml_value(value)}" for key, value in record.items()]
+        for value in record.values():
+            _check_writable(value)
+        lines += ["", f"# client {i}", "[[device]]", *toml_lines(record)]
     return "\n".join(lines) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _suffix(path: Path) -> str:
@@ -282,6 +245,72 @@ def _read_table(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     return data
 
 
+def _check_trace_arguments(flops_per_sample: float, memory_bytes: int, availability: float) -> None:
+    """Refuse :meth:`Fleet.from_trace`'s numbers when they are not what a profile takes."""
+    if not _is_finite_number(flops_per_sample):
+        raise ValueError(f"flops_per_sample = {flops_per_sample!r}: must be a finite number > 0")
+    if not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool) or memory_bytes < 1:
+        raise ValueError(f"memory_bytes = {memory_bytes!r}: must be an integer > 0 (bytes)")
+    if not _is_finite_number(availability, strict=False) or availability > 1:
+        raise ValueError(f"availability = {availability!r}: must be a number in [0, 1]")
+
+
+def _trace_entries(path: Path) -> dict[int, Mapping[str, Any]]:
+    """The checked entries of the device-capacity trace at ``path``, by integer client id;
+    :class:`ProfileError` for an empty trace, an id that is not an integer or appears twice."""
+    data = _read_table(path, "trace")
+    if not data:
+        raise ProfileError(f"device profile error: trace {path} lists no clients")
+    entries: dict[int, Mapping[str, Any]] = {}
+    for key, entry in data.items():
+        try:
+            cid = int(str(key).strip())
+        except ValueError:
+            raise ProfileError(
+                f"device profile error: trace[{key!r}] = {{...}}: client ids must be integers"
+            ) from None
+        if cid in entries:
+            raise ProfileError(
+                f"device profile error: trace[{key!r}]: client id {cid} appears twice"
+            )
+        entries[cid] = _check_trace_entry(key, entry)
+    return entries
+
+
+def _trace_record(
+    path: Path,
+    cid: int,
+    entry: Mapping[str, Any],
+    *,
+    flops_per_sample: float,
+    memory_bytes: int,
+    availability: float,
+    base: DeviceProfile | None,
+) -> dict[str, Any]:
+    """The profile fields of trace client ``cid`` (see :meth:`Fleet.from_trace`)."""
+    computation = float(entry["computation"])
+    communication = float(entry["communication"])
+    note = (
+        f"FedScale-style trace {path.name}, client {cid}: computation {computation} "
+        f"ms/sample, communication {communication} kbit/s, flops_per_sample "
+        f"{flops_per_sample}"
+    )
+    return {
+        "name": f"client {cid}" if base is None else f"{base.name} (client {cid})",
+        "tier": "trace" if base is None else base.tier,
+        # = flops_per_sample / (computation / 1000), without underflow to 0 for tiny values
+        "compute_flops": flops_per_sample * 1000.0 / computation,
+        "memory_bytes": memory_bytes,
+        "uplink_bps": communication * 1000.0,
+        "downlink_bps": communication * 1000.0,
+        "availability": availability,
+        "energy_per_flop": None if base is None else base.energy_per_flop,
+        "energy_per_byte_up": None if base is None else base.energy_per_byte_up,
+        "energy_per_byte_down": None if base is None else base.energy_per_byte_down,
+        "source": note if base is None or not base.source else f"{note}; {base.source}",
+    }
+
+
 @dataclass(frozen=True)
 class Fleet(Sequence[DeviceProfile]):
     """Immutable sequence of client device profiles; client ``i`` has profile ``fleet[i]``."""
@@ -385,55 +414,21 @@ class Fleet(Sequence[DeviceProfile]):
         ``duration`` and ``model`` keys are allowed and not used). Every client of the capacity
         trace needs an entry with at least one window; entries for other ids are not used.
         """
-        if not _is_finite_number(flops_per_sample):
-            raise ValueError(
-                f"flops_per_sample = {flops_per_sample!r}: must be a finite number > 0"
-            )
-        if not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool) or memory_bytes < 1:
-            raise ValueError(f"memory_bytes = {memory_bytes!r}: must be an integer > 0 (bytes)")
-        if not _is_finite_number(availability, strict=False) or availability > 1:
-            raise ValueError(f"availability = {availability!r}: must be a number in [0, 1]")
+        _check_trace_arguments(flops_per_sample, memory_bytes, availability)
         path = Path(path)
-        data = _read_table(path, "trace")
-        if not data:
-            raise ProfileError(f"device profile error: trace {path} lists no clients")
-        entries: dict[int, Mapping[str, Any]] = {}
-        for key, entry in data.items():
-            try:
-                cid = int(str(key).strip())
-            except ValueError:
-                raise ProfileError(
-                    f"device profile error: trace[{key!r}] = {{...}}: client ids must be integers"
-                ) from None
-            if cid in entries:
-                raise ProfileError(
-                    f"device profile error: trace[{key!r}]: client id {cid} appears twice"
-                )
-            entries[cid] = _check_trace_entry(key, entry)
+        entries = _trace_entries(path)
         windows = {} if behavior is None else _read_behavior(Path(behavior), sorted(entries))
         profiles = []
         for cid in sorted(entries):
-            computation = float(entries[cid]["computation"])
-            communication = float(entries[cid]["communication"])
-            note = (
-                f"FedScale-style trace {path.name}, client {cid}: computation {computation} "
-                f"ms/sample, communication {communication} kbit/s, flops_per_sample "
-                f"{flops_per_sample}"
+            record = _trace_record(
+                path,
+                cid,
+                entries[cid],
+                flops_per_sample=flops_per_sample,
+                memory_bytes=memory_bytes,
+                availability=availability,
+                base=base,
             )
-            record: dict[str, Any] = {
-                "name": f"client {cid}" if base is None else f"{base.name} (client {cid})",
-                "tier": "trace" if base is None else base.tier,
-                # = flops_per_sample / (computation / 1000), without underflow to 0 for tiny values
-                "compute_flops": flops_per_sample * 1000.0 / computation,
-                "memory_bytes": memory_bytes,
-                "uplink_bps": communication * 1000.0,
-                "downlink_bps": communication * 1000.0,
-                "availability": availability,
-                "energy_per_flop": None if base is None else base.energy_per_flop,
-                "energy_per_byte_up": None if base is None else base.energy_per_byte_up,
-                "energy_per_byte_down": None if base is None else base.energy_per_byte_down,
-                "source": note if base is None or not base.source else f"{note}; {base.source}",
-            }
             if cid in windows:
                 record["windows"], record["period_s"] = windows[cid]
             profiles.append(parse_profile(record, where=f"trace client {cid}: "))
@@ -486,7 +481,7 @@ class Fleet(Sequence[DeviceProfile]):
 
         The file is a readable list of profiles (``device``: one table per client, in order);
         :meth:`from_file` reads it back exactly. Written to a temporary file in the same folder,
-        then moved over ``path`` with :func:`os.replace`.
+        flushed, then moved over ``path`` (:func:`radbo.atomic.atomic_write`).
         """
         path = Path(path)
         suffix = _suffix(path)
@@ -496,7 +491,7 @@ class Fleet(Sequence[DeviceProfile]):
             text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
         else:
             text = _fleet_toml(records)
-        _atomic_write(path, text)
+        atomic_write_bytes(path, text.encode("utf-8"))
 
     def tiers(self) -> list[str]:
         """Per-client tier label: ``profile.tier``, or ``profile.name`` when the tier is empty."""

@@ -19,7 +19,6 @@ which turns pydantic's errors into one line per problem::
 from __future__ import annotations
 
 import math
-import reprlib
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -35,6 +34,7 @@ from pydantic import (
     field_validator,
 )
 
+from radbo.errors import Problem, field_path, problem_line, problems, value_text
 from radbo.registry import ConfigError
 
 __all__ = [
@@ -219,53 +219,43 @@ _ALLOWED: dict[str, str] = {
 }
 
 
-def _value_text(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return "{...}"
-    try:
-        text = repr(value)
-    except RecursionError:  # a list nested too deeply to print
-        text = reprlib.repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def format_profile_errors(error: ValidationError, where: str = "") -> str:
     """One line per problem: ``device profile error: WHERE FIELD = VALUE: message (allowed: ...)``.
 
     ``where`` prefixes the field location, e.g. ``"device[3]."`` for the fourth client of a fleet
     file, so the line names both the client and the field.
     """
-    lines = []
-    for e in error.errors():
-        loc = e["loc"]
-        if len(loc) > 1 and e["type"] in ("missing", "too_long"):  # a window of 1 or 3 numbers
-            loc = loc[:2]
-        # nested items as field[i][j], e.g. windows[0][1]
-        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-        location = f"{where}{field}" if field else (where.rstrip(".") or "<profile>")
-        if len(loc) > 1 and e["type"] in ("missing", "too_long"):
-            value_text = _value_text(e.get("input"))
-            msg = "expected a pair [start_s, end_s]"
-        elif e["type"] == "missing":
-            value_text = "<missing>"
-            msg = "Field required"
-        elif e["type"] == "extra_forbidden":
-            value_text = _value_text(e.get("input"))
-            msg = "unknown field (check the spelling; allowed fields: " + ", ".join(_ALLOWED) + ")"
-        elif e["type"] == "tuple_type":
-            value_text = _value_text(e.get("input"))
-            msg = "Input should be a list"
-        elif e["type"] == "value_error":  # a validator's sentence, without pydantic's prefix
-            value_text = _value_text(e.get("input"))
-            msg = str(e.get("ctx", {}).get("error", e["msg"]))
-        else:
-            value_text = _value_text(e.get("input"))
-            msg = e["msg"]
-        hint = _ALLOWED.get(str(loc[0])) if loc else None
-        if hint and e["type"] != "extra_forbidden":
-            msg = f"{msg} (allowed: {hint})"
-        lines.append(f"device profile error: {location} = {value_text}: {msg}")
-    return "\n".join(lines)
+    return "\n".join(_problem_line(p, where) for p in problems(error))
+
+
+def _problem_line(problem: Problem, where: str) -> str:
+    """One problem of a profile as one line, with the allowed values of its field."""
+    loc = problem.loc
+    window = len(loc) > 1 and problem.kind in ("missing", "too_long")  # of 1 or 3 numbers
+    if window:
+        loc = loc[:2]
+    field = field_path(loc)  # nested items as field[i][j], e.g. windows[0][1]
+    location = f"{where}{field}" if field else (where.rstrip(".") or "<profile>")
+    value = "<missing>" if problem.kind == "missing" and not window else _value_text(problem.value)
+    if window:
+        msg = "expected a pair [start_s, end_s]"
+    elif problem.kind == "missing":
+        msg = "Field required"
+    elif problem.kind == "extra_forbidden":
+        msg = "unknown field (check the spelling; allowed fields: " + ", ".join(_ALLOWED) + ")"
+    elif problem.kind == "tuple_type":
+        msg = "Input should be a list"
+    else:  # pydantic's words, or a validator's sentence without pydantic's prefix
+        msg = problem.message
+    hint = _ALLOWED.get(str(loc[0])) if loc else None
+    if hint and problem.kind != "extra_forbidden":
+        msg = f"{msg} (allowed: {hint})"
+    return problem_line("device profile error", location, value, msg)
+
+
+def _value_text(value: Any) -> str:
+    """A value as a profile error shows it (:func:`radbo.errors.value_text`, 80 characters)."""
+    return value_text(value, limit=80)
 
 
 def parse_profile(data: Mapping[str, Any], *, where: str = "") -> DeviceProfile:

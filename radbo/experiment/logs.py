@@ -18,7 +18,7 @@ Both hold the same scalars, one row (TensorBoard: one step) per round:
   ``sim_clock_s`` (the virtual clock; absent for a run without device profiles, which has no
   clock).
 
-The CSV is written at the end of a run (atomically, :func:`radbo.checkpoint.atomic_write_text`),
+The CSV is written at the end of a run (atomically, :func:`radbo.atomic.atomic_write_text`),
 the TensorBoard events while it runs (``<run folder>/tensorboard/run``, and
 ``.../baseline`` for the paired baseline). A resumed run restores the cumulative counters
 from its checkpoint's rows and logs from the round it resumes at; TensorBoard's
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from radbo.checkpoint import atomic_write_text
+from radbo.atomic import atomic_write_text
 from radbo.registry import ConfigError
 
 __all__ = [

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radbo.checkpoint import atomic_write_text
+from radbo.atomic import atomic_write_text
 from radbo.client import Backend
 from radbo.config import ConfigError, RunConfig
 from radbo.experiment.runner import (

@@ -39,7 +39,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from radbo.checkpoint import atomic_write_text
+from radbo.atomic import atomic_write_text
 from radbo.config import RunConfig, load_config, parse_config
 from radbo.experiment import RunResult, run
 from radbo.flower.backend import (
@@ -333,56 +333,18 @@ def make_server_app(
         stopped = _exit_on_sigterm()
         try:
             run_config: Mapping[str, Any] = context.run_config
-            spec = config if config is not None else run_config.get("radbo-config")
-            if spec is None:
-                raise ValueError("no radbo config: set the run config key 'radbo-config'")
-            cfg = load_radbo_config(spec)
-            do_save = bool(run_config.get("save", True)) if save is None else save
-            where = output_dir if output_dir is not None else run_config.get("output-dir")
-            out = Path(str(where)) if where else Path(cfg.output_dir)
+            cfg, do_save, out = _server_settings(config, run_config, save, output_dir)
             if do_save:
                 write_status(out, "running")
-            fc = cfg.flower
-            node_data = fc.data == "node"
-            stateful: set[int] = set()
-            query = _query(cfg.model_dump_json(), node_data)
-            nodes = discover_nodes(
-                grid,
-                cfg.fleet.num_clients,
-                wait_s=fc.discovery_timeout_s,
-                query=query,
-                stateful=stateful,
-                poll_interval=fc.poll_interval_s,
-            )
-            reply_timeout = fc.reply_timeout_s if timeout is None else timeout
-
-            def backend(run_cfg: RunConfig) -> FlowerBackend:
-                text = run_cfg.model_dump_json()
-                sender = TaskSender(text, send_data=not node_data)
-                sender.stateful = stateful
-                if text == query[CONFIG_KEY]:  # discovery already sent it
-                    sender.configured.update(n for n in nodes.values() if n in stateful)
-                ask = _query(text, node_data)
-                return FlowerBackend(
-                    grid,
-                    dict(nodes),
-                    sender=sender,
-                    timeout=reply_timeout,
-                    max_update_ratio=fc.max_update_ratio,
-                    poll_interval=fc.poll_interval_s,
-                    rediscover=_rediscover(
-                        grid, nodes, ask, stateful, reply_timeout, fc.poll_interval_s
-                    ),
-                )
-
             show = bool(run_config.get("progress", True)) if progress is None else progress
-            result = run(
+            result = _run_on_grid(
+                grid,
                 cfg,
-                progress=show,  # on stderr, which `flwr log` shows
-                output_dir=out,
+                out=out,
                 save=do_save,
+                progress=show,
                 resume=bool(run_config.get("resume", False)),
-                backend_factory=backend,
+                timeout=timeout,
             )
         except BaseException as err:
             if sink is not None:
@@ -401,6 +363,80 @@ def make_server_app(
             sink["result"] = result
 
     return app
+
+
+def _server_settings(
+    config: RunConfig | str | None,
+    run_config: Mapping[str, Any],
+    save: bool | None,
+    output_dir: str | Path | None,
+) -> tuple[RunConfig, bool, Path]:
+    """The ServerApp's run config, whether it saves, and its output folder: ``config``,
+    ``save`` and ``output_dir`` where given, else the run config keys ``radbo-config``,
+    ``save`` (true) and ``output-dir`` (the config's ``output_dir``)."""
+    spec = config if config is not None else run_config.get("radbo-config")
+    if spec is None:
+        raise ValueError("no radbo config: set the run config key 'radbo-config'")
+    cfg = load_radbo_config(spec)
+    do_save = bool(run_config.get("save", True)) if save is None else save
+    where = output_dir if output_dir is not None else run_config.get("output-dir")
+    return cfg, do_save, Path(str(where)) if where else Path(cfg.output_dir)
+
+
+def _run_on_grid(
+    grid: Grid,
+    cfg: RunConfig,
+    *,
+    out: Path,
+    save: bool,
+    progress: bool,
+    resume: bool,
+    timeout: float | None,
+) -> RunResult:
+    """Discover the nodes of ``cfg``'s clients on ``grid`` and run ``cfg`` on them
+    (:func:`radbo.experiment.run` with a :class:`FlowerBackend`); ``timeout`` overrides
+    ``[flower] reply_timeout_s``."""
+    fc = cfg.flower
+    node_data = fc.data == "node"
+    stateful: set[int] = set()
+    query = _query(cfg.model_dump_json(), node_data)
+    nodes = discover_nodes(
+        grid,
+        cfg.fleet.num_clients,
+        wait_s=fc.discovery_timeout_s,
+        query=query,
+        stateful=stateful,
+        poll_interval=fc.poll_interval_s,
+    )
+    reply_timeout = fc.reply_timeout_s if timeout is None else timeout
+
+    def backend(run_cfg: RunConfig) -> FlowerBackend:
+        """The backend of a run of ``run_cfg`` (the config, or a baseline's) on the nodes
+        found; the nodes discovery configured for ``cfg`` are not sent it again."""
+        text = run_cfg.model_dump_json()
+        sender = TaskSender(text, send_data=not node_data)
+        sender.stateful = stateful
+        if text == query[CONFIG_KEY]:  # discovery already sent it
+            sender.configured.update(n for n in nodes.values() if n in stateful)
+        ask = _query(text, node_data)
+        return FlowerBackend(
+            grid,
+            dict(nodes),
+            sender=sender,
+            timeout=reply_timeout,
+            max_update_ratio=fc.max_update_ratio,
+            poll_interval=fc.poll_interval_s,
+            rediscover=_rediscover(grid, nodes, ask, stateful, reply_timeout, fc.poll_interval_s),
+        )
+
+    return run(
+        cfg,
+        progress=progress,  # on stderr, which `flwr log` shows
+        output_dir=out,
+        save=save,
+        resume=resume,
+        backend_factory=backend,
+    )
 
 
 def run_on_flower(

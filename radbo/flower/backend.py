@@ -219,6 +219,8 @@ class FlowerBackend:
         meter: FlopMeter | None,
         tasks: Sequence[ClientTask],
     ) -> list[ClientResult]:
+        """One result per task, in order: each task sent to its client's node, the replies
+        checked and decoded (see the class docstring)."""
         if not tasks:
             return []
         self._refresh([t.client for t in tasks])
@@ -227,16 +229,40 @@ class FlowerBackend:
         dtypes: dict[str, torch.dtype] = {n: t.dtype for n, t in state.items()}
         keys_of: Callable[[ClientTask], Collection[str]] | None = getattr(work, "update_keys", None)
         nodes = [self.node_for(t.client) for t in tasks]
-        # a failed node that has left the grid (Flower dropped it after missed heartbeats) is
-        # not waited for again: its client is lost at once until the node is found again
-        gone: set[int] = set()
-        if any(t.client in self.failed for t in tasks) and hasattr(self.grid, "get_node_ids"):
-            connected = set(self.grid.get_node_ids())
-            gone = {
-                n
-                for t, n in zip(tasks, nodes, strict=True)
-                if n is not None and t.client in self.failed and n not in connected
-            }
+        gone = self._gone(tasks, nodes)
+        messages, replies = self._exchange(tasks, nodes, gone)
+        results = []
+        for j, (task, node) in enumerate(zip(tasks, nodes, strict=True)):
+            if node is None:
+                results.append(
+                    lost_result(task, f"no Flower node serves radbo client {task.client}")
+                )
+            elif node in gone:
+                results.append(self._fail(task, node, f"Flower node {node} is not connected"))
+            else:
+                reply = replies.get(messages[j].metadata.message_id)
+                results.append(self._result(task, node, reply, shapes, dtypes, keys_of))
+        return results
+
+    def _gone(self, tasks: Sequence[ClientTask], nodes: Sequence[int | None]) -> set[int]:
+        """The nodes of ``tasks`` whose earlier failure was their leaving the grid (Flower
+        dropped them after missed heartbeats): not waited for again, their clients are lost
+        at once until the node is found again."""
+        if not (any(t.client in self.failed for t in tasks) and hasattr(self.grid, "get_node_ids")):
+            return set()
+        connected = set(self.grid.get_node_ids())
+        return {
+            n
+            for t, n in zip(tasks, nodes, strict=True)
+            if n is not None and t.client in self.failed and n not in connected
+        }
+
+    def _exchange(
+        self, tasks: Sequence[ClientTask], nodes: Sequence[int | None], gone: set[int]
+    ) -> tuple[dict[int, Message], dict[str, Message]]:
+        """Send each task that has a connected node its message and wait for the replies:
+        the messages by task position, and the first reply to each by the id of the message
+        it answers (the grid sets a message's id when it pushes it)."""
         messages: dict[int, Message] = {}  # task position -> its message
         for j, (task, node) in enumerate(zip(tasks, nodes, strict=True)):
             if node is not None and node not in gone:
@@ -253,52 +279,48 @@ class FlowerBackend:
             clock=self.clock,
             sleep=self.sleep,
         )
-        # the grid sets each message's id when it pushes it; replies name the id they answer
         by_id: dict[str, Message] = {}
         for answer in replies:
             by_id.setdefault(answer.metadata.reply_to_message_id, answer)
-        results = []
-        for j, (task, node) in enumerate(zip(tasks, nodes, strict=True)):
-            if node is None:
-                results.append(
-                    lost_result(task, f"no Flower node serves radbo client {task.client}")
-                )
-                continue
-            if node in gone:
-                results.append(self._fail(task, node, f"Flower node {node} is not connected"))
-                continue
-            reply = by_id.get(messages[j].metadata.message_id)
-            if reply is None:
-                within = "" if self.timeout is None else f" within {self.timeout:g} s"
-                results.append(self._fail(task, node, f"no reply from Flower node {node}{within}"))
-                continue
-            if reply.has_error():
-                err = reply.error
-                failed = f"Flower node {node} failed: code {err.code}: {err.reason}"
-                results.append(self._fail(task, node, " ".join(failed.split())))
-                continue
-            self.failed.discard(task.client)
-            reason: str | None = check_reply(
-                reply.content,
-                task,
-                shapes,
-                max_update_ratio=self.max_update_ratio,
-                update_keys=None if keys_of is None else keys_of(task),
-                dtypes=dtypes,
-            )
-            if reason is None:
-                try:
-                    results.append(decode_result(reply.content))
-                    continue
-                except Exception as err:  # noqa: BLE001 -- the checks should have caught it
-                    reason = f"cannot be decoded ({type(err).__name__}: {err})"
-            results.append(
-                ClientResult(
-                    client=task.client,
-                    update={},
-                    cost=reported_cost(reply.content, task),
-                    slot=task.slot,
-                    rejected=f"reply rejected: {' '.join(reason.split())}",
-                )
-            )
-        return results
+        return messages, by_id
+
+    def _result(
+        self,
+        task: ClientTask,
+        node: int,
+        reply: Message | None,
+        shapes: Mapping[str, torch.Size],
+        dtypes: Mapping[str, torch.dtype],
+        keys_of: Callable[[ClientTask], Collection[str]] | None,
+    ) -> ClientResult:
+        """The result of ``task`` from ``node``'s ``reply``: lost (the node failed: no reply,
+        or an error reply), rejected (the reply fails :func:`check_reply` or cannot be
+        decoded; its reported cost is charged), or the decoded result."""
+        if reply is None:
+            within = "" if self.timeout is None else f" within {self.timeout:g} s"
+            return self._fail(task, node, f"no reply from Flower node {node}{within}")
+        if reply.has_error():
+            err = reply.error
+            failed = f"Flower node {node} failed: code {err.code}: {err.reason}"
+            return self._fail(task, node, " ".join(failed.split()))
+        self.failed.discard(task.client)
+        reason: str | None = check_reply(
+            reply.content,
+            task,
+            shapes,
+            max_update_ratio=self.max_update_ratio,
+            update_keys=None if keys_of is None else keys_of(task),
+            dtypes=dtypes,
+        )
+        if reason is None:
+            try:
+                return decode_result(reply.content)
+            except Exception as err:  # noqa: BLE001 -- the checks should have caught it
+                reason = f"cannot be decoded ({type(err).__name__}: {err})"
+        return ClientResult(
+            client=task.client,
+            update={},
+            cost=reported_cost(reply.content, task),
+            slot=task.slot,
+            rejected=f"reply rejected: {' '.join(reason.split())}",
+        )

@@ -120,6 +120,30 @@ def check_reply(
     when the client work declares one; ``dtypes`` the model tensors' dtypes, for update keys
     whose tensor the task did not send.
     """
+    records = _records(content)
+    if isinstance(records, str):
+        return records
+    arrays, config = records
+    reason = _check_config(config, task)
+    if reason is not None:
+        return reason
+    update_names = _update_names(arrays, config, update_keys)
+    if isinstance(update_names, str):
+        return update_names
+    values: list[np.ndarray] = []
+    for key in update_names:
+        value = _update_array(key, arrays, task, shapes, update_keys=update_keys, dtypes=dtypes)
+        if isinstance(value, str):
+            return value
+        values.append(value)
+    if max_update_ratio is not None:
+        return _check_norm(values, task, max_update_ratio)
+    return None
+
+
+def _records(content: RecordDict) -> tuple[ArrayRecord, ConfigRecord] | str:
+    """The reply's two records (one ``"arrays"`` ArrayRecord, one ``"config"`` ConfigRecord,
+    nothing else), or why it does not hold exactly those."""
     if not isinstance(content, RecordDict):
         return f"reply content is a {type(content).__name__}, not a RecordDict"
     names = set(content.keys())
@@ -128,8 +152,12 @@ def check_reply(
     arrays, config = content[ARRAYS], content[CONFIG]
     if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
         return f"reply record {ARRAYS!r} must be an ArrayRecord and {CONFIG!r} a ConfigRecord"
+    return arrays, config
 
-    # -- config: exact keys, identity, costs, metrics
+
+def _check_config(config: ConfigRecord, task: ClientTask) -> str | None:
+    """Why the reply's config is unsound, or ``None``: its exact keys, the client and slot of
+    ``task``, costs integers >= 0 and metrics finite numbers."""
     missing = sorted(_FIXED_KEYS - set(config.keys()))
     if missing:
         return f"config lacks {missing}"
@@ -153,8 +181,14 @@ def check_reply(
         metric = config[_METRIC + k]
         if not _is_number(metric) or not math.isfinite(metric):
             return f"metric {k!r} = {metric!r} is not a finite number"
+    return None
 
-    # -- update: key set
+
+def _update_names(
+    arrays: ArrayRecord, config: ConfigRecord, update_keys: Collection[str] | None
+) -> list[str] | str:
+    """The update's key names: those the config lists, which must be the arrays' names and,
+    when the client work declares them, exactly ``update_keys``; or why they are not."""
     update_names = _names(config, "update_names")
     if isinstance(update_names, str):
         return update_names
@@ -166,42 +200,54 @@ def check_reply(
         extra = sorted(set(update_names) - set(update_keys))
         lacking = sorted(set(update_keys) - set(update_names))
         return f"update keys differ from the phase's: extra {extra}, missing {lacking}"
+    return update_names
 
-    # -- update: every array
-    values: list[np.ndarray] = []
-    for key in update_names:
-        name = key.rsplit(":", 1)[-1]
-        if name not in shapes:
-            return f"update {key!r} is not a model tensor"
-        if update_keys is None and key not in task.params and name not in task.params:
-            return f"update {key!r} names a tensor the task did not send"
-        loaded = _load(arrays[_UPDATE + key])
-        if isinstance(loaded, str):
-            return f"update {key!r} {loaded}"
-        value = loaded
-        dtype = _expected_dtype(key, name, task, dtypes)
-        if dtype is None:
-            return f"update {key!r} has no known dtype"
-        if value.dtype != _numpy_dtype(dtype):
-            return f"update {key!r} is {value.dtype}, expected {_numpy_dtype(dtype)}"
-        index = task.index_set.get(name, (None,) * len(shapes[name]))
-        expected = tuple(
-            n if i is None else int(i.numel()) for i, n in zip(index, shapes[name], strict=True)
+
+def _update_array(
+    key: str,
+    arrays: ArrayRecord,
+    task: ClientTask,
+    shapes: Mapping[str, torch.Size],
+    *,
+    update_keys: Collection[str] | None,
+    dtypes: Mapping[str, torch.dtype] | None,
+) -> np.ndarray | str:
+    """The update array under ``key``, or why it is unsound: not a model tensor (or, without
+    declared ``update_keys``, one the task did not send), unreadable, of another dtype than
+    the tensor sent, not the submodel shape the task's index set selects, or not finite."""
+    name = key.rsplit(":", 1)[-1]
+    if name not in shapes:
+        return f"update {key!r} is not a model tensor"
+    if update_keys is None and key not in task.params and name not in task.params:
+        return f"update {key!r} names a tensor the task did not send"
+    value = _load(arrays[_UPDATE + key])
+    if isinstance(value, str):
+        return f"update {key!r} {value}"
+    dtype = _expected_dtype(key, name, task, dtypes)
+    if dtype is None:
+        return f"update {key!r} has no known dtype"
+    if value.dtype != _numpy_dtype(dtype):
+        return f"update {key!r} is {value.dtype}, expected {_numpy_dtype(dtype)}"
+    index = task.index_set.get(name, (None,) * len(shapes[name]))
+    expected = tuple(
+        n if i is None else int(i.numel()) for i, n in zip(index, shapes[name], strict=True)
+    )
+    if tuple(value.shape) != expected:
+        return f"update {key!r} has shape {tuple(value.shape)}, expected {expected}"
+    if np.issubdtype(value.dtype, np.floating) and not bool(np.isfinite(value).all()):
+        return f"update {key!r} holds NaN or Inf"
+    return value
+
+
+def _check_norm(values: list[np.ndarray], task: ClientTask, max_update_ratio: float) -> str | None:
+    """Why the update's L2 norm exceeds ``max_update_ratio`` times the task's tensors' norm
+    (``[flower] max_update_ratio``), or ``None``."""
+    norm, bound = _norm(values), max_update_ratio * _norm(list(task.params.values()))
+    if not norm <= bound:
+        return (
+            f"update L2 norm {norm:.4g} exceeds {max_update_ratio:g} x the task's "
+            f"tensors' norm ({bound:.4g}; [flower] max_update_ratio)"
         )
-        if tuple(value.shape) != expected:
-            return f"update {key!r} has shape {tuple(value.shape)}, expected {expected}"
-        if np.issubdtype(value.dtype, np.floating) and not bool(np.isfinite(value).all()):
-            return f"update {key!r} holds NaN or Inf"
-        values.append(value)
-
-    # -- update: the optional norm bound
-    if max_update_ratio is not None:
-        norm, bound = _norm(values), max_update_ratio * _norm(list(task.params.values()))
-        if not norm <= bound:
-            return (
-                f"update L2 norm {norm:.4g} exceeds {max_update_ratio:g} x the task's "
-                f"tensors' norm ({bound:.4g}; [flower] max_update_ratio)"
-            )
     return None
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import shutil
@@ -60,6 +59,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import psutil
 
+from radbo.atomic import atomic_write_text
+from radbo.tomlfile import toml_lines, toml_string
+
 if TYPE_CHECKING:
     from radbo.config import RunConfig
 
@@ -76,8 +78,6 @@ COMPLETED = "finished:completed"
 APP_DIR = Path(__file__).resolve().parent / "app"
 #: Files in an output folder that mean a deployment already ran there.
 _RUN_FILES = ("results.json", "status.json", "logs")
-
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class DeploymentError(RuntimeError):
@@ -104,33 +104,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def toml_value(value: Scalar) -> str:
-    """``value`` as a TOML value (strings JSON-quoted, which is valid TOML)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    raise TypeError(
-        f"config value {value!r} has type {type(value).__name__}; Flower configs take str, "
-        "int, float or bool"
-    )
-
-
 def flat_toml(values: Mapping[str, Scalar]) -> str:
-    """A flat TOML document of ``values`` (keys quoted unless bare)."""
-    lines = []
-    for key, value in values.items():
-        name = key if _BARE_KEY.match(key) else json.dumps(key)
-        lines.append(f"{name} = {toml_value(value)}")
-    return "\n".join(lines) + "\n"
+    """A flat TOML document of ``values`` (keys quoted unless bare); :class:`TypeError` for a
+    value Flower's configs cannot hold."""
+    for value in values.values():
+        if not isinstance(value, str | int | float | bool):
+            raise TypeError(
+                f"config value {value!r} has type {type(value).__name__}; Flower configs take "
+                "str, int, float or bool"
+            )
+    return "\n".join(toml_lines(values)) + "\n"
 
 
 def connection_toml(
@@ -144,23 +127,22 @@ def connection_toml(
     default) at ``address`` (``host:port``)."""
     lines = [
         "[superlink]",
-        f"default = {json.dumps(name)}",
+        f"default = {toml_string(name)}",
         "",
         f"[superlink.{name}]",
-        f"address = {json.dumps(address)}",
+        f"address = {toml_string(address)}",
     ]
     if insecure:
         lines.append("insecure = true")
     if root_certificates is not None:
-        lines.append(f"root-certificates = {json.dumps(str(root_certificates))}")
+        lines.append(f"root-certificates = {toml_string(str(root_certificates))}")
     return "\n".join(lines) + "\n"
 
 
 def write_connection_config(flwr_home: str | Path, address: str, *, name: str = CONNECTION) -> Path:
     """Write ``$FLWR_HOME/config.toml`` (insecure connection ``name`` at ``address``)."""
     path = Path(flwr_home) / "config.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(connection_toml(address, name=name))
+    atomic_write_text(path, connection_toml(address, name=name))
     return path
 
 
@@ -482,7 +464,7 @@ class LocalDeployment:
         for i, port in enumerate(self.node_ports):
             config = dict(self.node_config(i))
             config_file = self.log_dir / f"node-{i}.toml"
-            config_file.write_text(flat_toml(config))
+            atomic_write_text(config_file, flat_toml(config))
             node = self.spawn(
                 f"supernode-{i}",
                 [
@@ -586,7 +568,7 @@ class LocalDeployment:
         ``<log_dir>/run-<n>.log``."""
         self._runs += 1
         config_file = self.log_dir / f"run-config-{self._runs}.toml"
-        config_file.write_text(flat_toml(run_config))
+        atomic_write_text(config_file, flat_toml(run_config))
         started = time.monotonic()
         deadline = started + timeout_s
         submitted = self.flwr(
@@ -796,7 +778,7 @@ def node_config_template(template: str) -> Callable[[int], dict[str, Scalar]]:
             raise DeploymentError(
                 f"--node-config {template!r} has no key=value pair: write e.g. 'partition-id={{i}}'"
             )
-        body = "\n".join(f"{json.dumps(k)} = {v}" for k, v in pairs)
+        body = "\n".join(f"{toml_string(k)} = {v}" for k, v in pairs)
         try:
             return dict(tomllib.loads(body))
         except tomllib.TOMLDecodeError as err:

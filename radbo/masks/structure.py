@@ -99,6 +99,41 @@ def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
         owner._buffers[leaf] = value
 
 
+def _output_modules(model: nn.Module, output_layers: Sequence[str]) -> list[nn.Module]:
+    """The modules named ``output_layers``, whose output channels are never pruned;
+    :class:`ValueError` for a name that is not a submodule of ``model``."""
+    ignored: list[nn.Module] = []
+    for name in output_layers:
+        try:
+            ignored.append(model.get_submodule(name))
+        except AttributeError:
+            raise ValueError(
+                f"output layer {name!r} is not a submodule of {type(model).__name__}; "
+                "pass names as in model.named_modules()"
+            ) from None
+    return ignored
+
+
+def _dependency_graph(model: nn.Module, example_inputs: Tensor) -> tp.DependencyGraph:
+    """Torch-Pruning's dependency graph of ``model``, traced once on ``example_inputs`` (with
+    gradients on; every module's training mode is put back after)."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with torch.enable_grad():
+            # parameters only a loss reads (a hyperparameter x) are outside the forward
+            # graph; declaring them keeps Torch-Pruning from warning about them. They
+            # belong to no group, so no plan ever prunes them.
+            loss_only = [
+                (model.get_parameter(n), 0) for n in getattr(model, "loss_only_parameters", ())
+            ]
+            return tp.DependencyGraph().build_dependency(
+                model, example_inputs=example_inputs, unwrapped_parameters=loss_only or None
+            )
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
 class StructurePlan:
     """Prunable channel groups of a model and the tensors each one slices.
 
@@ -123,31 +158,8 @@ class StructurePlan:
         self.model = model
         self.output_layers = tuple(output_layers)
         module_names = {m: n for n, m in model.named_modules()}
-        ignored: list[nn.Module] = []
-        for name in self.output_layers:
-            try:
-                ignored.append(model.get_submodule(name))
-            except AttributeError:
-                raise ValueError(
-                    f"output layer {name!r} is not a submodule of {type(model).__name__}; "
-                    "pass names as in model.named_modules()"
-                ) from None
-
-        modes = {m: m.training for m in model.modules()}
-        try:
-            with torch.enable_grad():
-                # parameters only a loss reads (a hyperparameter x) are outside the forward
-                # graph; declaring them keeps Torch-Pruning from warning about them. They
-                # belong to no group, so no plan ever prunes them.
-                loss_only = [
-                    (model.get_parameter(n), 0) for n in getattr(model, "loss_only_parameters", ())
-                ]
-                self._graph = tp.DependencyGraph().build_dependency(
-                    model, example_inputs=example_inputs, unwrapped_parameters=loss_only or None
-                )
-        finally:
-            for m, mode in modes.items():
-                m.training = mode
+        ignored = _output_modules(model, self.output_layers)
+        self._graph = _dependency_graph(model, example_inputs)
 
         state = model.state_dict()
         self._shapes: dict[str, torch.Size] = {k: v.shape for k, v in state.items()}
@@ -160,31 +172,12 @@ class StructurePlan:
         for group in self._graph.get_all_groups(
             ignored_layers=ignored, root_module_types=[nn.Conv2d, nn.Linear]
         ):
-            root = group[0].dep.target.module
-            gname = module_names[root]
-            items: list[_Item] = []
-            for item in group.items:
-                target = item.dep.target.module
-                if isinstance(target, nn.Parameter):
-                    raise NotImplementedError(
-                        f"group {gname!r} prunes a bare nn.Parameter, which radbo's structured "
-                        "masks do not support; wrap it in an nn.Module"
-                    )
-                lname = module_names.get(target)
-                if lname is None:  # an operation placeholder (add, ReLU, flatten): no state
-                    continue
-                op: _OpKey = (lname, item.dep.handler, int(item.dep.target.pruning_dim))
-                if op not in self._slices:
-                    self._slices[op] = self._learn_slices(op)
-                items.append(
-                    _Item(
-                        op=op,
-                        idxs=torch.as_tensor(list(item.idxs), dtype=torch.long),
-                        root_idxs=torch.as_tensor(list(item.root_idxs), dtype=torch.long),
-                    )
-                )
-            channels = len(group[0].idxs)
-            found[gname] = (channels, group, items)
+            gname = module_names[group[0].dep.target.module]
+            found[gname] = (
+                len(group[0].idxs),
+                group,
+                self._group_items(group, gname, module_names),
+            )
 
         order = {n: i for i, (n, _) in enumerate(model.named_modules())}
         names = sorted(found, key=order.__getitem__)
@@ -201,6 +194,35 @@ class StructurePlan:
         self._skeleton = skeleton
 
     # ------------------------------------------------------------------ construction helpers
+    def _group_items(
+        self, group: Any, gname: str, module_names: Mapping[nn.Module, str]
+    ) -> list[_Item]:
+        """The items of Torch-Pruning group ``gname`` that slice state (operation placeholders
+        such as add, ReLU or flatten have none), learning each new operation's slices
+        (:meth:`_learn_slices`); a bare ``nn.Parameter`` is refused."""
+        items: list[_Item] = []
+        for item in group.items:
+            target = item.dep.target.module
+            if isinstance(target, nn.Parameter):
+                raise NotImplementedError(
+                    f"group {gname!r} prunes a bare nn.Parameter, which radbo's structured "
+                    "masks do not support; wrap it in an nn.Module"
+                )
+            lname = module_names.get(target)
+            if lname is None:  # an operation placeholder (add, ReLU, flatten): no state
+                continue
+            op: _OpKey = (lname, item.dep.handler, int(item.dep.target.pruning_dim))
+            if op not in self._slices:
+                self._slices[op] = self._learn_slices(op)
+            items.append(
+                _Item(
+                    op=op,
+                    idxs=torch.as_tensor(list(item.idxs), dtype=torch.long),
+                    root_idxs=torch.as_tensor(list(item.root_idxs), dtype=torch.long),
+                )
+            )
+        return items
+
     def _learn_slices(self, op: _OpKey) -> list[_Slice]:
         """Apply ``op`` to a tagged copy of its layer and read off which dims it index-selects.
 
