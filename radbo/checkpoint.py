@@ -473,13 +473,13 @@ def _describe(error: ValidationError) -> str:
     first = found[0]
     where = field_path(first.loc)
     msg = first.message
-    if first.kind in ("model_type", "dict_type"):
+    if first.type in ("model_type", "dict_type"):
         msg = "Input should be a JSON object"
-    if first.kind == "missing":
+    if first.type == "missing":
         text = f"{where} is missing"
-    elif first.kind == "extra_forbidden":
+    elif first.type == "extra_forbidden":
         text = f"{where} is an unknown field"
-    elif first.kind == "value_error":
+    elif first.type == "value_error":
         text = f"{where}: {msg}" if where else msg
     else:
         text = f"{where} = {_short(first.value)}: {msg}"

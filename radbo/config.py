@@ -734,10 +734,10 @@ def _merged_problems(
     tags = all_tags()
     rows = []
     for p in problems(error):
-        msg = None if p.kind == "extra_forbidden" else p.message
+        msg = None if p.type == "extra_forbidden" else p.message
         # a refused scalar (a boolean for a number, ...) is a real problem, not a union member
         # saying "not my type"
-        is_type = p.kind in _TYPE_ERRORS and not isinstance(p.value, _Refused)
+        is_type = p.type in _TYPE_ERRORS and not isinstance(p.value, _Refused)
         rows.append((_location(p.loc, tags), p.loc, p.value, msg, is_type))
     # every field holding a real problem, and the fields it lies in
     specific: set[str] = set()

@@ -45,7 +45,7 @@ class Problem:
     #: where: field names and list positions, outermost first (pydantic's ``loc``)
     loc: tuple[int | str, ...]
     #: pydantic's error type: ``"missing"``, ``"extra_forbidden"``, ``"value_error"``, ...
-    kind: str
+    type: str
     #: the value refused (for a missing field, the table it is missing from)
     value: Any
     #: what is wrong, in pydantic's words or the validator's sentence (no ``"Value error, "``)
@@ -61,13 +61,13 @@ def problems(error: ValidationError) -> list[Problem]:
     >>> try:
     ...     M.model_validate({"n": "x"})
     ... except ValidationError as err:
-    ...     problems(err)[0].loc, problems(err)[0].kind
+    ...     problems(err)[0].loc, problems(err)[0].type
     (('n',), 'int_parsing')
     """
     return [
         Problem(
             loc=tuple(e["loc"]),
-            kind=e["type"],
+            type=e["type"],
             value=e.get("input"),
             message=e["msg"].removeprefix("Value error, "),
         )

@@ -231,24 +231,24 @@ def format_profile_errors(error: ValidationError, where: str = "") -> str:
 def _problem_line(problem: Problem, where: str) -> str:
     """One problem of a profile as one line, with the allowed values of its field."""
     loc = problem.loc
-    window = len(loc) > 1 and problem.kind in ("missing", "too_long")  # of 1 or 3 numbers
+    window = len(loc) > 1 and problem.type in ("missing", "too_long")  # of 1 or 3 numbers
     if window:
         loc = loc[:2]
     field = field_path(loc)  # nested items as field[i][j], e.g. windows[0][1]
     location = f"{where}{field}" if field else (where.rstrip(".") or "<profile>")
-    value = "<missing>" if problem.kind == "missing" and not window else _value_text(problem.value)
+    value = "<missing>" if problem.type == "missing" and not window else _value_text(problem.value)
     if window:
         msg = "expected a pair [start_s, end_s]"
-    elif problem.kind == "missing":
+    elif problem.type == "missing":
         msg = "Field required"
-    elif problem.kind == "extra_forbidden":
+    elif problem.type == "extra_forbidden":
         msg = "unknown field (check the spelling; allowed fields: " + ", ".join(_ALLOWED) + ")"
-    elif problem.kind == "tuple_type":
+    elif problem.type == "tuple_type":
         msg = "Input should be a list"
     else:  # pydantic's words, or a validator's sentence without pydantic's prefix
         msg = problem.message
     hint = _ALLOWED.get(str(loc[0])) if loc else None
-    if hint and problem.kind != "extra_forbidden":
+    if hint and problem.type != "extra_forbidden":
         msg = f"{msg} (allowed: {hint})"
     return problem_line("device profile error", location, value, msg)
 
