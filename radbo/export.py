@@ -84,7 +84,7 @@ import io
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -908,14 +908,9 @@ def _export(
     )
     out = Path(out_dir)
     exp = build(_export_config(config))
-    source = _source(exp, config, checkpoint, require_round)
-    source = ExportSource(
-        round=source.round,
-        state=source.state,
-        clock_s=source.clock_s,
-        checkpoint=source.checkpoint,
+    source = replace(
+        _source(exp, config, checkpoint, require_round),
         run_dir=run_dir,
-        fallback=source.fallback,
         final_test_accuracy=final_test_accuracy,
     )
     _prepare_folder(out)
@@ -965,6 +960,7 @@ class _ExportedRound:
 
     @property
     def clients(self) -> list[int]:
+        """Every client of the fleet."""
         return list(range(len(self.index_sets)))
 
 
