@@ -233,6 +233,11 @@ class MaskConfig(Section):
         1, ge=1, description="rolling: channels the window advances per round"
     )
 
+    @property
+    def masked(self) -> bool:
+        """Whether clients train submodels (a mask policy other than ``none``)."""
+        return self.policy != "none"
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, policy: str) -> str:

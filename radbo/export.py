@@ -84,7 +84,7 @@ import io
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,7 @@ from radbo.edge import (
     require,
 )
 from radbo.experiment import Experiment, build
+from radbo.experiment.clientside import structure_plan
 from radbo.flops import count_flops, meta_training_inputs, training_step_flops
 from radbo.jsonio import dumps as json_dumps
 from radbo.masks.assigner import SubmodelAssigner
@@ -569,9 +570,10 @@ def round_assignment(
     sim = experiment.simulation
     clients = list(range(len(sim.clients)))
     budgets = sim.round_budgets(round, clients)
-    if sim.masks is None:
-        model = experiment.model
-        plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
+    if sim.masks is None:  # the client side's plan when it has one (a fleet's memory model)
+        plan = experiment.client_side.model.plan
+        if plan is None:
+            plan = structure_plan(experiment.model)
         return plan, [plan.full_index_set() for _ in clients], budgets
     assert isinstance(sim.masks, SubmodelAssigner), "build() gives a SubmodelAssigner"
     index_sets = sim.round_index_sets(state, round, clients, budgets)
@@ -894,40 +896,82 @@ def _export(
     final_test_accuracy: float | None = None,
     require_round: int | None = None,
 ) -> ExportResult:
-    quantize, tolerance = options.quantize, options.tolerance
+    """Export and check every distinct submodel of ``config``'s run (see the module
+    docstring): build the run, find the state and its round's masks, write and check each
+    submodel, then the manifest."""
     chosen, edge = _check_options(
-        options.formats, quantize, options.latency_runs, tolerance, options.accuracy_examples
+        options.formats,
+        options.quantize,
+        options.latency_runs,
+        options.tolerance,
+        options.accuracy_examples,
     )
     out = Path(out_dir)
     exp = build(_export_config(config))
-    source = ExportSource(round=0, state=exp.initial_state)
-    if checkpoint is not None:
-        source = load_source(exp, checkpoint, config)
-        if require_round is not None and source.round != require_round:
-            raise ExportError(
-                f"export error: the final checkpoint in {source.checkpoint} is damaged "
-                f"({source.fallback}); its previous one is after round {source.round}, not the "
-                f"run's last: export it with --checkpoint {source.checkpoint} if that is meant"
-            )
-    source = ExportSource(
-        round=source.round,
-        state=source.state,
-        clock_s=source.clock_s,
-        checkpoint=source.checkpoint,
+    source = replace(
+        _source(exp, config, checkpoint, require_round),
         run_dir=run_dir,
-        fallback=source.fallback,
         final_test_accuracy=final_test_accuracy,
     )
     _prepare_folder(out)
-    sim = exp.simulation
-    model = exp.model
-    dtype = next(iter(model.parameters())).dtype
-    full_state = _model_state(exp, source.state)
-    round_ = source.round
+    exported = _exported_round(exp, source)
+    writer = _writer(exp, out, chosen, edge, options)
+    groups = _distinct(exported.index_sets)
+    try:
+        written = [_submodel_entry(writer, exp, exported, group) for group in groups.values()]
+    except OSError as err:
+        where = err.filename or out
+        raise ExportError(f"export error: cannot write {where}: {err.strerror or err}") from None
+    per_submodel = {g.first: w.entry for g, w in zip(groups.values(), written, strict=True)}
+    manifest = _manifest(exp, source, exported, writer, groups, written)
+    return _write_manifest(manifest, writer, per_submodel)
+
+
+def _source(
+    exp: Experiment, config: RunConfig, checkpoint: str | Path | None, require_round: int | None
+) -> ExportSource:
+    """The state to export: the initial one (round 0), or that of ``checkpoint``, which must
+    be after round ``require_round`` when that is given (a run's final checkpoint)."""
+    if checkpoint is None:
+        return ExportSource(round=0, state=exp.initial_state)
+    source = load_source(exp, checkpoint, config)
+    if require_round is not None and source.round != require_round:
+        raise ExportError(
+            f"export error: the final checkpoint in {source.checkpoint} is damaged "
+            f"({source.fallback}); its previous one is after round {source.round}, not the "
+            f"run's last: export it with --checkpoint {source.checkpoint} if that is meant"
+        )
+    return source
+
+
+@dataclass
+class _ExportedRound:
+    """The round whose masks are exported: its number, the state's model tensors (CPU), every
+    client's structure plan, index set and budget, which clients take part and the index sets
+    the round itself gives them."""
+
+    number: int
+    state: Params
+    plan: StructurePlan
+    index_sets: list[IndexSet]
+    budgets: list[ClientBudget]
+    sampled: list[int]
+    round_sets: dict[int, IndexSet]
+
+    @property
+    def clients(self) -> list[int]:
+        """Every client of the fleet."""
+        return list(range(len(self.index_sets)))
+
+
+def _exported_round(exp: Experiment, source: ExportSource) -> _ExportedRound:
+    """Every client's mask in ``source``'s round (``prepare`` called on all clients), and the
+    masks the round itself gives the clients it samples (these differ only for a policy that
+    prepares on the round's clients together, e.g. ``coverage``)."""
+    sim, round_ = exp.simulation, source.round
+    state = _model_state(exp, source.state)
     plan, index_sets, budgets = round_assignment(exp, source.state, round_)
     clients = list(range(len(index_sets)))
-
-    # The round itself: which clients take part, and the masks it gives them.
     sampled = sim.sample_clients(round_, clock_s=source.clock_s)
     round_sets = dict(zip(clients, index_sets, strict=True))
     masks = sim.masks
@@ -937,15 +981,39 @@ def _export(
                 source.state, round_, sampled, sim.round_budgets(round_, sampled)
             )
             round_sets = dict(zip(sampled, actual, strict=True))
+    return _ExportedRound(round_, state, plan, index_sets, budgets, sampled, round_sets)
 
+
+@dataclass
+class _Writer:
+    """What writing and checking every distinct submodel of one export shares: the output
+    folder, the chosen formats and options, the edge set-up, the check batch, the training
+    batch size and the files written so far."""
+
+    out: Path
+    chosen: tuple[str, ...]
+    options: _Options
+    setup: _EdgeSetup
+    inputs: Tensor
+    batch_size: int
+    test_count: int
+    examples: int
+    files: list[Path] = field(default_factory=list)
+
+
+def _writer(
+    exp: Experiment, out: Path, chosen: tuple[str, ...], edge: tuple[str, ...], options: _Options
+) -> _Writer:
+    """The :class:`_Writer` of an export of ``exp`` to ``out``."""
+    config, model = exp.config, exp.model
+    dtype = next(iter(model.parameters())).dtype
     inputs = exp.test.features[:CHECK_BATCH].to(dtype)
     batch_size = int(config.algorithm.batch_size)
-    outer, inner = set(model.outer_param_names()), set(model.inner_param_names())
     test_count = int(exp.test.features.shape[0])
     examples = min(options.accuracy_examples, test_count)
-    edge_setup = _EdgeSetup(
+    setup = _EdgeSetup(
         edge=edge,
-        quantize=quantize,
+        quantize=options.quantize,
         runs=options.latency_runs,
         batches=sorted({1, batch_size}),
         max_batch=max(batch_size, int(inputs.shape[0]), 1),
@@ -953,94 +1021,129 @@ def _export(
         test_features=exp.test.features[:examples],
         test_labels=exp.test.labels[:examples],
     )
+    return _Writer(out, chosen, options, setup, inputs, batch_size, test_count, examples)
 
-    groups = _distinct(index_sets)
-    files: list[Path] = []
-    per_submodel: dict[int, dict[str, Any]] = {}
-    derivations: list[dict[str, Any]] = []
-    classes = False
-    try:
-        for group in groups.values():
-            first, idx = group.first, group.index_set
-            state = _submodel_state(exp, plan, full_state, idx)
-            tensors = {k: v.contiguous() for k, v in extract(state, idx).items()}
-            data = safetensors_bytes(
-                tensors,
-                metadata={
-                    "format": "pt",
-                    "producer": FORMAT,
-                    "clients": str(group.clients),
-                    "round": str(round_),
-                },
-            )
-            name: str | None = None
-            if "safetensors" in chosen:
-                name = f"client-{first}.safetensors"
-                _write_bytes(out / name, data)
-                files.append(out / name)
 
-            # the check: read back, compare bitwise, load into a fresh submodel, compare logits
-            loaded = load_file(out / name) if name else safetensors_load(data)
-            same_tensors = set(loaded) == set(tensors) and all(
-                loaded[k].dtype == tensors[k].dtype and torch.equal(loaded[k], tensors[k])
-                for k in tensors
-            )
-            sub = plan.submodel(idx)
-            sub.load_state_dict(loaded, strict=True)
-            sub.eval()
-            with torch.no_grad():
-                logits = sub(inputs)
-            want = _masked_full_logits(plan, state, idx, inputs)
-            diff = _diff(logits, want)
-            if not same_tensors:
-                diff = float("inf")
-            bound, derivation = _tolerance(plan, state, idx, inputs, tolerance)
-            derivations.append(derivation)
+@dataclass
+class _Written:
+    """One distinct submodel written and checked: its manifest entry, the derivation of its
+    tolerance, and whether the accuracy sample's labels are its classes."""
 
-            entry: dict[str, Any] = {
-                "file": name,
-                "parameters": sum(p.numel() for p in sub.parameters()),
-                "parameters_x": sum(p.numel() for n, p in sub.named_parameters() if n in outer),
-                "parameters_y": sum(p.numel() for n, p in sub.named_parameters() if n in inner),
-                "bytes": tensor_bytes(loaded),
-                "index_metadata_bytes": index_metadata_bytes(idx),
-                "flops_per_step": training_step_flops(sub, batch_size),
-                "shapes": {k: list(v.shape) for k, v in loaded.items()},
-                "kept": {
-                    k: [None if e is None else [int(i) for i in e.tolist()] for e in dims]
-                    for k, dims in idx.items()
-                },
-                "max_abs_diff": diff,
-                "tolerance": bound,
-                "torch_export": None,
-            }
-            if options.torch_export:
-                entry["torch_export"] = _export_program(sub, inputs, logits, out, first, files)
-            reference = _Reference.of(sub, edge_setup)
-            classes = reference.classes_match
-            want32 = want.to(torch.float32)
-            for fmt in EDGE_FORMATS:
-                entry[fmt] = None
-                if fmt in edge:
-                    entry[fmt] = _edge_file(
-                        sub, fmt, None, inputs, want32, out, first, edge_setup, reference
-                    )
-            for q in QUANTIZATIONS:
-                entry[f"pte_{q}"] = None
-            if quantize is not None:
-                entry[f"pte_{quantize}"] = _edge_file(
-                    sub, "pte", quantize, inputs, want32, out, first, edge_setup, reference
-                )
-            entry["accuracy"] = _accuracy_summary(entry, reference)
-            files.extend(out / e["file"] for e in _edge_entries(entry) if e.get("file"))
-            per_submodel[first] = entry
-    except OSError as err:
-        where = err.filename or out
-        raise ExportError(f"export error: cannot write {where}: {err.strerror or err}") from None
+    entry: dict[str, Any]
+    derivation: dict[str, Any]
+    classes: bool
 
+
+def _safetensors(
+    writer: _Writer, state: Params, group: _Submodel, round_: int
+) -> tuple[str | None, Params, Params]:
+    """Write ``client-<first>.safetensors`` when chosen; (its name or ``None``, the tensors,
+    the tensors read back from the file, or from the bytes when no file is written)."""
+    idx = group.index_set
+    tensors = {k: v.contiguous() for k, v in extract(state, idx).items()}
+    data = safetensors_bytes(
+        tensors,
+        metadata={
+            "format": "pt",
+            "producer": FORMAT,
+            "clients": str(group.clients),
+            "round": str(round_),
+        },
+    )
+    name: str | None = None
+    if "safetensors" in writer.chosen:
+        name = f"client-{group.first}.safetensors"
+        _write_bytes(writer.out / name, data)
+        writer.files.append(writer.out / name)
+    loaded = load_file(writer.out / name) if name else safetensors_load(data)
+    return name, tensors, loaded
+
+
+def _submodel_entry(
+    writer: _Writer, exp: Experiment, exported: _ExportedRound, group: _Submodel
+) -> _Written:
+    """Write one distinct submodel and check it: read back, compare bitwise, load into a
+    fresh submodel and compare its logits with the masked full model's; then its edge files."""
+    plan, first, idx = exported.plan, group.first, group.index_set
+    state = _submodel_state(exp, plan, exported.state, idx)
+    name, tensors, loaded = _safetensors(writer, state, group, exported.number)
+    same_tensors = set(loaded) == set(tensors) and all(
+        loaded[k].dtype == tensors[k].dtype and torch.equal(loaded[k], tensors[k]) for k in tensors
+    )
+    sub = plan.submodel(idx)
+    sub.load_state_dict(loaded, strict=True)
+    sub.eval()
+    with torch.no_grad():
+        logits = sub(writer.inputs)
+    want = _masked_full_logits(plan, state, idx, writer.inputs)
+    diff = _diff(logits, want) if same_tensors else float("inf")
+    bound, derivation = _tolerance(plan, state, idx, writer.inputs, writer.options.tolerance)
+    outer, inner = set(exp.model.outer_param_names()), set(exp.model.inner_param_names())
+    entry: dict[str, Any] = {
+        "file": name,
+        "parameters": sum(p.numel() for p in sub.parameters()),
+        "parameters_x": sum(p.numel() for n, p in sub.named_parameters() if n in outer),
+        "parameters_y": sum(p.numel() for n, p in sub.named_parameters() if n in inner),
+        "bytes": tensor_bytes(loaded),
+        "index_metadata_bytes": index_metadata_bytes(idx),
+        "flops_per_step": training_step_flops(sub, writer.batch_size),
+        "shapes": {k: list(v.shape) for k, v in loaded.items()},
+        "kept": {
+            k: [None if e is None else [int(i) for i in e.tolist()] for e in dims]
+            for k, dims in idx.items()
+        },
+        "max_abs_diff": diff,
+        "tolerance": bound,
+        "torch_export": None,
+    }
+    if writer.options.torch_export:
+        entry["torch_export"] = _export_program(
+            sub, writer.inputs, logits, writer.out, first, writer.files
+        )
+    reference = _Reference.of(sub, writer.setup)
+    _edge_records(writer, entry, sub, want.to(torch.float32), first, reference)
+    return _Written(entry, derivation, reference.classes_match)
+
+
+def _edge_records(
+    writer: _Writer,
+    entry: dict[str, Any],
+    sub: nn.Module,
+    want32: Tensor,
+    first: int,
+    reference: _Reference,
+) -> None:
+    """Add to ``entry`` the record of every edge format (``None``: not chosen), the int8
+    program's and the accuracy summary; list the edge files written."""
+    setup, out, inputs = writer.setup, writer.out, writer.inputs
+    for fmt in EDGE_FORMATS:
+        entry[fmt] = None
+        if fmt in setup.edge:
+            entry[fmt] = _edge_file(sub, fmt, None, inputs, want32, out, first, setup, reference)
+    for q in QUANTIZATIONS:
+        entry[f"pte_{q}"] = None
+    quantize = setup.quantize
+    if quantize is not None:
+        entry[f"pte_{quantize}"] = _edge_file(
+            sub, "pte", quantize, inputs, want32, out, first, setup, reference
+        )
+    entry["accuracy"] = _accuracy_summary(entry, reference)
+    writer.files.extend(out / e["file"] for e in _edge_entries(entry) if e.get("file"))
+
+
+def _client_entries(
+    exp: Experiment,
+    exported: _ExportedRound,
+    groups: dict[tuple, _Submodel],
+    per_submodel: dict[int, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """One manifest entry per client: device, budget, whether it takes part in the round and
+    gets the exported mask there, the clients it shares its submodel with, and the
+    submodel's entry."""
     submodel_of = {c: g.first for g in groups.values() for c in g.clients}
+    index_sets, sampled, round_sets = exported.index_sets, exported.sampled, exported.round_sets
     entries = []
-    for c, budget in zip(clients, budgets, strict=True):
+    for c, budget in zip(exported.clients, exported.budgets, strict=True):
         first = submodel_of[c]
         shared = groups[_key(index_sets[first])].clients
         device = tier = None
@@ -1065,14 +1168,45 @@ def _export(
                 **per_submodel[first],
             }
         )
+    return entries
 
-    full_sub = plan.submodel(plan.full_index_set())
+
+def _worst(per_submodel: dict[int, dict[str, Any]]) -> float:
+    """The largest difference any written file shows against the masked full model."""
     worst = max((e["max_abs_diff"] for e in per_submodel.values()), default=0.0)
     for e in per_submodel.values():
         for checked in (e["torch_export"], e["pte"], e["onnx"]):
             if checked is not None and "max_abs_diff" in checked:
                 worst = max(worst, checked["max_abs_diff"])
-    failed = sorted(c for c in clients if not _passes(per_submodel[submodel_of[c]]))
+    return float(worst)
+
+
+def _failed(
+    exported: _ExportedRound,
+    groups: dict[tuple, _Submodel],
+    per_submodel: dict[int, dict[str, Any]],
+) -> list[int]:
+    """The clients whose submodel's check failed."""
+    submodel_of = {c: g.first for g in groups.values() for c in g.clients}
+    return sorted(c for c in exported.clients if not _passes(per_submodel[submodel_of[c]]))
+
+
+def _manifest(
+    exp: Experiment,
+    source: ExportSource,
+    exported: _ExportedRound,
+    writer: _Writer,
+    groups: dict[tuple, _Submodel],
+    written: list[_Written],
+) -> dict[str, Any]:
+    """``manifest.json``'s content; ``written``: the distinct submodels in ``groups``' order."""
+    from radbo.version import __version__
+
+    config, setup = exp.config, writer.setup
+    per_submodel = {g.first: w.entry for g, w in zip(groups.values(), written, strict=True)}
+    # whether the accuracy sample's labels are the model's classes (the last submodel tells)
+    classes = written[-1].classes if written else False
+    failed = _failed(exported, groups, per_submodel)
     unsupported = [
         {"client": first, "format": fmt, "error": e[fmt]["error"]}
         for first, e in per_submodel.items()
@@ -1080,75 +1214,100 @@ def _export(
         if isinstance(e.get(fmt), dict) and "error" in e[fmt]
     ]
     bounds = [e["tolerance"] for e in per_submodel.values() if e["tolerance"] is not None]
-    from radbo.version import __version__
-
-    manifest: dict[str, Any] = {
+    return {
         "format": FORMAT,
         "radbo_version": __version__,
         "torch_version": torch.__version__,
         "source": source.as_dict(),
-        "round": round_,
+        "round": exported.number,
         "mask_policy": config.mask.policy,
-        "batch_size": batch_size,
-        "formats": list(chosen),
-        "model": {
-            "name": config.model.name,
-            "class": type(model).__name__,
-            "input_shape": list(getattr(model, "input_shape", ())),
-            "output_layers": list(plan.output_layers),
-            "outer": model.outer_param_names(),
-            "inner": model.inner_param_names(),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "bytes": tensor_bytes(full_state),
-            "flops_per_step": training_step_flops(full_sub, batch_size),
-            "static_batchnorm": bool(config.model.static_batchnorm),
-        },
-        "edge": _edge_summary(edge_setup, config.seed) if edge else None,
-        "accuracy": {
-            "examples": examples if classes else 0,
-            "test_examples": test_count,
-            "sample": f"the first {examples} of the run's {test_count} test examples",
-            "measured": classes and examples > 0,
-            "why_not": None
-            if classes and examples > 0
-            else (
-                "accuracy_examples = 0"
-                if examples == 0
-                else "the test set holds other classes than the model's outputs (few-shot "
-                "meta-testing fits a head per episode)"
-            ),
-        },
+        "batch_size": writer.batch_size,
+        "formats": list(writer.chosen),
+        "model": _model_record(exp, exported, writer.batch_size),
+        "edge": _edge_summary(setup, config.seed) if setup.edge else None,
+        "accuracy": _accuracy_record(writer, classes),
         "check": {
-            "batch": list(inputs.shape),
+            "batch": list(writer.inputs.shape),
             "tolerance": None if not bounds else max(bounds),
-            "tolerance_rule": "given" if tolerance is not None else "derived",
-            "derivation": derivations,
-            "max_abs_diff": worst,
+            "tolerance_rule": "given" if writer.options.tolerance is not None else "derived",
+            "derivation": [w.derivation for w in written],
+            "max_abs_diff": _worst(per_submodel),
             "passed": not failed,
             "failed_clients": failed,
             "unsupported": unsupported,
         },
         "submodels": len(groups),
-        "clients": entries,
+        "clients": _client_entries(exp, exported, groups, per_submodel),
         "config": config.model_dump(mode="json"),
     }
-    manifest_path = out / "manifest.json"
+
+
+def _model_record(exp: Experiment, exported: _ExportedRound, batch_size: int) -> dict[str, Any]:
+    """The manifest's record of the full model."""
+    config, model, plan = exp.config, exp.model, exported.plan
+    full_sub = plan.submodel(plan.full_index_set())
+    return {
+        "name": config.model.name,
+        "class": type(model).__name__,
+        "input_shape": list(getattr(model, "input_shape", ())),
+        "output_layers": list(plan.output_layers),
+        "outer": model.outer_param_names(),
+        "inner": model.inner_param_names(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": tensor_bytes(exported.state),
+        "flops_per_step": training_step_flops(full_sub, batch_size),
+        "static_batchnorm": bool(config.model.static_batchnorm),
+    }
+
+
+def _accuracy_record(writer: _Writer, classes: bool) -> dict[str, Any]:
+    """The manifest's record of the accuracy sample (``classes``: its labels are the model's
+    classes)."""
+    examples, test_count = writer.examples, writer.test_count
+    measured = classes and examples > 0
+    if measured:
+        why_not = None
+    elif examples == 0:
+        why_not = "accuracy_examples = 0"
+    else:
+        why_not = (
+            "the test set holds other classes than the model's outputs (few-shot "
+            "meta-testing fits a head per episode)"
+        )
+    return {
+        "examples": examples if classes else 0,
+        "test_examples": test_count,
+        "sample": f"the first {examples} of the run's {test_count} test examples",
+        "measured": measured,
+        "why_not": why_not,
+    }
+
+
+def _write_manifest(
+    manifest: dict[str, Any], writer: _Writer, per_submodel: dict[int, dict[str, Any]]
+) -> ExportResult:
+    """Write ``manifest.json`` (last); the result, or :class:`ExportCheckError` carrying it
+    when a check failed."""
+    manifest_path = writer.out / "manifest.json"
     try:
         atomic_write_text(manifest_path, json_dumps(manifest, indent=2) + "\n")
     except OSError as err:
         raise ExportError(
             f"export error: cannot write {manifest_path}: {err.strerror or err}"
         ) from None
-    files.append(manifest_path)
+    writer.files.append(manifest_path)
+    check = manifest["check"]
+    failed, worst = check["failed_clients"], check["max_abs_diff"]
     result = ExportResult(
-        out_dir=out,
+        out_dir=writer.out,
         manifest_path=manifest_path,
         manifest=manifest,
-        files=files,
+        files=writer.files,
         max_abs_diff=worst,
         passed=not failed,
     )
     if failed:
+        bounds = [e["tolerance"] for e in per_submodel.values() if e["tolerance"] is not None]
         shown = ", ".join(f"{b:.3g}" for b in sorted(set(bounds))) or "none"
         raise ExportCheckError(
             f"export check failed: the submodels of clients {failed} differ from the masked "
@@ -1437,6 +1596,21 @@ def export_table(manifest: dict[str, Any], width: int = 100) -> str:
     below it, so that no name is cut), one row per distinct submodel (size, the check), and
     one per submodel with its test accuracy and latency per runtime."""
     clients = manifest["clients"]
+    firsts = sorted({_first(c) for c in clients})
+    entry = {c["client"]: c for c in clients}
+    return "\n".join(
+        [
+            *_client_rows(manifest, width),
+            "",
+            *_submodel_rows(entry, firsts),
+            *_accuracy_rows(manifest, entry, firsts, width),
+        ]
+    )
+
+
+def _client_rows(manifest: dict[str, Any], width: int) -> list[str]:
+    """The table's head (what was exported), one row per client, and the device list."""
+    clients = manifest["clients"]
     source = manifest.get("source") or {}
     if source.get("kind") == "checkpoint":
         what = f"the model trained for {source['rounds_trained']} rounds ({source['checkpoint']})"
@@ -1466,13 +1640,15 @@ def export_table(manifest: dict[str, Any], width: int = 100) -> str:
         )
     for name in devices:
         lines.extend(_wrapped(f"{ref[name]:>6}  {name}", width, " " * 8))
-    firsts = sorted({_first(c) for c in clients})
-    entry = {c["client"]: c for c in clients}
-    lines.append("")
-    lines.append(
+    return lines
+
+
+def _submodel_rows(entry: dict[int, dict[str, Any]], firsts: list[int]) -> list[str]:
+    """One row per distinct submodel (named after its first client): size and the check."""
+    lines = [
         f"{'submodel':<12}  {'clients':>7}  {'r':>6}  {'params':>9}  {'MB':>8}  "
         f"{'MFLOP/step':>10}  {'max|diff|':>9}  {'tolerance':>9}"
-    )
+    ]
     for first in firsts:
         e = entry[first]
         tol = "-" if e["tolerance"] is None else f"{e['tolerance']:.2g}"
@@ -1481,38 +1657,47 @@ def export_table(manifest: dict[str, Any], width: int = 100) -> str:
             f"{e['capacity']:>6.4g}  {e['parameters']:>9}  {e['bytes'] / 1e6:>8.3f}  "
             f"{e['flops_per_step'] / 1e6:>10.2f}  {e['max_abs_diff']:>9.2g}  {tol:>9}"
         )
+    return lines
+
+
+def _accuracy_rows(
+    manifest: dict[str, Any], entry: dict[int, dict[str, Any]], firsts: list[int], width: int
+) -> list[str]:
+    """One row per distinct submodel with its test accuracy and latency per runtime (none
+    when there is neither an edge program nor a measured accuracy)."""
     edge = [k for k in ("pte", "onnx", "pte_int8") if any(entry[f].get(k) for f in firsts)]
     accuracy = manifest.get("accuracy") or {}
-    if edge or accuracy.get("measured"):
-        names = {"pte": "ET", "onnx": "ORT", "pte_int8": "int8"}
-        lines.append("")
-        lines.extend(
-            _wrapped(
-                f"test accuracy (%, {accuracy.get('sample', 'no sample')}) in PyTorch, "
-                "ExecuTorch (ET), ONNX Runtime (ORT) and int8 ExecuTorch (int8); latency "
-                "(us per sample at the largest batch timed)",
-                width,
-                "  ",
-            )
+    if not (edge or accuracy.get("measured")):
+        return []
+    names = {"pte": "ET", "onnx": "ORT", "pte_int8": "int8"}
+    lines = [""]
+    lines.extend(
+        _wrapped(
+            f"test accuracy (%, {accuracy.get('sample', 'no sample')}) in PyTorch, "
+            "ExecuTorch (ET), ONNX Runtime (ORT) and int8 ExecuTorch (int8); latency "
+            "(us per sample at the largest batch timed)",
+            width,
+            "  ",
         )
-        head = f"{'submodel':<12}  {'PyTorch':>7}"
+    )
+    head = f"{'submodel':<12}  {'PyTorch':>7}"
+    for k in edge:
+        head += f"  {names[k] + ' %':>7}  {names[k] + ' us':>7}"
+    if "pte_int8" in edge:
+        head += f"  {'int8 drop':>9}"
+    lines.append(head)
+    for first in firsts:
+        e = entry[first]
+        acc = e.get("accuracy") or {}
+        row = f"{'client-' + str(first):<12}  {_percent(acc.get('pytorch')):>7}"
         for k in edge:
-            head += f"  {names[k] + ' %':>7}  {names[k] + ' us':>7}"
+            record = e.get(k)
+            shown = "failed" if record and "error" in record else _percent(acc.get(k))
+            row += f"  {shown:>7}  {_micro(record):>7}"
         if "pte_int8" in edge:
-            head += f"  {'int8 drop':>9}"
-        lines.append(head)
-        for first in firsts:
-            e = entry[first]
-            acc = e.get("accuracy") or {}
-            row = f"{'client-' + str(first):<12}  {_percent(acc.get('pytorch')):>7}"
-            for k in edge:
-                record = e.get(k)
-                shown = "failed" if record and "error" in record else _percent(acc.get(k))
-                row += f"  {shown:>7}  {_micro(record):>7}"
-            if "pte_int8" in edge:
-                row += f"  {_percent(acc.get('int8_drop')):>9}"
-            lines.append(row)
-    return "\n".join(lines)
+            row += f"  {_percent(acc.get('int8_drop')):>9}"
+        lines.append(row)
+    return lines
 
 
 def _first(client: dict[str, Any]) -> int:
@@ -1727,6 +1912,26 @@ def calibrate(
     """
     from radbo.devices import probe_host
 
+    edge = _calibration_formats(formats, runs)
+    exp = build(config)
+    plan, index_sets, budgets = round0_assignment(exp)
+    state = _state(exp)
+    host = profile if profile is not None else probe_host()
+    batch = int(config.algorithm.batch_size)
+    inputs = exp.test.features[:CHECK_BATCH].to(torch.float32)
+    rows: list[CalibrationRow] = []
+    for group in _distinct(index_sets).values():
+        sub = plan.submodel(group.index_set, state)
+        sub.eval()
+        capacity = budgets[group.first].capacity
+        rows.extend(_calibration_rows(sub, group, capacity, edge, inputs, batch, host, runs))
+    rows.sort(key=lambda r: (-r.capacity, r.clients[0], EDGE_FORMATS.index(r.format)))
+    return Calibration(host, batch, torch.get_num_threads(), runs, rows)
+
+
+def _calibration_formats(formats: str | Sequence[str], runs: int) -> list[str]:
+    """The edge formats a calibration times, after checking them, ``runs`` and the packages
+    they need."""
     chosen = parse_formats(formats)
     edge = [f for f in chosen if f in EDGE_FORMATS]
     if not edge or len(edge) != len(chosen):
@@ -1738,54 +1943,59 @@ def calibrate(
         raise ExportError(f"export error: runs = {runs!r}: must be an integer >= 1")
     for fmt in edge:
         require(fmt)
-    exp = build(config)
-    plan, index_sets, budgets = round0_assignment(exp)
-    state = _state(exp)
-    host = profile if profile is not None else probe_host()
-    batch = int(config.algorithm.batch_size)
-    inputs = exp.test.features[:CHECK_BATCH].to(torch.float32)
+    return edge
+
+
+def _calibration_rows(
+    sub: nn.Module,
+    group: _Submodel,
+    capacity: float,
+    edge: list[str],
+    inputs: Tensor,
+    batch: int,
+    host: DeviceProfile,
+    runs: int,
+) -> list[CalibrationRow]:
+    """One distinct submodel's rows, one per runtime in ``edge``: lowered in memory, loaded
+    in its runtime and timed at ``batch`` (a runtime that cannot take it: its error)."""
+    fwd = forward_flops(sub, batch) / batch
+    step = training_step_flops(sub, batch) / batch
+    common: dict[str, Any] = {
+        "capacity": capacity,
+        "clients": list(group.clients),
+        "parameters": sum(p.numel() for p in sub.parameters()),
+        "batch": batch,
+        "forward_flops_per_sample": fwd,
+        "predicted_s_per_sample": fwd / host.compute_flops,
+        "train_step_flops_per_sample": step,
+        "train_step_predicted_s_per_sample": step / host.compute_flops,
+    }
     timed = batch_of(inputs, batch)
-    rows: list[CalibrationRow] = []
-    for group in _distinct(index_sets).values():
-        sub = plan.submodel(group.index_set, state)
-        sub.eval()
-        fwd = forward_flops(sub, batch) / batch
-        step = training_step_flops(sub, batch) / batch
-        common: dict[str, Any] = {
-            "capacity": budgets[group.first].capacity,
-            "clients": list(group.clients),
-            "parameters": sum(p.numel() for p in sub.parameters()),
-            "batch": batch,
-            "forward_flops_per_sample": fwd,
-            "predicted_s_per_sample": fwd / host.compute_flops,
-            "train_step_flops_per_sample": step,
-            "train_step_predicted_s_per_sample": step / host.compute_flops,
-        }
-        for fmt in edge:
-            try:
-                lowered = lower(sub, inputs, fmt, max_batch=max(batch, int(inputs.shape[0])))
-                program = EdgeProgram.from_bytes(fmt, lowered.data, f"client-{group.first}.{fmt}")
-                measured = measure_latency(program, timed, runs) / batch
-            except ExportError:
-                raise
-            except Exception as err:  # a runtime that cannot take the model: recorded
-                rows.append(
-                    CalibrationRow(
-                        **common,
-                        format=fmt,
-                        measured_s_per_sample=None,
-                        ratio=None,
-                        error=first_line(err),
-                    )
-                )
-                continue
+    rows = []
+    for fmt in edge:
+        try:
+            lowered = lower(sub, inputs, fmt, max_batch=max(batch, int(inputs.shape[0])))
+            program = EdgeProgram.from_bytes(fmt, lowered.data, f"client-{group.first}.{fmt}")
+            measured = measure_latency(program, timed, runs) / batch
+        except ExportError:
+            raise
+        except Exception as err:  # a runtime that cannot take the model: recorded
             rows.append(
                 CalibrationRow(
                     **common,
                     format=fmt,
-                    measured_s_per_sample=measured,
-                    ratio=measured / common["predicted_s_per_sample"],
+                    measured_s_per_sample=None,
+                    ratio=None,
+                    error=first_line(err),
                 )
             )
-    rows.sort(key=lambda r: (-r.capacity, r.clients[0], EDGE_FORMATS.index(r.format)))
-    return Calibration(host, batch, torch.get_num_threads(), runs, rows)
+            continue
+        rows.append(
+            CalibrationRow(
+                **common,
+                format=fmt,
+                measured_s_per_sample=measured,
+                ratio=measured / common["predicted_s_per_sample"],
+            )
+        )
+    return rows

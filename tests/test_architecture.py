@@ -294,6 +294,25 @@ def test_one_atomic_write() -> None:
     assert not found, "\n".join(found)
 
 
+def test_the_client_side_is_built_in_one_place() -> None:
+    """A run's :class:`ClientRuntime` and its model's structure plan are made by
+    :mod:`radbo.experiment.clientside` alone: the simulation, a Flower node with its own data
+    and the export all build their client side through it (issue 29 item 4)."""
+    builder = ROOT / "experiment" / "clientside.py"
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == builder:
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(n, ast.Call):
+                continue
+            func = n.func
+            name = getattr(func, "id", None) or getattr(func, "attr", None)
+            if name in ("ClientRuntime", "StructurePlan"):
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno} calls {name}(...)")
+    assert not found, "\n".join(found)
+
+
 # ------------------------------------------------------------------- a toy algorithm, here only
 @dataclass(frozen=True)
 class ToyState:

@@ -437,12 +437,12 @@ def test_config_trace_behavior_reaches_the_fleet(tmp_path: Path) -> None:
 
     from radbo.experiment.build import build_fleet
 
-    fleet = build_fleet(config)
+    fleet = build_fleet(config.fleet, config.seed)
 
     assert fleet is not None and [p.period_s for p in fleet] == [400.0, 400.0]
     bad = {**data["fleet"]["trace"], "behavior": str(tmp_path / "missing.json")}
     with pytest.raises(ConfigError, match=r"config error: fleet.trace: .*missing.json does not"):
-        build_fleet(parse_config({**data, "fleet": {**data["fleet"], "trace": bad}}))
+        build_fleet(parse_config({**data, "fleet": {**data["fleet"], "trace": bad}}).fleet, 0)
 
 
 # -- validation -----------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def test_conv_model_on_flat_inputs_is_a_config_error() -> None:
     cfg = parse_config({"model": {"name": "resnet18", "widths": [2, 2, 2, 2]}})
 
     with pytest.raises(ConfigError, match=r"needs square images \(C, S, S\).*\(64,\)"):
-        build_model(cfg, (64,), 10)
+        build_model(cfg.model, (64,), 10, seed=0, dtype=torch.float32, data_name="digits")
 
 
 # ------------------------------------------------------------------------ CLI errors

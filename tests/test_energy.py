@@ -219,7 +219,8 @@ def test_a_device_without_energy_figures_is_unpriced_not_free(tmp_path: Path) ->
     data.update(rounds=1, eval_every=1, output_dir=str(tmp_path / "run"))
     data["baseline"] = {"enabled": False}
     unknown = dict.fromkeys(("energy_per_flop", "energy_per_byte_up", "energy_per_byte_down"))
-    fleet = build_fleet(parse_config(data))
+    config = parse_config(data)
+    fleet = build_fleet(config.fleet, config.seed)
     assert fleet is not None
     stripped = [p.model_copy(update=unknown) if p.tier == "phone-low" else p for p in fleet]
     Fleet.from_profiles(stripped).to_file(tmp_path / "fleet.toml")

@@ -121,7 +121,7 @@ def test_every_backend_resolves_through_the_registry():
         assert type(backend) is cls
     assert BACKENDS["processes"].from_runtime(runtime).workers == 2
     config = parse_config({"runtime": {"backend": "batched"}})
-    assert type(build_backend(config)) is BatchedBackend
+    assert type(build_backend(config.runtime)) is BatchedBackend
     with pytest.raises(ConfigError, match="runtime.backend = 'gpu': unknown; registered: batched"):
         BACKENDS["gpu"]
 

@@ -17,6 +17,7 @@
 
 from radbo.data.datasets import (
     Dataset,
+    DatasetSummary,
     load_cifar10,
     load_digits,
     load_mnist,
@@ -70,6 +71,7 @@ __all__ = [
     "ClassesPartition",
     "DataConfig",
     "Dataset",
+    "DatasetSummary",
     "DigitsData",
     "DirichletPartition",
     "FileData",

@@ -19,6 +19,7 @@ from radbo.data.readers import read_cifar10, read_mnist, read_omniglot
 
 __all__ = [
     "Dataset",
+    "DatasetSummary",
     "load_digits",
     "load_mnist",
     "load_cifar10",
@@ -100,6 +101,10 @@ class Dataset:
         """Shape of one sample, ``features.shape[1:]``."""
         return tuple(self.features.shape[1:])
 
+    def summary(self) -> DatasetSummary:
+        """The set's labels, class count, sample shape and name, without its features."""
+        return DatasetSummary(self.labels, self.num_classes, self.input_shape, self.name)
+
     def subset(self, indices: Tensor | Sequence[int]) -> Dataset:
         """Return the samples at ``indices`` (in the given order), same classes and name.
 
@@ -123,6 +128,34 @@ class Dataset:
                 f"values in [{int(index.min())}, {int(index.max())}]."
             )
         return Dataset(self.features[index], self.labels[index], self.num_classes, self.name)
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetSummary:
+    """What a task's build reads of the whole training set: its labels, class count, sample
+    shape and name, but no features (tasks such as ``vs_loss`` weigh classes by the training
+    set's label frequencies). A Flower node, which holds only its own client's examples, makes
+    one from the label counts its node data records (:meth:`from_label_counts`).
+
+    >>> s = DatasetSummary.from_label_counts([2, 0, 1], (4,), "toy")
+    >>> s.labels.tolist(), s.num_classes
+    ([0, 0, 2], 3)
+    """
+
+    labels: Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]
+    name: str
+
+    @classmethod
+    def from_label_counts(
+        cls, counts: Sequence[int], input_shape: tuple[int, ...], name: str
+    ) -> DatasetSummary:
+        """The summary of a set holding ``counts[k]`` examples of class ``k``, sorted by class
+        (the order of the labels does not matter to a task's build)."""
+        per_class = torch.tensor(list(counts), dtype=torch.int64)
+        labels = torch.repeat_interleave(torch.arange(len(counts)), per_class)
+        return cls(labels, len(counts), tuple(input_shape), name)
 
 
 def _as_dataset(images: np.ndarray, labels: np.ndarray, num_classes: int, name: str) -> Dataset:

@@ -2,6 +2,8 @@
 run it, save it.
 
 * :mod:`radbo.experiment.build` -- data, model, fleet, masks, algorithm, simulation;
+* :mod:`radbo.experiment.clientside` -- the client side (model, algorithm, runtime) the
+  simulation and a Flower node build alike;
 * :mod:`radbo.experiment.evaluation` -- the test-set evaluator and static-BN calibration;
 * :mod:`radbo.experiment.baseline` -- the paired full-model baseline run;
 * :mod:`radbo.experiment.runner` -- the round loop, checkpoints and results;

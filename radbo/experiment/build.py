@@ -1,36 +1,48 @@
 """Building a run from its config: data, model, task, fleet, masks, algorithm, simulation.
 
 :func:`build` wires the parts each config section builds (``config.data.load``,
-``config.model.build``, ``config.algorithm.build``, ...) into a
-:class:`~radbo.simulation.Simulation` and its initial state; :func:`fleet_table` shows what the
-fleet will do. Every error a user's config can cause here is a :class:`ConfigError`.
+``build_fleet(config.fleet, ...)``, ``build_policy(config.mask, ...)``, ...) and the client
+side :mod:`radbo.experiment.clientside` builds (model, algorithm, runtime; the same build a
+Flower node makes) into a :class:`~radbo.simulation.Simulation` and its initial state, one
+named step after the other; :func:`fleet_table` shows what the fleet will do. Every error a
+user's config can cause here is a :class:`ConfigError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 import torch
 
-from radbo.algorithms import Wiring
-from radbo.client import Algorithm, Backend, ClientBudget, ClientRuntime
-from radbo.config import ConfigError, RunConfig
+from radbo.client import Backend, ClientBudget
+from radbo.config import ConfigError, FleetConfig, MaskConfig, RunConfig, RuntimeConfig
 from radbo.data import Dataset
 from radbo.data.partition import FleetTooLargeError, IndexParts, split_parts
 from radbo.devices import Fleet
 from radbo.devices.budget import Budget, BudgetPlanner, DeviceTooSmallError
+from radbo.experiment.clientside import (
+    RUN_DTYPES,
+    ClientModel,
+    ClientSide,
+    build_algorithm,
+    build_model,
+    build_task,
+    client_model,
+    client_side,
+)
 from radbo.experiment.evaluation import calibration_inputs, make_evaluator
 from radbo.limits import MAX_BUDGET_STEPS, caps_are_lifted
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.masks.policies import POLICIES, MaskPolicy
 from radbo.masks.structure import StructurePlan
 from radbo.models import BilevelModel
-from radbo.problem import BilevelProblem, ClientData
+from radbo.problem import ClientData, Sampler
 from radbo.randomness import Stream, derive_seed, generator
 from radbo.simulation import BACKENDS, Simulation
 from radbo.simulation.schedules import UniformLocalSteps, expected_local_steps
+from radbo.typing import Params
 
 __all__ = [
     "Experiment",
@@ -41,8 +53,10 @@ __all__ = [
     "build_fleet",
     "build_model",
     "build_policy",
+    "build_task",
     "ClientTable",
     "client_budgets",
+    "client_sampler",
     "client_table",
     "examples_per_client",
     "fleet_size_error",
@@ -50,9 +64,8 @@ __all__ = [
     "load_data",
     "partition",
     "run_device",
+    "training_data",
 ]
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
@@ -72,6 +85,8 @@ class Experiment:
     #: ``sum_j p_j tau_j`` over the fleet, as wired into the algorithm (a node that builds its
     #: own client side, :mod:`radbo.flower.nodedata`, needs it to wire the same algorithm)
     population_steps: float | None = None
+    #: the model, algorithm and runtime client work runs with (:mod:`radbo.experiment.clientside`)
+    client_side: ClientSide = field(kw_only=True)
 
 
 def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
@@ -84,7 +99,7 @@ def load_data(config: RunConfig) -> tuple[Dataset, Dataset]:
     except (OSError, ValueError) as err:  # FileNotFoundError, corrupt or truncated files
         where = f"data.root = {dc.root!r}" if hasattr(dc, "root") else f"data.name = {dc.name!r}"
         raise ConfigError(f"config error: {where}: {err}") from None
-    dtype = _DTYPES[config.runtime.dtype]
+    dtype = RUN_DTYPES[config.runtime.dtype]
     return _as(train, dtype), _as(test, dtype)
 
 
@@ -94,20 +109,20 @@ def _as(data: Dataset, dtype: torch.dtype) -> Dataset:
     return Dataset(data.features.to(dtype), data.labels, data.num_classes, data.name)
 
 
-def run_device(config: RunConfig) -> torch.device:
+def run_device(section: RuntimeConfig) -> torch.device:
     """The device ``[runtime] device`` names; a GPU this machine does not have is a
     :class:`ConfigError`."""
-    device = torch.device(config.runtime.device)
+    device = torch.device(section.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(
-                f'config error: runtime.device = "{config.runtime.device}": no CUDA device is '
+                f'config error: runtime.device = "{section.device}": no CUDA device is '
                 'available to torch here (torch.cuda.is_available() is False); use "cpu"'
             )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise ConfigError(
-                f'config error: runtime.device = "{config.runtime.device}": this machine has '
+                f'config error: runtime.device = "{section.device}": this machine has '
                 f"{count} CUDA device(s), cuda:0 to cuda:{count - 1}"
             )
     return device
@@ -118,65 +133,6 @@ def _on(data: Dataset, device: torch.device) -> Dataset:
     if data.features.device == device and data.labels.device == device:
         return data
     return Dataset(data.features.to(device), data.labels.to(device), data.num_classes, data.name)
-
-
-def build_model(config: RunConfig, input_shape: tuple[int, ...], classes: int) -> BilevelModel:
-    """The configured model for inputs of ``input_shape`` (one example) and ``classes``
-    outputs, initialised from the run seed (global RNG state is restored), in the run's dtype.
-    Inputs the model cannot take are a :class:`ConfigError`."""
-    mc = config.model
-    if not mc.flat:
-        try:
-            mc.image(tuple(input_shape), config.data.name)
-        except ValueError as err:
-            raise ConfigError(f"config error: model.name = {mc.name!r}: {err}") from None
-    with torch.random.fork_rng():
-        torch.manual_seed(derive_seed(config.seed, Stream.INIT))
-        try:
-            model = mc.build(tuple(input_shape), classes)
-        except ValueError as err:  # sizes the model cannot take
-            raise ConfigError(
-                f"config error: model.name = {mc.name!r}: cannot take {config.data.name} inputs "
-                f"of shape {tuple(input_shape)}: {err}"
-            ) from None
-        except (MemoryError, RuntimeError) as err:  # torch's "can't allocate memory"
-            if not isinstance(err, MemoryError) and "allocate" not in str(err):
-                raise  # not an allocation failure: a bug, keep its traceback
-            raise ConfigError(
-                f"config error: model.name = {mc.name!r}: the model does not fit in this "
-                f"machine's memory ({str(err).splitlines()[0] if str(err) else 'MemoryError'}); "
-                "use smaller widths"
-            ) from None
-    return model.to(_DTYPES[config.runtime.dtype])
-
-
-def build_task(config: RunConfig, train: Dataset) -> BilevelProblem:
-    """The configured bilevel task (its inner and outer losses) for the training set."""
-    problem: BilevelProblem = config.task.build(train)
-    return problem
-
-
-def build_algorithm(
-    config: RunConfig,
-    outer: list[str],
-    inner: list[str],
-    buffers: list[str],
-    population_steps: float | None = None,
-) -> Algorithm[Any]:
-    """The configured algorithm, wired with the model's names, the estimator, the BatchNorm
-    mode, the local-steps mode, the fleet's mean local steps and its own random stream."""
-    wiring = Wiring(
-        outer_names=tuple(outer),
-        inner_names=tuple(inner),
-        buffer_names=tuple(buffers),
-        estimator=config.estimator,
-        aggregate_buffers=not config.model.static_batchnorm,
-        budget_steps=config.fleet.local_steps != "fixed",
-        seed=derive_seed(config.seed, Stream.ALGORITHM),
-        population_steps=population_steps,
-    )
-    algorithm: Algorithm[Any] = config.algorithm.build(wiring)
-    return algorithm
 
 
 def partition(config: RunConfig, labels: torch.Tensor, min_size: int = 1) -> IndexParts:
@@ -264,28 +220,27 @@ def client_table(config: RunConfig, parts: Sequence[torch.Tensor]) -> ClientTabl
     return ClientTable(*split_parts(packed, 1.0 - config.data.outer_fraction, client_gen))
 
 
-def build_backend(config: RunConfig) -> Backend:
+def build_backend(section: RuntimeConfig) -> Backend:
     """The backend ``[runtime] backend`` names (:data:`radbo.simulation.BACKENDS`)."""
-    return BACKENDS[config.runtime.backend].from_runtime(config.runtime)
+    return BACKENDS[section.backend].from_runtime(section)
 
 
-def build_policy(config: RunConfig) -> MaskPolicy:
-    """The configured mask policy."""
-    mc = config.mask
-    per_round = config.fleet.clients_per_round or config.fleet.num_clients
+def build_policy(section: MaskConfig, clients_per_round: int) -> MaskPolicy:
+    """The ``[mask]`` policy of ``section`` for rounds of ``clients_per_round`` clients."""
     try:
-        return POLICIES[mc.policy](mc, per_round)
+        return POLICIES[section.policy](section, clients_per_round)
     except (KeyError, ValueError) as err:
-        raise ConfigError(f"config error: mask.policy = {mc.policy!r}: {err}") from None
+        raise ConfigError(f"config error: mask.policy = {section.policy!r}: {err}") from None
 
 
-def build_fleet(config: RunConfig) -> Fleet | None:
-    """The configured device fleet (tier mix, fleet file or trace), or ``None``."""
-    fc = config.fleet
+def build_fleet(section: FleetConfig, seed: int) -> Fleet | None:
+    """The device fleet of ``[fleet]`` (tier mix, fleet file or trace; a tier mix is drawn from
+    the run ``seed``), or ``None``."""
+    fc = section
     try:
         if fc.devices is not None:
-            seed = derive_seed(config.seed, Stream.FLEET)
-            fleet = Fleet.from_tiers(fc.devices, fc.num_clients, seed)
+            fleet_seed = derive_seed(seed, Stream.FLEET)
+            fleet = Fleet.from_tiers(fc.devices, fc.num_clients, fleet_seed)
         elif fc.file is not None:
             fleet = Fleet.from_file(fc.file)
         elif fc.trace is not None:
@@ -327,129 +282,217 @@ def build(config: RunConfig) -> Experiment:
     """Build data, model, fleet, masks, algorithm and the simulation for ``config``.
 
     Everything is built on the CPU (initial weights, partitions, structure plan, masks), then
-    the model, the data and the initial state move to ``[runtime] device``."""
-    device = run_device(config)
+    the model, the data and the initial state move to ``[runtime] device``. The client side
+    (model, algorithm, runtime) is :mod:`radbo.experiment.clientside`'s, as on a Flower node."""
+    device = run_device(config.runtime)
+    train, test, clients = training_data(config)
+    sampler = client_sampler(config, train, clients)
+    fleet = build_fleet(config.fleet, config.seed)
+    model = client_model(
+        config,
+        tuple(train.input_shape),
+        config.task.num_outputs(train),
+        structure=config.mask.masked or fleet is not None,
+    )
+    shapes = {n: t.shape for n, t in model.model.state_dict().items()}
+    rounds = _rounds(config, model, clients, fleet)
+    if device.type != "cpu":
+        model.model.to(device)
+        train, test = _on(train, device), _on(test, device)
+    side = client_side(config, model, train, train.summary(), sampler, rounds.population_steps)
+    evaluate = _evaluator(config, model, train, test)
+    simulation = _simulation(config, side, clients, shapes, rounds, evaluate)
+    return Experiment(
+        config,
+        model.model,
+        simulation,
+        _initial_state(side),
+        train,
+        test,
+        clients,
+        fleet,
+        rounds.device_budgets,
+        rounds.planner,
+        rounds.population_steps,
+        client_side=side,
+    )
+
+
+@dataclass(frozen=True)
+class _Rounds:
+    """What decides every round besides the algorithm: the fleet, its budget planner and
+    device budgets, the mask assigner, each client's budget and aggregation weight, the drawn
+    local-steps schedule and the population's mean local steps."""
+
+    fleet: Fleet | None
+    planner: BudgetPlanner | None
+    device_budgets: list[Budget] | None
+    assigner: SubmodelAssigner | None
+    budgets: list[ClientBudget]
+    weights: list[float] | None
+    schedule: UniformLocalSteps | None
+    population_steps: float
+
+
+def _rounds(
+    config: RunConfig, model: ClientModel, clients: ClientTable, fleet: Fleet | None
+) -> _Rounds:
+    """The :class:`_Rounds` of ``config`` for ``model``, ``clients`` and ``fleet``."""
+    planner, device_budgets = _device_budgets(config, model, fleet)
+    assigner = _assigner(config, model)
+    budgets = client_budgets(config, fleet, device_budgets)
+    weights = _weights(config, clients)
+    schedule = _schedule(config.fleet)
+    population_steps = _population_steps(config, budgets, weights, schedule)
+    return _Rounds(
+        fleet, planner, device_budgets, assigner, budgets, weights, schedule, population_steps
+    )
+
+
+def _simulation(
+    config: RunConfig,
+    side: ClientSide,
+    clients: ClientTable,
+    shapes: dict[str, torch.Size],
+    rounds: _Rounds,
+    evaluate: Callable[[Params], dict[str, float]],
+) -> Simulation[Any]:
+    """The simulation of ``config``: ``side``'s algorithm and runtime over ``clients``, as
+    ``rounds`` decide, evaluated with ``evaluate``."""
+    fc, fleet = config.fleet, rounds.fleet
+    return Simulation(
+        algorithm=side.algorithm,
+        runtime=side.runtime,
+        clients=clients,
+        budgets=rounds.budgets,
+        shapes=shapes,
+        masks=rounds.assigner,
+        backend=build_backend(config.runtime),
+        seed=config.seed,
+        clients_per_round=fc.clients_per_round,
+        weights=rounds.weights,
+        evaluate=evaluate,
+        eval_every=config.eval_every,
+        profiles=None if fleet is None else list(fleet),
+        coverage={"x": side.model.outer, "y": side.model.inner},
+        dropout=[fc.dropout] * len(clients) if fc.dropout > 0 else None,
+        overcommit=fc.overcommit,
+        phase_deadline_s=fc.phase_deadline_s,
+        local_steps=rounds.schedule,
+    )
+
+
+def training_data(config: RunConfig) -> tuple[Dataset, Dataset, ClientTable]:
+    """The run's training and test sets (as its task splits them) and every client's inner
+    and outer examples of the training set. A fleet the data cannot serve, or data the task
+    cannot take, is a :class:`ConfigError`."""
     train, test = load_data(config)
     task = config.task
-    need = examples_per_client(config)
     try:
         train, test = task.split_data(train, test, config.data.disjoint_classes)
-        parts = partition(config, train.labels, need)
+        parts = partition(config, train.labels, examples_per_client(config))
     except FleetTooLargeError as err:
         raise ConfigError(fleet_size_error(config, train.labels.numel(), err.limit)) from None
     except ValueError as err:
         raise ConfigError(
             f"config error: task {task.name!r} on {config.data.name}: {err}"
         ) from None
-    clients = client_table(config, parts)
+    return train, test, client_table(config, parts)
+
+
+def client_sampler(config: RunConfig, train: Dataset, clients: Sequence[ClientData]) -> Sampler:
+    """How the task's clients draw their minibatches of ``train``; clients the task cannot
+    serve (e.g. too few classes for a few-shot episode) are a :class:`ConfigError`."""
     try:
-        sampler = task.sampler(train, clients)
+        return config.task.sampler(train, clients)
     except ValueError as err:
-        raise ConfigError(f"config error: task {task.name!r}: {err}") from None
+        raise ConfigError(f"config error: task {config.task.name!r}: {err}") from None
 
-    model = build_model(config, tuple(train.input_shape), task.num_outputs(train))
-    outer_names = model.outer_param_names()
-    inner_names = model.inner_param_names()
-    state = model.state_dict()
-    buffer_names = [n for n in state if n not in set(outer_names) | set(inner_names)]
-    shapes = {n: t.shape for n, t in state.items()}
 
-    fleet = build_fleet(config)
-    masked = config.mask.policy != "none"
-    plan: StructurePlan | None = None
-    if masked or fleet is not None:
-        plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
-    device_budgets: list[Budget] | None = None
-    planner: BudgetPlanner | None = None
-    if fleet is not None and plan is not None:
-        planner = budget_planner(config, model, plan)
-        # one budget per distinct device, shared by the clients that have it
-        try:
-            device_budgets = planner.budgets(fleet, config.fleet.deadline_s, allow_oversize=True)
-        except ValueError as err:  # a deadline or device whose step count or times overflow
-            raise ConfigError(
-                f"config error: fleet.deadline_s = {config.fleet.deadline_s:g}: {err}"
-            ) from None
-    assigner: SubmodelAssigner | None = None
-    if masked and plan is not None:
-        assigner = SubmodelAssigner(
-            plan,
-            build_policy(config),
-            outer_names,
-            mask_x=config.mask.mask_x,
-            mask_y=config.mask.mask_y,
-        )
+def _device_budgets(
+    config: RunConfig, model: ClientModel, fleet: Fleet | None
+) -> tuple[BudgetPlanner | None, list[Budget] | None]:
+    """The budget planner of ``model`` and every device's budget within the round deadline
+    (one per distinct device, shared by the clients that have it); ``None`` without a fleet."""
+    if fleet is None or model.plan is None:
+        return None, None
+    planner = budget_planner(config, model.model, model.plan)
+    try:
+        return planner, planner.budgets(fleet, config.fleet.deadline_s, allow_oversize=True)
+    except ValueError as err:  # a deadline or device whose step count or times overflow
+        raise ConfigError(
+            f"config error: fleet.deadline_s = {config.fleet.deadline_s:g}: {err}"
+        ) from None
 
-    budgets = client_budgets(config, fleet, device_budgets)
-    weights = None
-    if config.algorithm.weighting == "data_size":
-        weights = [float(n) for n in clients.inner.sizes().tolist()]
-    fc = config.fleet
-    schedule = (
-        UniformLocalSteps(*fc.local_steps_range, per_round=fc.local_steps == "uniform_per_round")
-        if fc.local_steps in ("uniform", "uniform_per_round")
-        else None
+
+def _assigner(config: RunConfig, model: ClientModel) -> SubmodelAssigner | None:
+    """Who assigns each client's submodel every round (``None``: full models everywhere)."""
+    if not config.mask.masked or model.plan is None:
+        return None
+    per_round = config.fleet.clients_per_round or config.fleet.num_clients
+    return SubmodelAssigner(
+        model.plan,
+        build_policy(config.mask, per_round),
+        model.outer,
+        mask_x=config.mask.mask_x,
+        mask_y=config.mask.mask_y,
     )
+
+
+def _weights(config: RunConfig, clients: ClientTable) -> list[float] | None:
+    """Each client's aggregation weight: its inner example count under ``weighting =
+    "data_size"``, else ``None`` (equal weights)."""
+    if config.algorithm.weighting != "data_size":
+        return None
+    return [float(n) for n in clients.inner.sizes().tolist()]
+
+
+def _schedule(section: FleetConfig) -> UniformLocalSteps | None:
+    """The drawn local-steps schedule of ``[fleet] local_steps``, or ``None`` when each client
+    runs its budget's steps."""
+    if section.local_steps not in ("uniform", "uniform_per_round"):
+        return None
+    per_round = section.local_steps == "uniform_per_round"
+    return UniformLocalSteps(*section.local_steps_range, per_round=per_round)
+
+
+def _population_steps(
+    config: RunConfig,
+    budgets: Sequence[ClientBudget],
+    weights: Sequence[float] | None,
+    schedule: UniformLocalSteps | None,
+) -> float:
+    """``sum_j p_j tau_j / sum_j p_j`` over every client: the mean local steps of a round's
+    full population (each client's expected draw under a drawn schedule)."""
     steps = [
         float(b.local_steps) if schedule is None else expected_local_steps(schedule, config.seed, c)
         for c, b in enumerate(budgets)
     ]
-    p = [1.0] * len(clients) if weights is None else weights
-    population_steps = sum(w * t for w, t in zip(p, steps, strict=True)) / sum(p)
-    algorithm = build_algorithm(config, outer_names, inner_names, buffer_names, population_steps)
-    if device.type != "cpu":
-        model.to(device)
-        state = model.state_dict()
-        train, test = _on(train, device), _on(test, device)
-    runtime = ClientRuntime(
-        problem=build_task(config, train),
-        features=train.features,
-        labels=train.labels,
-        model=model,
-        build_submodel=None if plan is None else plan.submodel,
-        sampler=sampler,
-    )
+    p = [1.0] * len(budgets) if weights is None else weights
+    return sum(w * t for w, t in zip(p, steps, strict=True)) / sum(p)
+
+
+def _evaluator(
+    config: RunConfig, model: ClientModel, train: Dataset, test: Dataset
+) -> Callable[[Params], dict[str, float]]:
+    """The server's evaluation of a model state: the task's own, or test-set accuracy,
+    balanced accuracy and loss (static BatchNorm calibrated on a sample of ``train``)."""
     calibration = calibration_inputs(config, train)
-    evaluate = task.evaluator(model, test, outer_names, inner_names, calibration, config.seed)
+    net, outer, inner = model.model, model.outer, model.inner
+    evaluate = config.task.evaluator(net, test, outer, inner, calibration, config.seed)
     if evaluate is None:
-        evaluate = make_evaluator(model, test, outer_names, inner_names, calibration=calibration)
-    simulation: Simulation[Any] = Simulation(
-        algorithm=algorithm,
-        runtime=runtime,
-        clients=clients,
-        budgets=budgets,
-        shapes=shapes,
-        masks=assigner,
-        backend=build_backend(config),
-        seed=config.seed,
-        clients_per_round=fc.clients_per_round,
-        weights=weights,
-        evaluate=evaluate,
-        eval_every=config.eval_every,
-        profiles=None if fleet is None else list(fleet),
-        coverage={"x": outer_names, "y": inner_names},
-        dropout=[fc.dropout] * len(clients) if fc.dropout > 0 else None,
-        overcommit=fc.overcommit,
-        phase_deadline_s=fc.phase_deadline_s,
-        local_steps=schedule,
-    )
-    initial = algorithm.init(
-        {n: state[n] for n in outer_names},
-        {n: state[n] for n in inner_names},
-        {n: state[n] for n in buffer_names},
-    )
-    return Experiment(
-        config,
-        model,
-        simulation,
-        initial,
-        train,
-        test,
-        clients,
-        fleet,
-        device_budgets,
-        planner,
-        population_steps,
+        evaluate = make_evaluator(net, test, outer, inner, calibration=calibration)
+    return evaluate
+
+
+def _initial_state(side: ClientSide) -> Any:
+    """The algorithm's initial state from the model's weights (on the run device)."""
+    state = side.model.model.state_dict()
+    model = side.model
+    return side.algorithm.init(
+        {n: state[n] for n in model.outer},
+        {n: state[n] for n in model.inner},
+        {n: state[n] for n in model.buffers},
     )
 
 
@@ -477,7 +520,7 @@ def client_budgets(
             capacity = caps[tiers[i]]
         elif isinstance(caps, list):
             capacity = caps[i % len(caps)]
-        elif device is not None and config.mask.policy != "none":
+        elif device is not None and config.mask.masked:
             if not device.memory_fits:
                 raise DeviceTooSmallError(
                     f"client {i}: device cannot train even the smallest submodel "

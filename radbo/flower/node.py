@@ -1,8 +1,9 @@
 """The client side of a Flower node: decode a task, run the phase's client work, reply.
 
 One :class:`NodeHandler` serves one node. It keeps the run configs it was sent (by SHA-256)
-and the client side built for each (the experiment of the config when the server sends data
-indices, or :func:`radbo.flower.nodedata.node_side` over the node's own ``data-root``). A
+and the client side built for each: :func:`radbo.experiment.clientside.client_side`'s, over
+the whole training set when the server sends data indices (the experiment of the config), or
+over the node's own ``data-root`` (:func:`radbo.flower.nodedata.node_side`). A
 *stateful* handler -- one that lives across messages, in radbo's per-node worker
 (:mod:`radbo.flower.worker`, reached from :mod:`radbo.flower.clientapp`) -- also keeps what
 each client received in the current round, so the server need not send it again
@@ -108,10 +109,8 @@ class NodeHandler:
             return side
         cfg = RunConfig.model_validate_json(config_json)
         if root is None:
-            exp = build(cfg)
-            runtime = exp.simulation.runtime
-            phases = {p.name: p for p in exp.simulation.algorithm.phases()}
-            side = _Side(runtime, phases, FlopMeter(), None, None)
+            server = build(cfg).client_side  # the server sends indices into the training set
+            side = _Side(server.runtime, server.phases, FlopMeter(), None, None)
         else:
             built = node_side(cfg, load_node_data(root))
             partition = partition_of(node_config)

@@ -15,7 +15,8 @@ and writes one folder per client, ``DIR/client-<i>/``:
 
 A SuperNode started with ``--node-config 'partition-id=<i> data-root="DIR/client-<i>"'``
 loads it (:func:`load_node_data`: JSON and safetensors only, the hash checked) and builds
-its client side (:func:`node_side`) without the training set: model, submodel skeletons,
+its client side (:func:`node_side`: :func:`radbo.experiment.clientside.client_side`, the
+build the server's simulation makes) without the training set: model, submodel skeletons,
 algorithm, task and sampler, over its own examples. The examples keep the order the server's
 partition gives them and the inner and outer index lists keep theirs, so every minibatch a
 task's generator draws holds the same examples as in the in-process run: a node-local run
@@ -30,7 +31,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,10 +43,9 @@ from torch import Tensor
 from radbo.checkpoint import atomic_write, atomic_write_text
 from radbo.client import ClientRuntime, Phase
 from radbo.config import RunConfig
-from radbo.data import Dataset
+from radbo.data import Dataset, DatasetSummary
 from radbo.experiment import Experiment, build
-from radbo.experiment.build import build_algorithm, build_model, build_task
-from radbo.masks.structure import StructurePlan
+from radbo.experiment.clientside import RUN_DTYPES, ClientSide, client_model, client_side
 from radbo.problem import ClientData
 
 FORMAT = "radbo-node-data/1"
@@ -236,22 +235,53 @@ def _checked(folder: Path, meta: _Meta, tensors: Mapping[str, Tensor]) -> NodeDa
 
 @dataclass
 class NodeSide:
-    """What a node runs client work with: the runtime over its own examples, the algorithm's
-    phases by name, and its own :class:`~radbo.problem.ClientData`."""
+    """What a node runs client work with: the client side of the run over its own examples
+    (:class:`~radbo.experiment.clientside.ClientSide`), its own
+    :class:`~radbo.problem.ClientData` and which client it is."""
 
-    runtime: ClientRuntime
-    phases: dict[str, Phase[Any]]
+    side: ClientSide
     data: ClientData
     client: int
+
+    @property
+    def runtime(self) -> ClientRuntime:
+        """The runtime over the node's own examples."""
+        return self.side.runtime
+
+    @property
+    def phases(self) -> dict[str, Phase[Any]]:
+        """The algorithm's phases by name."""
+        return self.side.phases
 
 
 def node_side(config: RunConfig, node: NodeData) -> NodeSide:
     """Build a node's client side of ``config`` from its own data, without the training set.
 
-    The model is built from the run seed as the server builds it (its weights never matter:
-    every task carries the tensors the client computes with); submodel skeletons, task,
-    sampler and algorithm are those of :func:`radbo.experiment.build`.
+    The client side is :func:`radbo.experiment.clientside.client_side`'s, as the server
+    builds it: the model from the run seed (its weights never matter: every task carries the
+    tensors the client computes with), submodel skeletons, the algorithm wired with the
+    fleet's mean local steps the node data records, and the task built for the whole training
+    set's label counts (tasks such as ``vs_loss`` weigh classes by them), over the node's own
+    examples.
     """
+    _check_node(config, node)
+    examples = Dataset(
+        node.features.to(RUN_DTYPES[config.runtime.dtype]),
+        node.labels,
+        node.num_classes,
+        f"{config.data.name}/client-{node.client}",
+    )
+    training = DatasetSummary.from_label_counts(
+        node.label_counts, node.input_shape, config.data.name
+    )
+    model = client_model(config, node.input_shape, node.num_outputs, structure=config.mask.masked)
+    sampler = config.task.sampler(examples, [node.data])
+    side = client_side(config, model, examples, training, sampler, node.population_steps)
+    return NodeSide(side=side, data=node.data, client=node.client)
+
+
+def _check_node(config: RunConfig, node: NodeData) -> None:
+    """Refuse node data written for another config or fleet size."""
     if node.fingerprint != data_fingerprint(config):
         raise NodeDataError(
             f"this node's data (client {node.client}) was written for another config (its "
@@ -263,37 +293,3 @@ def node_side(config: RunConfig, node: NodeData) -> NodeSide:
             f"this node's data is for a fleet of {node.num_clients} clients, the run has "
             f"{config.fleet.num_clients}"
         )
-    dtype = torch.float64 if config.runtime.dtype == "float64" else torch.float32
-    features = node.features.to(dtype)
-    train = Dataset(
-        features, node.labels, node.num_classes, f"{config.data.name}/client-{node.client}"
-    )
-    # tasks that weigh classes see the whole training set's label counts, as on the server
-    counts = torch.tensor(node.label_counts, dtype=torch.int64)
-    summary = SimpleNamespace(
-        labels=torch.repeat_interleave(torch.arange(node.num_classes), counts),
-        num_classes=node.num_classes,
-        input_shape=node.input_shape,
-        name=config.data.name,
-    )
-    model = build_model(config, node.input_shape, node.num_outputs)
-    outer_names = model.outer_param_names()
-    inner_names = model.inner_param_names()
-    state = model.state_dict()
-    buffer_names = [n for n in state if n not in set(outer_names) | set(inner_names)]
-    plan = None
-    if config.mask.policy != "none":
-        plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
-    algorithm = build_algorithm(
-        config, outer_names, inner_names, buffer_names, node.population_steps
-    )
-    runtime = ClientRuntime(
-        problem=build_task(config, summary),  # type: ignore[arg-type]
-        features=features,
-        labels=node.labels,
-        model=model,
-        build_submodel=None if plan is None else plan.submodel,
-        sampler=config.task.sampler(train, [node.data]),
-    )
-    phases = {p.name: p for p in algorithm.phases()}
-    return NodeSide(runtime=runtime, phases=phases, data=node.data, client=node.client)

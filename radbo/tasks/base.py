@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 from torch import Tensor, nn
 
+from radbo.data import DatasetSummary
 from radbo.problem import ClientData, MinibatchSampler, Sampler
 from radbo.registry import Registry, Section
 from radbo.typing import Params
@@ -44,8 +45,10 @@ class TaskConfig(Section):
     maskable: ClassVar[bool] = True
     episodic: ClassVar[bool] = False
 
-    def build(self, train: Any) -> Any:
-        """The :class:`~radbo.problem.BilevelProblem` for the training set ``train``."""
+    def build(self, train: DatasetSummary) -> Any:
+        """The :class:`~radbo.problem.BilevelProblem` for the training set ``train``
+        summarises (its labels, classes, sample shape and name; no features: a Flower node
+        builds it holding only its own client's examples)."""
         raise NotImplementedError
 
     def split_data(self, train: Any, test: Any, disjoint: bool) -> tuple[Any, Any]:
