@@ -141,7 +141,7 @@ def test_a_backend_registered_later_is_a_valid_setting_and_says_why_not_on_a_gpu
         parse_config({"runtime": {"backend": "threads"}})
     monkeypatch.setitem(BACKENDS._choices, "threads", _ThreadBackend)
     config = parse_config({"runtime": {"backend": "threads"}})
-    assert type(build_backend(config)) is SequentialBackend
+    assert type(build_backend(config.runtime)) is SequentialBackend
     with pytest.raises(
         ConfigError,
         match='device = "cuda" needs backend = "batched" or "sequential": a test\'s refusal',
