@@ -295,7 +295,7 @@ def test_availability_draw_is_the_per_client_draw_of_before() -> None:
         available = sim.available_clients(q)
 
         assert available == before
-        assert sim._unavailable(available) == sorted(set(range(300)) - set(before))
+        assert sim.participation.unavailable(available) == sorted(set(range(300)) - set(before))
 
 
 # -- 100,000 clients ----------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def test_a_fleet_of_100000_clients_builds_and_runs_a_round_holding_little_per_cl
     assert len({id(b) for b in exp.device_budgets}) == 4
     assert len(sim.budgets) == n and len({id(b) for b in sim.budgets}) == 1
     # availability: one float64 tensor, no per-client objects; 100 clients took part
-    assert sim._availability is not None and sim._availability[1].shape == (n,)
+    assert sim.participation.availabilities().shape == (n,)
     assert len(record.clients) == 100
     assert len(record.clients) + len(record.unavailable) <= n
     assert not set(record.clients) & set(record.unavailable)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,12 @@ from radbo.checkpoint import (
     atomic_write_text,
     has_checkpoint,
     load_checkpoint,
-    save_checkpoint,
 )
 from radbo.client import Backend
 from radbo.config import ConfigError, RunConfig
 from radbo.cost import (
+    FlopMeter,
     LedgerEntry,
-    as_dicts,
     savings,
     savings_at_accuracy,
     totals,
@@ -44,6 +44,7 @@ from radbo.experiment.lock import (
     path_problem,
 )
 from radbo.experiment.logs import RoundLogger, write_metrics_csv
+from radbo.experiment.observers import Checkpointer, ProgressShown, RunHistory, StopCheck
 from radbo.experiment.progress import progress_bar
 from radbo.experiment.stop import RunStopped, signal_name, stop_requested
 from radbo.jsonio import dumps as json_dumps
@@ -332,133 +333,144 @@ def _run_once(
     if backend_factory is not None:
         sim.backend = backend_factory(config)
     config_data = config.model_dump(mode="json")
-    state, clock_s, done = exp.initial_state, 0.0, 0
-    rows: list[dict[str, Any]] = []
-    ledger: list[dict[str, Any]] = []
-    fallback: str | None = None
-    source = checkpoints
-    if resume and final is not None and (checkpoints is None or not has_checkpoint(checkpoints)):
-        # a run finished without checkpoint_every: its final state, checkpoints/final, is
-        # where it continues from (extended, or resumed as a --seeds run's finished seed)
-        source = final
-    if resume and source is not None and has_checkpoint(source):
-        from radbo.checkpoint import (
-            Checkpoint,
-            forget_end_of_run_evaluation,
-            remove_temporary_files,
-        )
-        from radbo.simulation.divergence import SMOOTHING
-
-        remove_temporary_files(source)  # left by saves that crashed
-
-        def restore(ckpt: Checkpoint) -> None:
-            if ckpt.rounds_done < config.rounds:  # extending a finished run: as a longer run
-                forget_end_of_run_evaluation(ckpt, config.eval_every, SMOOTHING)
-            sim.load_state_dict(
-                ckpt.sim_tensors,
-                ckpt.sim_meta,
-                template=exp.initial_state,
-                rows=ckpt.rows,
-                ledger=ckpt.ledger,
-            )
-
-        # verified (SHA-256, index model, finite tensors) and checked for sense (shapes,
-        # counters against the history), the engine's state restored as its last check; falls
-        # back to the previous checkpoint with a CheckpointWarning when the newest is unusable
-        ckpt = load_checkpoint(
-            source,
-            template=exp.initial_state,
-            config=config_data,
-            ignore=_RESUMABLE,
-            restore=restore,
-        )
-        if ckpt.rounds_done > config.rounds:
-            raise CheckpointError(
-                f"the checkpoint in {source} is after round {ckpt.rounds_done}, past "
-                f"rounds = {config.rounds}; raise rounds to continue it"
-            )
-        state, clock_s, done = ckpt.state, ckpt.clock_s, ckpt.rounds_done
-        rows, ledger, fallback = ckpt.rows, ckpt.ledger, ckpt.fallback
+    begin = _beginning(config, exp, config_data, checkpoints, final, resume)
     initial = _initial_evaluation(exp)
-    board.start(rows, initial)
+    board.start(begin.rows, initial)
+    history = RunHistory(begin.rows, begin.ledger, board, _last_evaluation(begin.rows))
+    stop = StopCheck(config.rounds)
     every = config.checkpoint_every
-    bar = progress_bar(config.rounds, initial=done, desc=desc, enabled=progress)
-    last_eval = _last_evaluation(rows)
-    diverged = next((r["divergence"] for r in reversed(rows) if "divergence" in r), None)
-    stopped: str | None = None
+    saver = Checkpointer(
+        sim, config_data, history, stop, checkpoints, every, config.rounds, checkpoint_on_stop
+    )
+    bar = progress_bar(config.rounds, initial=begin.done, desc=desc, enabled=progress)
+    observers = (history, stop, saver, ProgressShown(bar, history))
+    state = begin.state
     try:
-        start = state
-        for state, record in sim.iterate(start, config.rounds - done, done, clock_s):  # noqa: B007
-            rows.append(record.as_dict())
-            board.log(rows[-1])
-            ledger += as_dicts(record.ledger)
-            if record.evaluation is not None:
-                last_eval = record.evaluation
-            completed = record.round + 1
-            # read once: a signal may come at any moment; a stop after the last round is none
-            signum = stop_requested() if completed < config.rounds else None
-            if signum is not None:
-                stopped = f"{signal_name(signum)} after round {completed} of {config.rounds}"
-            if checkpoints is not None:
-                regular = every is not None and (
-                    completed % every == 0 or completed == config.rounds
-                )
-                if regular or (stopped is not None and checkpoint_on_stop):
-                    sim_tensors, sim_meta = sim.state_dict()
-                    save_checkpoint(
-                        checkpoints,
-                        config=config_data,
-                        state=state,
-                        rounds_done=completed,
-                        clock_s=record.clock_s,
-                        rows=rows,
-                        ledger=ledger,
-                        sim_tensors=sim_tensors,
-                        sim_meta=sim_meta,
-                    )
-            bar.update(1)
-            postfix = {}
-            for key, label in (("outer_loss", "outer"), ("train_loss", "loss")):
-                if key in record.metrics:
-                    postfix[label] = f"{record.metrics[key]:.3f}"
-                    break
-            if last_eval:
-                postfix["acc"] = f"{last_eval['accuracy']:.3f}"
-                if "accuracy_ci95" in last_eval:
-                    postfix["acc"] += f"±{last_eval['accuracy_ci95']:.3f}"
-            if record.divergence is not None:
-                diverged = record.divergence
-            if diverged is not None:  # the latest divergence, from its round on
-                postfix["diverged"] = f"r{diverged['round']}"
-                if diverged["action"] == "rollback":
-                    postfix["diverged"] += f" rolled back, lr x{diverged['lr_scale']:g}"
-            bar.set_postfix(postfix)
-            if stopped is not None:
+        rounds = config.rounds - begin.done
+        run = sim.iterate(begin.state, rounds, begin.done, begin.clock_s, observers)
+        for state, _ in run:  # noqa: B007 (the state after the loop is the run's last)
+            if stop.stopped is not None:
                 break
     finally:
         bar.close()
         board.close()
         _close(sim.backend)
+    # writes the state after the last round run as a checkpoint into a folder
+    write_last = partial(saver.write_last, state=state, start_clock_s=begin.clock_s)
+    # a stopped run is not finished: no final state to export
+    if stop.stopped is None and final is not None and (every is None or checkpoints is None):
+        write_last(final)
+    stopped = stop.stopped
+    return _result(config, history, state, begin, initial, stopped, sim.flop_meter, write_last)
 
-    def write_checkpoint(directory: Path) -> Path:
-        """The state after the last round run, as a checkpoint in ``directory``."""
-        sim_tensors, sim_meta = sim.state_dict()
-        return save_checkpoint(
-            directory,
-            config=config_data,
-            state=state,
-            rounds_done=len(rows),
-            clock_s=rows[-1]["sim_clock_s"] if rows else clock_s,
-            rows=rows,
-            ledger=ledger,
-            sim_tensors=sim_tensors,
-            sim_meta=sim_meta,
+
+def _result(
+    config: RunConfig,
+    history: RunHistory,
+    state: Any,
+    begin: _Beginning,
+    initial: dict[str, float] | None,
+    stopped: str | None,
+    meter: FlopMeter | None,
+    write_last: Callable[[Path], object],
+) -> RunResult:
+    """The result of a run of ``config`` that began at ``begin`` and left ``history`` and
+    ``state`` (``write_last`` writes that state as a checkpoint; not for a stopped run)."""
+    entries = [LedgerEntry(**row) for row in history.ledger]
+    measurements = 0 if meter is None else meter.measurements
+    return RunResult(
+        config=config,
+        rounds=history.rows,
+        final={f"test_{k}": v for k, v in history.last_eval.items()},
+        state=state,
+        totals=_run_totals(history.rows, entries, measurements),
+        totals_by_tier=totals_by_tier(entries),
+        ledger=history.ledger,
+        resumed_from_fallback=begin.fallback,
+        initial=initial,
+        stopped=stopped,
+        _write_checkpoint=None if stopped is not None else write_last,
+    )
+
+
+@dataclass
+class _Beginning:
+    """Where a run begins: its state, virtual clock, rounds done, rows and ledger rows so far
+    and, for a resume that fell back to an older checkpoint, why (:attr:`RunResult.
+    resumed_from_fallback`)."""
+
+    state: Any
+    clock_s: float = 0.0
+    done: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    fallback: str | None = None
+
+
+def _beginning(
+    config: RunConfig,
+    exp: Experiment,
+    config_data: dict[str, Any],
+    checkpoints: Path | None,
+    final: Path | None,
+    resume: bool,
+) -> _Beginning:
+    """Where the run of ``exp`` begins: its initial state, or with ``resume`` the newest
+    usable checkpoint in ``checkpoints`` (or ``final``, the final state of a run finished
+    without ``checkpoint_every``), with the engine's state restored into
+    ``exp.simulation``."""
+    source = checkpoints
+    if resume and final is not None and (checkpoints is None or not has_checkpoint(checkpoints)):
+        # a run finished without checkpoint_every: its final state, checkpoints/final, is
+        # where it continues from (extended, or resumed as a --seeds run's finished seed)
+        source = final
+    if not (resume and source is not None and has_checkpoint(source)):
+        return _Beginning(exp.initial_state)
+    from radbo.checkpoint import (
+        Checkpoint,
+        forget_end_of_run_evaluation,
+        remove_temporary_files,
+    )
+    from radbo.simulation.divergence import SMOOTHING
+
+    remove_temporary_files(source)  # left by saves that crashed
+
+    def restore(ckpt: Checkpoint) -> None:
+        if ckpt.rounds_done < config.rounds:  # extending a finished run: as a longer run
+            forget_end_of_run_evaluation(ckpt, config.eval_every, SMOOTHING)
+        exp.simulation.load_state_dict(
+            ckpt.sim_tensors,
+            ckpt.sim_meta,
+            template=exp.initial_state,
+            rows=ckpt.rows,
+            ledger=ckpt.ledger,
         )
 
-    # a stopped run is not finished: no final state to export
-    if stopped is None and final is not None and (every is None or checkpoints is None):
-        write_checkpoint(final)
-    entries = [LedgerEntry(**row) for row in ledger]
+    # verified (SHA-256, index model, finite tensors) and checked for sense (shapes,
+    # counters against the history), the engine's state restored as its last check; falls
+    # back to the previous checkpoint with a CheckpointWarning when the newest is unusable
+    ckpt = load_checkpoint(
+        source,
+        template=exp.initial_state,
+        config=config_data,
+        ignore=_RESUMABLE,
+        restore=restore,
+    )
+    if ckpt.rounds_done > config.rounds:
+        raise CheckpointError(
+            f"the checkpoint in {source} is after round {ckpt.rounds_done}, past "
+            f"rounds = {config.rounds}; raise rounds to continue it"
+        )
+    return _Beginning(
+        ckpt.state, ckpt.clock_s, ckpt.rounds_done, ckpt.rows, ckpt.ledger, ckpt.fallback
+    )
+
+
+def _run_totals(
+    rows: list[dict[str, Any]], entries: list[LedgerEntry], flop_measurements: int
+) -> dict[str, float]:
+    """A run's totals (:attr:`RunResult.totals`) from its round ``rows`` and ledger
+    ``entries``: the ledger's counters (:func:`radbo.cost.totals`), then the rounds'."""
     run_totals = totals(entries)
     run_totals["communication_rounds"] = sum(r["communication_rounds"] for r in rows)
     run_totals["sim_time_s"] = rows[-1]["sim_clock_s"] if rows else 0.0
@@ -470,21 +482,8 @@ def _run_once(
     )
     run_totals["late_results"] = sum(len(c) for r in rows for c in r.get("late", {}).values())
     run_totals["empty_rounds"] = sum(1 for r in rows if not r["clients"])
-    meter = sim.flop_meter
-    run_totals["flop_measurements"] = 0 if meter is None else meter.measurements
-    return RunResult(
-        config=config,
-        rounds=rows,
-        final={f"test_{k}": v for k, v in last_eval.items()},
-        state=state,
-        totals=run_totals,
-        totals_by_tier=totals_by_tier(entries),
-        ledger=ledger,
-        resumed_from_fallback=fallback,
-        initial=initial,
-        stopped=stopped,
-        _write_checkpoint=None if stopped is not None else write_checkpoint,
-    )
+    run_totals["flop_measurements"] = flop_measurements
+    return run_totals
 
 
 def _make_output_dir(out: Path) -> list[Path]:
