@@ -106,8 +106,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 from typing_extensions import TypedDict
 
-# atomic_write and atomic_write_text stay importable from here (listed in __all__) for the
-# modules that import them from radbo.checkpoint; radbo.atomic is where they live
 from radbo.atomic import atomic_write, atomic_write_text
 from radbo.errors import field_path, more_problems, problems
 
@@ -118,8 +116,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "CheckpointWarning",
-    "atomic_write",
-    "atomic_write_text",
     "forget_end_of_run_evaluation",
     "has_checkpoint",
     "load_checkpoint",

@@ -363,9 +363,11 @@ def test_only_tensors_and_scalars_are_checkpointable():
 def test_atomic_files_get_the_usual_permissions(tmp_path):
     import os
 
+    from radbo.atomic import atomic_write_text
+
     old = os.umask(0o022)
     try:
-        checkpoint.atomic_write_text(tmp_path / "a.json", "{}")
+        atomic_write_text(tmp_path / "a.json", "{}")
     finally:
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644

@@ -40,7 +40,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from radbo.checkpoint import atomic_write, atomic_write_text
+from radbo.atomic import atomic_write, atomic_write_text
 from radbo.client import ClientRuntime, Phase
 from radbo.config import RunConfig
 from radbo.data import Dataset, DatasetSummary
