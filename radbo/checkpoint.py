@@ -31,27 +31,31 @@ index names are removed, and the checkpoints written before stay as they were.
 **Loading** parses JSON and safetensors only: nothing in a checkpoint is ever executed or
 unpickled, and the state is rebuilt by filling a template state of the same run (its dataclass,
 names, shapes and dtypes are checked, and each scalar field's type), never by looking up a class
-named in the file. Each file must be a regular file no larger than a cap derived from what a
-checkpoint of this run holds (the index and the history: from the config's rounds and clients,
-:data:`INDEX_BASE_BYTES` ...; the tensors: three times the state's bytes; never more than an
-eighth of the machine's memory), judged by its size on disk before a byte is read. In order:
-the index is validated by a pydantic model (:class:`CheckpointIndex`: ``rounds_done`` an
-integer >= 0, ``clock_s`` finite, state scalars JSON scalars, file names plain names without
-separators, hashes 64 lowercase hex digits), then its own hash, then the config; each file
-must match its SHA-256; every floating-point tensor must be finite; the history is validated by
-:class:`CheckpointHistory` (round records and ledger rows with the types the run gives them:
-times, costs and energies finite and not negative, floats written as floats, evaluations
-finite, coverage figures and counts of rejected, dropped and late clients those of the round's
-lists). Then the **meaning** (SHA-256 proves that a file is the one written, not that it makes
-sense: a checkpoint is a file a user can edit): ``rounds_done`` rounds numbered 0 to
-``rounds_done - 1``, on a clock that never runs back and ends at ``clock_s``; ledger rows of
+named in the file. This module knows files, not runs: what the records mean comes from the
+caller, as a :class:`Contents` (a run's is :data:`radbo.simulation.RUN_CHECKPOINT`, composed of
+the schemas and checks the engine's parts declare beside their own code). Each file must be a
+regular file no larger than a cap (the index and the history: :attr:`Contents.caps`, for a run
+from its config's rounds and clients; the tensors: three times the state's bytes; never more
+than an eighth of the machine's memory, :func:`memory_ceiling`), judged by its size on disk
+before a byte is read. In order: the index is validated by a pydantic model
+(:class:`CheckpointIndex`: ``rounds_done`` an integer >= 0, ``clock_s`` finite, state scalars
+JSON scalars, file names plain names without separators, hashes 64 lowercase hex digits; its
+engine part of :attr:`Contents.engine`'s schema), then its own hash, then the config; each file
+must match its SHA-256; every floating-point tensor must be finite; the history is validated
+against :attr:`Contents.row` and :attr:`Contents.ledger_row` (for a run: round records and
+ledger rows with the types the run gives them: times, costs and energies finite and not
+negative, floats written as floats, evaluations finite, coverage figures and counts of
+rejected, dropped and late clients those of the round's lists). Then the **meaning**
+(:attr:`Contents.check`; SHA-256 proves that a file is the one written, not that it makes
+sense: a checkpoint is a file a user can edit) -- for a run: ``rounds_done`` rounds numbered 0
+to ``rounds_done - 1``, on a clock that never runs back and ends at ``clock_s``; ledger rows of
 those rounds, in order, charging clients the round sampled; a coverage history of one entry
 per round that had clients, for the blocks the rounds report, equal to what they report; the
-divergence guard's rollbacks, last good round and diverging flag those the rounds give; every
-tensor of the state of its template's shape and dtype. Last, the caller's ``restore`` (the
-engine's :meth:`radbo.simulation.Simulation.load_state_dict`: coverage masks of the model's
-shapes, no tensor the engine does not have, each round's costs the sums of its ledger rows)
-runs as one more check. Anything damaged, malformed, non-finite or meaningless raises
+divergence guard's rollbacks, last good round and diverging flag those the rounds give -- and
+every tensor of the state of its template's shape and dtype. Last, the caller's ``restore``
+(the engine's :meth:`radbo.simulation.Simulation.load_state_dict`: coverage masks of the
+model's shapes, no tensor the engine does not have, each round's costs the sums of its ledger
+rows) runs as one more check. Anything damaged, malformed, non-finite or meaningless raises
 :class:`CheckpointCorruptError`: one line naming the file and the problem.
 
 **Fallback.** When the newest checkpoint is unusable for any reason -- damaged, malformed,
@@ -75,7 +79,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -84,30 +87,28 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, NotRequired, TypeGuard
+from typing import Any, Literal
 
 import torch
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    Strict,
     StrictFloat,
-    StrictInt,
     StrictStr,
     ValidationError,
+    create_model,
     field_validator,
 )
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 from torch import Tensor
-from typing_extensions import TypedDict
 
 from radbo.atomic import atomic_write, atomic_write_text
 from radbo.errors import field_path, more_problems, problems
+from radbo.schema import Count, short
 
 __all__ = [
     "FORMAT",
@@ -116,7 +117,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "CheckpointWarning",
-    "forget_end_of_run_evaluation",
+    "Contents",
+    "PLAIN",
+    "memory_ceiling",
     "has_checkpoint",
     "load_checkpoint",
     "remove_temporary_files",
@@ -212,7 +215,7 @@ def state_from_tensors(template: Any, tensors: Mapping[str, Tensor], scalars: Ma
                 value is None and current is not None and not _admits_none(template, f.name)
             ):
                 raise CheckpointCorruptError(
-                    f"state field {f.name!r} is {_short(value)} in the checkpoint, not of "
+                    f"state field {f.name!r} is {short(value)} in the checkpoint, not of "
                     f"this run's type ({type(current).__name__})"
                 )
             if isinstance(current, float) and value is not None:
@@ -256,122 +259,66 @@ def _scalar_fits(saved: Any, current: Any) -> bool:
 _HEX64 = r"^[0-9a-f]{64}$"
 # a plain file name in the checkpoint folder: no separators, no leading dot (so no "..")
 _PLAIN_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
-_Count = Annotated[StrictInt, Field(ge=0)]
-# seconds, joules: finite and not negative
-
-
-def _written_as_float(value: Any) -> Any:
-    """Refuse an integer where radbo writes a float (``0`` for ``0.0``: an edit, which would
-    come out of a resumed run as another JSON number than the uninterrupted run's)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        raise ValueError(f"{value!r} is an integer, where radbo writes a float")
-    return value
-
-
-_Float = BeforeValidator(_written_as_float)
-_Amount = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False), _Float]
-_Fraction = Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False), _Float]
-_Joules = Annotated[float | None, Strict(), Field(ge=0, allow_inf_nan=False), _Float]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# rows and ledger rows are TypedDicts: pydantic checks them several times faster than models,
-# which matters for the ledger of a long run (one row per client, phase and round)
-class LedgerRow(TypedDict):
-    """One ledger row: the fields of :class:`radbo.cost.LedgerEntry`, with their types."""
+@dataclass(frozen=True)
+class Contents:
+    """What a checkpoint holds beside the algorithm state, as the component that writes it
+    declares it: this module stores and verifies files (sizes, hashes, JSON, safetensors,
+    finite tensors, the config), and the caller says what their records mean. A run's engine
+    hands :data:`radbo.simulation.RUN_CHECKPOINT`, composed of the schemas its parts declare
+    beside their own code (:class:`radbo.cost.LedgerRow`, :class:`radbo.cost.FlopMeterState`,
+    :class:`radbo.masks.coverage_report.CoverageState`, :class:`radbo.simulation.RoundRow`).
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    round: _Count
-    phase: StrictStr
-    client: _Count
-    tier: StrictStr
-    flops: _Count
-    n_grad: _Count
-    n_hvp: _Count
-    samples: _Count
-    bytes_down: _Count
-    bytes_up: _Count
-    compute_s: _Amount
-    comm_s: _Amount
-    # joules, None when the device gave no figure; rows written before energy was accounted
-    # lack the keys and read back as None (unknown)
-    energy_compute_j: NotRequired[_Joules]
-    energy_radio_j: NotRequired[_Joules]
+    Attributes:
+        row: the type of one round record of the history (any JSON object by default).
+        ledger_row: the type of one ledger row.
+        engine: the type of the engine's JSON state in the index (``simulation``).
+        check: the meaning of a checkpoint whose files parsed:
+            ``check(rounds_done, clock_s, engine, rows, ledger, history_name)`` raises
+            ``ValueError`` with a sentence when its counters, history and engine state do not
+            fit together (``engine`` is the JSON as written, in its key order).
+        caps: ``caps(config)``, the largest index and history files (bytes) a run of
+            ``config`` writes (default: :func:`memory_ceiling` for both).
+    """
 
+    row: Any = dict[str, Any]
+    ledger_row: Any = dict[str, Any]
+    engine: Any = dict[str, Any]
+    check: Callable[[int, float, Mapping[str, Any], list[Any], list[Any], str], None] | None = None
+    caps: Callable[[Mapping[str, Any] | None], tuple[int, int]] | None = None
 
-class CoverageRow(TypedDict):
-    """One round of a coverage tracker's history: the fields of
-    :class:`radbo.masks.RoundCoverage`, with their types."""
+    @cached_property
+    def index_model(self) -> type[CheckpointIndex]:
+        """:class:`CheckpointIndex` with this engine state's schema."""
+        return create_model(
+            "CheckpointIndex", __base__=CheckpointIndex, simulation=(self.engine, ...)
+        )
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    round: _Count
-    min_coverage: _Count
-    min_coverage_so_far: _Count
-    histogram: list[_Count]
-    untrained_fraction: _Fraction
-    never_trained_fraction: _Fraction
-    numel: _Count
+    @cached_property
+    def history_model(self) -> type[BaseModel]:
+        """The history file (``history-NNNNNN.json``): every round record and ledger row so
+        far, of these schemas."""
+        return create_model(
+            "CheckpointHistory",
+            __base__=_Model,
+            rows=(list[self.row], ...),  # type: ignore[name-defined]
+            ledger=(list[self.ledger_row], ...),  # type: ignore[name-defined]
+        )
 
+    def index_cap(self, config: Mapping[str, Any] | None) -> int:
+        return self.caps(config)[0] if self.caps is not None else memory_ceiling()
 
-class RoundRow(TypedDict):
-    """One round record (``RoundRecord.as_dict()``): the engine's fields typed (times finite
-    and not negative), the algorithm's metrics free (a NaN there means nothing was measured:
-    no client's result reached that phase), the rest checked by :func:`_row_values`."""
-
-    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
-    round: _Count
-    clients: list[_Count]
-    unavailable: list[_Count]
-    rejected: dict[str, list[_Count]]
-    dropped: NotRequired[dict[str, list[_Count]]]
-    late: NotRequired[dict[str, list[_Count]]]
-    communication_rounds: _Count
-    wall_time_s: _Amount
-    sim_round_time_s: _Amount
-    sim_clock_s: _Amount
+    def history_cap(self, config: Mapping[str, Any] | None) -> int:
+        return self.caps(config)[1] if self.caps is not None else memory_ceiling()
 
 
-# the engine's counters of a round (RoundRecord.metrics), each the size of one of its lists
-_ROUND_COUNTS = {
-    "rejected_updates": "rejected",
-    "dropped_clients": "dropped",
-    "late_clients": "late",
-}
-
-
-def _row_values(row: RoundRow) -> RoundRow:
-    """The values of a round record's free keys that radbo computes as numbers: evaluations
-    (``test_*``: finite, but a confidence interval of one episode, ``*_ci95``, is NaN), cost
-    counters (``cost_*``: finite, not negative), coverage figures and the engine's counts of
-    rejected, dropped and late clients (equal to its lists)."""
-    for key, value in row.items():
-        if not isinstance(key, str):
-            continue
-        if key.startswith("test_"):
-            if not _is_number(value):
-                raise ValueError(f"{key} = {_short(value)} is not a number")
-            if not (_is_finite(value) or (key.endswith("_ci95") and math.isnan(value))):
-                raise ValueError(f"{key} = {_short(value)} is not a finite number")
-        elif key.startswith("cost_") or (key.startswith("coverage_") and key.endswith("_min")):
-            if not (_is_finite(value) and value >= 0):
-                raise ValueError(f"{key} = {_short(value)} is not a finite number >= 0")
-        elif key.startswith(("untrained_fraction_", "never_trained_fraction_")):
-            if not (_is_number(value) and 0 <= value <= 1):
-                raise ValueError(f"{key} = {_short(value)} is not a fraction in [0, 1]")
-        elif key.startswith("coverage_") and key.endswith("_histogram"):
-            if not (isinstance(value, list) and all(_is_count(v) for v in value)):
-                raise ValueError(f"{key} = {_short(value)} is not a list of counts")
-        elif key in _ROUND_COUNTS:
-            listed = row.get(_ROUND_COUNTS[key], {})
-            size = sum(len(c) for c in listed.values()) if isinstance(listed, dict) else None
-            if not _is_count(value) or value != size:
-                raise ValueError(
-                    f"{key} = {_short(value)}, but the round lists {size} such clients"
-                )
-    return row
+#: Files only: any JSON records, no check of their meaning (for states saved outside a run).
+PLAIN = Contents()
 
 
 class FileRef(_Model):
@@ -388,43 +335,18 @@ class CheckpointFiles(_Model):
     history: FileRef
 
 
-class CoverageState(_Model):
-    """One coverage tracker's JSON state (:meth:`radbo.masks.CoverageTracker.state_dict`)."""
-
-    names: list[StrictStr] = Field(min_length=1)
-    history: list[CoverageRow]
-
-
-class FlopMeterState(_Model):
-    """The FLOP meter's JSON state (:meth:`radbo.cost.FlopMeter.state_dict`)."""
-
-    measurements: _Count
-    cache: list[tuple[Any, StrictInt]]
-    points: list[tuple[Any, list[tuple[StrictInt, StrictInt]]]] = []
-    lines: list[tuple[Any, tuple[StrictInt, StrictInt, StrictInt] | None]] = []
-    families: list[Any] = []
-
-
-class SimulationState(BaseModel):
-    """The engine's JSON state (:meth:`radbo.simulation.Simulation.state_dict`); parts other
-    than coverage and the FLOP meter (the divergence guard's) are its own to check."""
-
-    model_config = ConfigDict(extra="allow")
-    coverage: dict[str, CoverageState] = {}
-    flop_meter: FlopMeterState | None = None
-
-
 class CheckpointIndex(_Model):
     """The checkpoint index (``checkpoint.json``) as :func:`save_checkpoint` writes it."""
 
     format: Literal["radbo-checkpoint/2"]
     index_sha256: StrictStr = Field(pattern=_HEX64)
     config: dict[str, Any]
-    rounds_done: _Count
+    rounds_done: Count
     clock_s: StrictFloat = Field(allow_inf_nan=False)
     files: CheckpointFiles
     state_scalars: dict[str, Any]
-    simulation: SimulationState
+    #: the engine's JSON state, of the schema :attr:`Contents.engine` gives
+    simulation: dict[str, Any]
 
     @field_validator("state_scalars")
     @classmethod
@@ -432,35 +354,10 @@ class CheckpointIndex(_Model):
         for name, v in value.items():
             if v is not None and not isinstance(v, bool | int | float | str):
                 raise ValueError(
-                    f"state scalar {name!r} = {_short(v)} is not a number, string, "
+                    f"state scalar {name!r} = {short(v)} is not a number, string, "
                     "true/false or null"
                 )
         return value
-
-
-class CheckpointHistory(_Model):
-    """The history file (``history-NNNNNN.json``): every round record and ledger row so far."""
-
-    rows: list[Annotated[RoundRow, AfterValidator(_row_values)]]
-    ledger: list[LedgerRow]
-
-
-def _is_number(value: Any) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_finite(value: Any) -> TypeGuard[int | float]:
-    """A finite number (an int of any size is finite; a JSON float is at most 1.8e308)."""
-    return _is_number(value) and (isinstance(value, int) or math.isfinite(value))
-
-
-def _is_count(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe(error: ValidationError) -> str:
@@ -478,7 +375,7 @@ def _describe(error: ValidationError) -> str:
     elif first.type == "value_error":
         text = f"{where}: {msg}" if where else msg
     else:
-        text = f"{where} = {_short(first.value)}: {msg}"
+        text = f"{where} = {short(first.value)}: {msg}"
     more = len(found) - 1
     return text + (f" ({more_problems(more)})" if more else "")
 
@@ -549,10 +446,13 @@ def save_checkpoint(
     ledger: list[dict[str, Any]],
     sim_tensors: Mapping[str, Tensor],
     sim_meta: Mapping[str, Any],
+    contents: Contents,
 ) -> Path:
     """Write a checkpoint after ``rounds_done`` rounds into ``directory``; returns the index.
 
-    ``config`` is the run's config as JSON data; :func:`load_checkpoint` compares it. The
+    ``config`` is the run's config as JSON data; :func:`load_checkpoint` compares it.
+    ``contents`` says what the records are (:class:`Contents`: here, how large a checkpoint of
+    this run may be, for the checkpoint kept as the previous one). The
     checkpoint that was the newest becomes ``checkpoint-prev.json`` when it verifies and is of
     an earlier round (see the module docstring for the order of the writes).
 
@@ -583,7 +483,7 @@ def save_checkpoint(
         with _writing(directory / names["history"]):
             atomic_write(directory / names["history"], lambda tmp: tmp.write_bytes(history))
         with _writing(directory / PREVIOUS):
-            previous = _keep_as_previous(directory, rounds_done, config, state)
+            previous = _keep_as_previous(directory, rounds_done, config, state, contents)
         body: dict[str, Any] = {
             "format": FORMAT,
             "config": config,
@@ -601,7 +501,7 @@ def save_checkpoint(
     except BaseException:
         # the files of this save that no index names (a crash between two writes leaves them
         # for the next save to delete)
-        cap = _index_cap(config)
+        cap = contents.index_cap(config)
         named = _named_files(directory / INDEX, cap) | _named_files(directory / PREVIOUS, cap)
         for name in names.values():
             if name not in named:
@@ -671,17 +571,17 @@ def remove_temporary_files(directory: str | Path) -> list[Path]:
 
 
 def _keep_as_previous(
-    directory: Path, rounds_done: int, config: Mapping[str, Any], state: Any
+    directory: Path, rounds_done: int, config: Mapping[str, Any], state: Any, contents: Contents
 ) -> set[str]:
     """Copy the current index to ``checkpoint-prev.json`` if it verifies (its own hash and its
     files', each no larger than a checkpoint of the run of ``config`` and ``state`` needs) and
     is of an earlier round than ``rounds_done``, else leave the previous one as it is; returns
     the names of the files the previous index names."""
-    cap = _index_cap(config)
+    cap = contents.index_cap(config)
     try:
         raw = _read(directory / INDEX, cap)
-        caps = {"tensors": _tensor_cap(state), "history": _history_cap(config)}
-        index = _verified_index(directory, raw, caps)
+        caps = {"tensors": _tensor_cap(state), "history": contents.history_cap(config)}
+        index = _verified_index(directory, raw, caps, contents)
     except (OSError, CheckpointError):
         return _named_files(directory / PREVIOUS, cap)  # no current index, or not one to keep
     if index.rounds_done >= rounds_done:
@@ -690,10 +590,12 @@ def _keep_as_previous(
     return {index.files.tensors.file, index.files.history.file}
 
 
-def _verified_index(directory: Path, raw: bytes, caps: Mapping[str, int]) -> CheckpointIndex:
+def _verified_index(
+    directory: Path, raw: bytes, caps: Mapping[str, int], contents: Contents
+) -> CheckpointIndex:
     """The index whose bytes are ``raw``, if it and the files it names (each at most its
     ``caps`` bytes) match their hashes."""
-    index, _ = _parse_index(directory / INDEX, raw)
+    index, _ = _parse_index(directory / INDEX, raw, contents)
     for kind, ref in (("tensors", index.files.tensors), ("history", index.files.history)):
         if _sha256(_read(directory / ref.file, caps[kind])) != ref.sha256:
             raise CheckpointCorruptError(f"{directory / ref.file} is damaged")
@@ -719,13 +621,17 @@ def load_checkpoint(
     config: Mapping[str, Any] | None = None,
     ignore: tuple[str, ...] = (),
     restore: Callable[[Checkpoint], object] | None = None,
+    contents: Contents,
 ) -> Checkpoint:
     """Read the checkpoint in ``directory`` into a state shaped like ``template``.
+
+    ``contents`` says what its records are and what makes them meaningful
+    (:class:`Contents`; a run's: :data:`radbo.simulation.RUN_CHECKPOINT`).
 
     With ``config``, the stored config must equal it except for the top-level keys in
     ``ignore`` (e.g. ``rounds``, which a resumed run may raise); a difference raises
     :class:`CheckpointError` naming the first differing key. ``config`` also sizes the caps
-    on the files' sizes (:func:`_index_cap`, :func:`_history_cap`).
+    on the files' sizes (:attr:`Contents.caps`).
 
     ``restore(checkpoint)``, when given, is the last check of a checkpoint: it restores what
     the caller keeps beside the algorithm state (the engine's state,
@@ -744,7 +650,7 @@ def load_checkpoint(
     if not has_checkpoint(directory):
         raise CheckpointError(f"no checkpoint in {directory} (no {INDEX})")
     try:
-        return _load(directory, INDEX, template, config, ignore, restore)
+        return _load(directory, INDEX, template, config, ignore, restore, contents)
     except _ConfigMismatch as err:
         raise CheckpointError(str(err)) from None
     except CheckpointError as err:
@@ -752,7 +658,7 @@ def load_checkpoint(
     if not (directory / PREVIOUS).is_file():
         raise refused
     try:
-        ckpt = _load(directory, PREVIOUS, template, config, ignore, restore)
+        ckpt = _load(directory, PREVIOUS, template, config, ignore, restore, contents)
     except CheckpointError as err:
         raise CheckpointCorruptError(
             f"{refused}; the previous checkpoint is refused too: {err}"
@@ -765,57 +671,6 @@ def load_checkpoint(
         stacklevel=2,
     )
     return ckpt
-
-
-def forget_end_of_run_evaluation(ckpt: Checkpoint, eval_every: int, smoothing: float) -> bool:
-    """Make the checkpoint of a finished run continue as a longer run would: drop the
-    evaluation its last round got only for being the last (``rounds_done`` not a multiple of
-    ``eval_every``), from the round's record and from the divergence guard's running test loss
-    (``ckpt.sim_meta["divergence"]``, replayed from the rounds that passed the guard without
-    it; ``smoothing`` is the guard's weight of the past,
-    :data:`radbo.simulation.divergence.SMOOTHING`), so that extending a run of N rounds to M
-    equals a run of M rounds. Returns whether there was such an evaluation. A regular
-    evaluation (every ``eval_every`` rounds) stays."""
-    if not ckpt.rows or ckpt.rounds_done % eval_every == 0:
-        return False
-    last = ckpt.rows[-1]
-    tests = [k for k in last if isinstance(k, str) and k.startswith("test_")]
-    if not tests:
-        return False
-    for key in tests:
-        del last[key]
-    divergence = last.get("divergence")
-    if isinstance(divergence, dict):  # a rollback keeps the diverged evaluation
-        divergence.pop("evaluation", None)
-    guard = ckpt.sim_meta.get("divergence")
-    if divergence is None and isinstance(guard, dict):  # the round passed: the guard took it
-        _replay_test_loss(guard, ckpt.rows, smoothing)
-    return True
-
-
-def _replay_test_loss(guard: dict[str, Any], rows: list[dict[str, Any]], smoothing: float) -> None:
-    """Set the guard's first, smoothed and lowest ``test_loss`` to what
-    :meth:`radbo.simulation.divergence.DivergenceGuard.accept` makes of the test losses of
-    ``rows`` that passed the guard (rows without ``divergence``), in order."""
-    first: float | None = None
-    smoothed: float | None = None
-    lowest: float | None = None
-    for row in rows:
-        value = row.get("test_loss")
-        if "divergence" in row or not _is_finite(value):
-            continue
-        value = float(value)
-        if first is None:
-            first = value
-        past = value if smoothed is None else smoothed
-        smoothed = smoothing * past + (1.0 - smoothing) * value
-        lowest = smoothed if lowest is None else min(lowest, smoothed)
-    for part, figure in (("first", first), ("smoothed", smoothed), ("lowest", lowest)):
-        values = guard[part]
-        if figure is None:
-            values.pop("test_loss", None)
-        else:
-            values["test_loss"] = figure
 
 
 class _ConfigMismatch(CheckpointError):
@@ -841,7 +696,8 @@ def _load(
     template: Any,
     config: Mapping[str, Any] | None,
     ignore: tuple[str, ...],
-    restore: Callable[[Checkpoint], object] | None = None,
+    restore: Callable[[Checkpoint], object] | None,
+    contents: Contents,
 ) -> Checkpoint:
     """The checkpoint whose index is ``directory / name``, after every check of the module
     docstring's **Loading**, in its order: the index, the config (unless ``config`` is None;
@@ -850,13 +706,24 @@ def _load(
     path = directory / name
     if not path.is_file():
         raise CheckpointCorruptError(f"{path} is missing")
-    index, data = _parse_index(path, _read(path, _index_cap(config)))
+    index, data = _parse_index(path, _read(path, contents.index_cap(config)), contents)
     if config is not None:
         _check_same_config(directory, index, config, ignore)
     tensors = _load_tensors(directory, index, template)
     history_path = directory / index.files.history.file
-    history = _load_history(history_path, index, config)
-    _check_counters(path, index, data, history, history_path)
+    history = _load_history(history_path, index, config, contents)
+    if contents.check is not None:
+        try:
+            contents.check(
+                index.rounds_done,
+                index.clock_s,
+                data["simulation"],
+                history["rows"],
+                history["ledger"],
+                history_path.name,
+            )
+        except ValueError as err:
+            raise CheckpointCorruptError(f"{path}: {err}") from None
     sim_tensors = {k[4:]: t for k, t in tensors.items() if k.startswith("sim/")}
     state_tensors = {k: t for k, t in tensors.items() if not k.startswith("sim/")}
     try:
@@ -923,15 +790,18 @@ def _load_tensors(directory: Path, index: CheckpointIndex, template: Any) -> dic
 
 
 def _load_history(
-    history_path: Path, index: CheckpointIndex, config: Mapping[str, Any] | None
+    history_path: Path,
+    index: CheckpointIndex,
+    config: Mapping[str, Any] | None,
+    contents: Contents,
 ) -> dict[str, Any]:
     """The checkpoint's history file, read (at most the cap of ``config``'s run), matched
-    against its SHA-256 and validated by :class:`CheckpointHistory`."""
-    content = _read_verified(history_path, index.files.history.sha256, _history_cap(config))
+    against its SHA-256 and validated by :attr:`Contents.history_model`."""
+    content = _read_verified(history_path, index.files.history.sha256, contents.history_cap(config))
     history = _parse_json(history_path, content, "checkpoint history")
     del content
     try:
-        CheckpointHistory.model_validate(history)
+        contents.history_model.model_validate(history)
     except ValidationError as err:
         raise CheckpointCorruptError(
             f"{history_path} is a malformed checkpoint history: {_describe(err)}"
@@ -960,242 +830,12 @@ def _restore(path: Path, ckpt: Checkpoint, restore: Callable[[Checkpoint], objec
         ) from None
 
 
-def _check_counters(
-    path: Path,
-    index: CheckpointIndex,
-    data: Mapping[str, Any],
-    history: Mapping[str, Any],
-    history_path: Path,
-) -> None:
-    """The counters of the index against the history it names: ``rounds_done`` rounds,
-    numbered 0 to ``rounds_done - 1``, on a clock that never runs back and ends at
-    ``clock_s``; ledger rows of those rounds (in order, of their clients); a coverage history
-    of one entry per round that had clients, for the blocks the rows report; the divergence
-    guard's good rounds among those done."""
-    rows = history["rows"]
-    _check_rounds(path, index, rows, history_path)
-    _check_ledger(history["ledger"], rows, index.rounds_done, history_path)
-    simulation = data["simulation"]
-    _check_coverage_history(path, simulation.get("coverage") or {}, rows)
-    guard = simulation.get("divergence")
-    if isinstance(guard, dict):
-        _check_guard(path, guard, rows)
-    elif any("divergence" in row for row in rows):
-        raise CheckpointCorruptError(
-            f"{path}: rounds record divergences, but the engine state has no divergence guard"
-        )
-    meter = index.simulation.flop_meter
-    if meter is not None and meter.measurements < len(meter.cache):
-        raise CheckpointCorruptError(
-            f"{path}: the FLOP meter made {meter.measurements} measurements but caches "
-            f"{len(meter.cache)}"
-        )
-
-
-def _check_rounds(
-    path: Path, index: CheckpointIndex, rows: list[dict[str, Any]], history_path: Path
-) -> None:
-    """``rounds_done`` round records, numbered 0 to ``rounds_done - 1``, on a clock that never
-    runs back and ends at the index's ``clock_s``."""
-    done = index.rounds_done
-    if len(rows) != done:
-        raise CheckpointCorruptError(
-            f"{path} says {done} rounds are done, but its history {history_path.name} holds "
-            f"{len(rows)}"
-        )
-    clock = 0.0
-    for i, row in enumerate(rows):
-        if row["round"] != i:
-            raise CheckpointCorruptError(
-                f"{history_path}: rows[{i}] is of round {row['round']}, not {i}"
-            )
-        if row["sim_clock_s"] < clock:
-            raise CheckpointCorruptError(
-                f"{history_path}: rows[{i}].sim_clock_s = {row['sim_clock_s']!r} is before "
-                f"the round before ({clock!r})"
-            )
-        clock = row["sim_clock_s"]
-    if index.clock_s < 0 or index.clock_s != clock:
-        raise CheckpointCorruptError(
-            f"{path}: clock_s = {index.clock_s!r}, but the clock after round {done - 1} is "
-            f"{clock!r}"
-            if rows
-            else f"{path}: clock_s = {index.clock_s!r} before any round, not 0.0"
-        )
-
-
-def _check_ledger(
-    ledger: list[dict[str, Any]],
-    rows: list[dict[str, Any]],
-    done: int,
-    history_path: Path,
-) -> None:
-    """Ledger rows of the ``done`` rounds, in round order, each charging a client its round
-    sampled."""
-    clients = [set(row["clients"]) for row in rows]
-    last = 0
-    for i, entry in enumerate(ledger):
-        q = entry["round"]
-        if not last <= q < done:
-            raise CheckpointCorruptError(
-                f"{history_path}: ledger[{i}] is of round {q}, "
-                + (f"after round {last}'s rows" if q < last else f"but {done} rounds are done")
-            )
-        if entry["client"] not in clients[q]:
-            raise CheckpointCorruptError(
-                f"{history_path}: ledger[{i}] charges client {entry['client']}, which round "
-                f"{q} did not sample"
-            )
-        last = q
-
-
-def _check_coverage_history(
-    path: Path, coverage: Mapping[str, Any], rows: list[dict[str, Any]]
-) -> None:
-    """The engine's coverage trackers: those of the blocks the rounds report (when a round had
-    clients), each with one history entry per round that had clients, equal to what the
-    rounds report (:func:`_check_coverage`)."""
-    busy = [row for row in rows if row["clients"]]
-    reported = {
-        k[len("coverage_") : -len("_min")]
-        for row in busy
-        for k in row
-        if isinstance(k, str) and k.startswith("coverage_") and k.endswith("_min")
-    }
-    if busy and set(coverage) != reported:
-        raise CheckpointCorruptError(
-            f"{path}: the engine tracks coverage of {sorted(coverage)}, the rounds report "
-            f"{sorted(reported)}"
-        )
-    for block, tracker in coverage.items():
-        rounds = [entry["round"] for entry in tracker["history"]]
-        if rounds != list(range(len(busy))):
-            raise CheckpointCorruptError(
-                f"{path}: the coverage history of {block!r} has {len(rounds)} rounds numbered "
-                f"{_short(rounds)}, but {len(busy)} rounds had clients"
-            )
-        _check_coverage(path, block, tracker["history"], busy)
-
-
-def _check_coverage(
-    path: Path, block: str, history: list[dict[str, Any]], busy: list[dict[str, Any]]
-) -> None:
-    """Each entry of a coverage history against the round record that reports it (its C*,
-    fractions and histogram), and each running C* against the entries before it."""
-    lowest = 0  # the smallest running C* so far that is not 0
-    for entry, row in zip(history, busy, strict=True):
-        reported = {
-            f"coverage_{block}_min": float(entry["min_coverage"]),
-            f"untrained_fraction_{block}": entry["untrained_fraction"],
-            f"never_trained_fraction_{block}": entry["never_trained_fraction"],
-            f"coverage_{block}_histogram": entry["histogram"],
-        }
-        wrong = [k for k, v in reported.items() if row.get(k) != v or type(row[k]) is not type(v)]
-        if wrong:
-            raise CheckpointCorruptError(
-                f"{path}: round {row['round']} reports {wrong[0]} = {_short(row.get(wrong[0]))}, "
-                f"its coverage history {_short(reported[wrong[0]])}"
-            )
-        now = entry["min_coverage"]
-        trained = [c for c in (lowest, now) if c > 0]
-        expected = min(trained) if trained else 0
-        if entry["min_coverage_so_far"] != expected:
-            raise CheckpointCorruptError(
-                f"{path}: the coverage history of {block!r} has C* so far "
-                f"{entry['min_coverage_so_far']} in its round {entry['round']}, not {expected}"
-            )
-        lowest = expected
-
-
-def _check_guard(path: Path, guard: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """The divergence guard's counters against the rounds: its rollbacks are the rounds that
-    rolled back, its last good round the one the rounds leave (each round that passed moves
-    it to its end, a rollback to where it rolled back to), and it is diverging when the last
-    round diverged."""
-    good: Any = 0
-    rollbacks = 0
-    for row in rows:
-        divergence = row.get("divergence")
-        if divergence is None:
-            good = row["round"] + 1
-        elif not isinstance(divergence, dict) or divergence.get("action") not in (
-            "rollback",
-            "warn",
-        ):
-            raise CheckpointCorruptError(
-                f"{path}: round {row['round']}'s divergence is {_short(divergence)}"
-            )
-        elif divergence["action"] == "rollback":
-            rollbacks += 1
-            good = divergence.get("rolled_back_to")
-    diverging = bool(rows) and "divergence" in rows[-1]
-    found = {
-        "good_rounds": good,
-        "rollbacks": rollbacks,
-        "diverging": diverging,
-    }
-    for key, value in found.items():
-        saved = guard.get(key)
-        if saved != value or type(saved) is not type(value):
-            raise CheckpointCorruptError(
-                f"{path}: the divergence guard's {key} is {_short(saved)}, but the rounds "
-                f"give {value!r}"
-            )
-
-
 # -- size caps ----------------------------------------------------------------------------
 
-#: What an index holds besides the per-round coverage history: the config, the state's
-#: scalars, the FLOP meter's cache, the divergence guard's values (measured: 4 KB after 3
-#: rounds of a 3-client run, 8 KB after 4 rounds of the 10-client demo), with a wide margin.
-INDEX_BASE_BYTES = 16 << 20
-#: An index's coverage history per round: one entry per tracked block (about 250 bytes with a
-#: histogram of a few counts), whose histogram holds up to one count per client.
-INDEX_ROUND_BYTES = 4 << 10
-INDEX_CLIENT_BYTES = 64
-#: A history per round: its record (about 2 KB, one id per client in its lists) and one ledger
-#: row (about 300 bytes) per client and phase.
-HISTORY_BASE_BYTES = 16 << 20
-HISTORY_ROUND_BYTES = 64 << 10
-HISTORY_CLIENT_BYTES = 4 << 10
 #: A tensor file holds the state, the state before it (the divergence guard's) and one bool
 #: mask per model tensor (coverage), besides its header (a few hundred bytes per tensor).
 TENSOR_HEADER_BYTES = 1 << 20
 TENSOR_KEY_BYTES = 4 << 10
-
-
-def _config_size(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
-    """``(rounds, clients)`` of ``config`` when it says both, else ``None``."""
-    if config is None:
-        return None
-    rounds = config.get("rounds")
-    fleet = config.get("fleet")
-    clients = fleet.get("num_clients") if isinstance(fleet, Mapping) else None
-    if not (_is_count(rounds) and _is_count(clients)):
-        return None
-    return rounds, clients
-
-
-def _index_cap(config: Mapping[str, Any] | None) -> int:
-    """The largest index (bytes) a run of ``config`` writes, with a wide margin (an unknown
-    size: what memory can take, :func:`_memory_ceiling`)."""
-    size = _config_size(config)
-    if size is None:
-        return _memory_ceiling()
-    rounds, clients = size
-    extra = 4 * len(_dump(config))
-    cap = INDEX_BASE_BYTES + extra + rounds * (INDEX_ROUND_BYTES + INDEX_CLIENT_BYTES * clients)
-    return min(cap, _memory_ceiling())
-
-
-def _history_cap(config: Mapping[str, Any] | None) -> int:
-    """The largest history file (bytes) a run of ``config`` writes, with a wide margin."""
-    size = _config_size(config)
-    if size is None:
-        return _memory_ceiling()
-    rounds, clients = size
-    cap = HISTORY_BASE_BYTES + rounds * (HISTORY_ROUND_BYTES + HISTORY_CLIENT_BYTES * clients)
-    return min(cap, _memory_ceiling())
 
 
 def _tensor_cap(template: Any) -> int:
@@ -1211,10 +851,10 @@ def _tensor_cap(template: Any) -> int:
                         nbytes += t.numel() * t.element_size()
                         keys += 1
     cap = 3 * nbytes + TENSOR_HEADER_BYTES + 3 * keys * TENSOR_KEY_BYTES
-    return min(cap, _memory_ceiling())
+    return min(cap, memory_ceiling())
 
 
-def _memory_ceiling() -> int:
+def memory_ceiling() -> int:
     """An eighth of the machine's memory (at least 64 MiB): a JSON file takes several times
     its size once parsed, so a larger checkpoint file could not be loaded anyway."""
     try:
@@ -1285,7 +925,9 @@ def _parse_json(path: Path, raw: bytes, what: str) -> Any:
         raise CheckpointCorruptError(f"{path} is not a readable {what}: {detail}") from None
 
 
-def _parse_index(path: Path, raw: bytes) -> tuple[CheckpointIndex, dict[str, Any]]:
+def _parse_index(
+    path: Path, raw: bytes, contents: Contents
+) -> tuple[CheckpointIndex, dict[str, Any]]:
     """Parse, validate and hash-check the index at ``path`` (content ``raw``); returns the
     model and the parsed JSON (the simulation state as written, in its key order)."""
     data = _parse_json(path, raw, "checkpoint index")
@@ -1299,7 +941,7 @@ def _parse_index(path: Path, raw: bytes) -> tuple[CheckpointIndex, dict[str, Any
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{path} is not a {FORMAT} index")
     try:
-        index = CheckpointIndex.model_validate(data)
+        index = contents.index_model.model_validate(data)
     except ValidationError as err:
         raise CheckpointCorruptError(
             f"{path} is a malformed checkpoint index: {_describe(err)}"
@@ -1359,4 +1001,4 @@ def _differences(
 
 
 def _then(value: Any) -> str:
-    return "absent" if value is _ABSENT else _short(value, 60)
+    return "absent" if value is _ABSENT else short(value, 60)

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NotRequired, Protocol, TypeVar
 
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, model_validator
 from torch import Tensor
+from typing_extensions import TypedDict
 
+from radbo.schema import Amount, Count, Joules
 from radbo.typing import IndexSet
 
 #: bytes of one index on the wire (kept indices are sent as int32)
@@ -307,6 +310,27 @@ class FlopMeter:
         self.families = {_as_tuple(f) for f in saved.get("families", [])}
 
 
+class FlopMeterState(BaseModel):
+    """The schema of :meth:`FlopMeter.state_dict` as a checkpoint stores it: what a resumed
+    run's meter is restored from (a meter measures every workload it caches, so it cannot have
+    made fewer measurements than its cache holds)."""
+
+    model_config = ConfigDict(extra="forbid")
+    measurements: Count
+    cache: list[tuple[Any, StrictInt]]
+    points: list[tuple[Any, list[tuple[StrictInt, StrictInt]]]] = []
+    lines: list[tuple[Any, tuple[StrictInt, StrictInt, StrictInt] | None]] = []
+    families: list[Any] = []
+
+    @model_validator(mode="after")
+    def _measured_what_it_caches(self) -> FlopMeterState:
+        if self.measurements < len(self.cache):
+            raise ValueError(
+                f"the FLOP meter made {self.measurements} measurements but caches {len(self.cache)}"
+            )
+        return self
+
+
 def _as_tuple(value: Any) -> Any:
     """JSON lists back to the (nested) tuples of a workload key."""
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
@@ -350,6 +374,31 @@ class LedgerEntry:
     def time_s(self) -> float:
         """Download, compute and upload, one after the other."""
         return self.compute_s + self.comm_s
+
+
+# a TypedDict, not a model: pydantic checks it several times faster, which matters for the
+# ledger of a long run (one row per client, phase and round)
+class LedgerRow(TypedDict):
+    """The schema of one :class:`LedgerEntry` as a checkpoint's history stores it (its fields,
+    with their types; ``tests/test_checkpoint_integrity.py`` keeps the two equal)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    round: Count
+    phase: StrictStr
+    client: Count
+    tier: StrictStr
+    flops: Count
+    n_grad: Count
+    n_hvp: Count
+    samples: Count
+    bytes_down: Count
+    bytes_up: Count
+    compute_s: Amount
+    comm_s: Amount
+    # joules, None when the device gave no figure; rows written before energy was accounted
+    # lack the keys and read back as None (unknown)
+    energy_compute_j: NotRequired[Joules]
+    energy_radio_j: NotRequired[Joules]
 
 
 def phase_times(

@@ -95,9 +95,8 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from radbo.atomic import atomic_write, atomic_write_text
 from radbo.checkpoint import (
-    atomic_write,
-    atomic_write_text,
     has_checkpoint,
     load_checkpoint,
 )
@@ -129,6 +128,7 @@ from radbo.masks.assigner import SubmodelAssigner
 from radbo.masks.index import dense_mask, extract
 from radbo.masks.policies import RoundPreparedPolicy
 from radbo.masks.structure import StructurePlan
+from radbo.simulation import RUN_CHECKPOINT
 from radbo.typing import IndexSet, Params
 
 __all__ = [
@@ -453,7 +453,11 @@ def load_source(
                 "reads it from the run's results.json)"
             )
     ckpt = load_checkpoint(
-        folder, template=experiment.initial_state, config=expected, ignore=CHECKPOINT_IGNORES
+        folder,
+        template=experiment.initial_state,
+        config=expected,
+        ignore=CHECKPOINT_IGNORES,
+        contents=RUN_CHECKPOINT,
     )
     return ExportSource(
         round=ckpt.rounds_done,

@@ -46,7 +46,17 @@ ROOT = Path(radbo.__file__).resolve().parent
 #: lower layer; ``radbo/__init__.py`` (the public facade) and ``__main__`` may import anything.
 LAYERS: list[set[str]] = [
     # _torch_private: every private PyTorch name radbo uses (see test_only_one_module_...)
-    {"typing", "randomness", "registry", "version", "limits", "jsonio", "atomic", "errors"}
+    {
+        "typing",
+        "randomness",
+        "registry",
+        "version",
+        "limits",
+        "jsonio",
+        "atomic",
+        "errors",
+        "schema",
+    }
     | {"_torch_private"},
     {"flops", "edge", "tomlfile"},
     {"autodiff", "problem", "cost", "checkpoint"},

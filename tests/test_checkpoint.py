@@ -16,7 +16,7 @@ from radbo.checkpoint import (
 )
 from radbo.cli import main
 from radbo.experiment import run
-from radbo.simulation import Simulation
+from radbo.simulation import RUN_CHECKPOINT, Simulation
 from tests.configs import small_config
 from tests.helpers import assert_same_state, comparable_results
 
@@ -247,6 +247,7 @@ ROW = {
 def save(tmp_path, state, rounds_done=1):
     return save_checkpoint(
         tmp_path,
+        contents=RUN_CHECKPOINT,
         config={"seed": 0},
         state=state,
         rounds_done=rounds_done,
@@ -272,11 +273,44 @@ def test_round_trip_and_old_tensor_files_removed(tmp_path):
         "state-000002.safetensors",
         "state-000003.safetensors",
     ]
-    ckpt = load_checkpoint(tmp_path, template=small_state(), config={"seed": 0})
+    ckpt = load_checkpoint(
+        tmp_path, template=small_state(), config={"seed": 0}, contents=RUN_CHECKPOINT
+    )
     assert_same_state(ckpt.state, small_state(3))
     assert ckpt.rounds_done == 3 and ckpt.clock_s == 1.5 and ckpt.fallback is None
     assert torch.equal(ckpt.sim_tensors["coverage/x/w"], torch.tensor([True, False]))
     assert ckpt.rows[0]["loss"] != ckpt.rows[0]["loss"]  # NaN survives JSON
+
+
+def test_the_records_mean_what_the_contents_say(tmp_path):
+    """radbo.checkpoint stores and verifies files; what the records mean comes from the
+    caller's Contents. Records no run writes pass with PLAIN (any JSON objects, no meaning
+    checked) and are refused with a run's contents; a damaged file is refused with either."""
+    save_checkpoint(
+        tmp_path,
+        config={"seed": 0},
+        state=small_state(1),
+        rounds_done=4,  # no run: four rounds done without a round record
+        clock_s=-2.0,
+        rows=[{"anything": [1, 2]}],
+        ledger=[{"cost": "free"}],
+        sim_tensors={},
+        sim_meta={"mine": 1},
+        contents=checkpoint.PLAIN,
+    )
+    ckpt = load_checkpoint(tmp_path, template=small_state(), contents=checkpoint.PLAIN)
+    assert (ckpt.rounds_done, ckpt.rows, ckpt.ledger, ckpt.sim_meta) == (
+        4,
+        [{"anything": [1, 2]}],
+        [{"cost": "free"}],
+        {"mine": 1},
+    )
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=r"rows\[0\]\.round is missing"):
+        load_checkpoint(tmp_path, template=small_state(), contents=RUN_CHECKPOINT)
+    history = next(tmp_path.glob("history-*.json"))
+    history.write_bytes(history.read_bytes().replace(b"free", b"paid"))
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="SHA-256|sha256|damaged"):
+        load_checkpoint(tmp_path, template=small_state(), contents=checkpoint.PLAIN)
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -294,7 +328,9 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         "history-000001.json",
         "state-000001.safetensors",
     ]
-    assert load_checkpoint(tmp_path, template=small_state()).state.round == 1
+    assert (
+        load_checkpoint(tmp_path, template=small_state(), contents=RUN_CHECKPOINT).state.round == 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -316,7 +352,7 @@ def test_damaged_index_is_a_clear_error(tmp_path, tamper, message):
     data["index_sha256"] = checkpoint._index_digest(data)  # past the index's own checksum
     index_path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=message):
-        load_checkpoint(tmp_path, template=small_state())
+        load_checkpoint(tmp_path, template=small_state(), contents=RUN_CHECKPOINT)
 
 
 def test_shapes_and_names_must_match_the_run(tmp_path):
@@ -328,20 +364,20 @@ def test_shapes_and_names_must_match_the_run(tmp_path):
         CheckpointError,
         match=r"'x/w' is torch.float32 \(2, 2\), this run has torch.float32 \(2, 3\)",
     ):
-        load_checkpoint(tmp_path, template=other)
+        load_checkpoint(tmp_path, template=other, contents=RUN_CHECKPOINT)
     fewer = RABOState(
         x={"w": torch.zeros(2, 2)}, y={"b": torch.ones(2, dtype=torch.float64)}, buffers={}
     )
     with pytest.raises(CheckpointError, match=r"tensors this run does not: \['buffers/n'\]"):
-        load_checkpoint(tmp_path, template=fewer)
+        load_checkpoint(tmp_path, template=fewer, contents=RUN_CHECKPOINT)
 
 
 def test_garbage_and_missing_index(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in"):
-        load_checkpoint(tmp_path, template=small_state())
+        load_checkpoint(tmp_path, template=small_state(), contents=RUN_CHECKPOINT)
     (tmp_path / "checkpoint.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not a readable checkpoint index"):
-        load_checkpoint(tmp_path, template=small_state())
+        load_checkpoint(tmp_path, template=small_state(), contents=RUN_CHECKPOINT)
 
 
 def test_only_tensors_and_scalars_are_checkpointable():

@@ -21,19 +21,18 @@ from radbo.algorithms.rabo import RABOState
 from radbo.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointIndex,
     CheckpointWarning,
-    CoverageRow,
-    LedgerRow,
     load_checkpoint,
     save_checkpoint,
     state_to_tensors,
 )
 from radbo.cli import main
 from radbo.config import parse_config
-from radbo.cost import LedgerEntry
+from radbo.cost import LedgerEntry, LedgerRow
 from radbo.experiment import run
 from radbo.masks import RoundCoverage
+from radbo.masks.coverage_report import CoverageRow
+from radbo.simulation import RUN_CHECKPOINT
 from tests import test_checkpoint
 
 # -- unit level: a small state saved and loaded directly -----------------------------------
@@ -68,6 +67,7 @@ def state(k: int) -> RABOState:
 def save(folder, k: int):
     return save_checkpoint(
         folder,
+        contents=RUN_CHECKPOINT,
         config={"seed": 0},
         state=state(k),
         rounds_done=k,
@@ -81,7 +81,7 @@ def save(folder, k: int):
 
 
 def load(folder, **kw):
-    return load_checkpoint(folder, template=state(0), **kw)
+    return load_checkpoint(folder, template=state(0), contents=RUN_CHECKPOINT, **kw)
 
 
 def same_state(a, b) -> bool:
@@ -138,7 +138,7 @@ def test_index_records_the_sha256_of_its_file_and_of_itself(tmp_path):
     assert history == {"rows": [ROW], "ledger": [LEDGER_ROW]}
     body = {k: v for k, v in data.items() if k != "index_sha256"}
     assert data["index_sha256"] == hashlib.sha256(json.dumps(body).encode()).hexdigest()
-    assert CheckpointIndex.model_validate(data).rounds_done == 1
+    assert RUN_CHECKPOINT.index_model.model_validate(data).rounds_done == 1
     assert same_state(load(tmp_path).state, state(1))
 
 

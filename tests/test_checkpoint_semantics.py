@@ -37,6 +37,7 @@ from radbo.checkpoint import (
 from radbo.cli import main
 from radbo.config import parse_config
 from radbo.experiment import run
+from radbo.simulation import RUN_CHECKPOINT
 from tests import test_checkpoint_integrity as integrity
 from tests.helpers import time_limit
 
@@ -617,6 +618,7 @@ def test_unit_checks_of_counters(tmp_path):
     """load_checkpoint's counter checks without a run (the state of test_checkpoint_integrity)."""
     save_checkpoint(
         tmp_path,
+        contents=RUN_CHECKPOINT,
         config={"seed": 0},
         state=integrity.state(2),
         rounds_done=2,
@@ -627,4 +629,4 @@ def test_unit_checks_of_counters(tmp_path):
         sim_meta={"coverage": {}, "flop_meter": None},
     )
     with pytest.raises(CheckpointCorruptError, match=r"rows\[1\]\.sim_clock_s = 1\.5 is before"):
-        load_checkpoint(tmp_path, template=integrity.state(0))
+        load_checkpoint(tmp_path, template=integrity.state(0), contents=RUN_CHECKPOINT)

@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from radbo.checkpoint import LedgerRow
 from radbo.config import parse_config
-from radbo.cost import LedgerEntry, as_dicts, phase_energy, savings, totals, totals_by_tier
+from radbo.cost import (
+    LedgerEntry,
+    LedgerRow,
+    as_dicts,
+    phase_energy,
+    savings,
+    totals,
+    totals_by_tier,
+)
 from radbo.devices import get_device, load_catalog
 from radbo.devices.fleet import Fleet
 from radbo.devices.profile import ProfileError, parse_profile

@@ -40,6 +40,7 @@ from radbo.export import (
 )
 from radbo.masks.index import dense_mask, extract
 from radbo.problem import calibrate_batchnorm, split_state
+from radbo.simulation import RUN_CHECKPOINT
 from tests.configs import DEMO
 from tests.test_export_edge import needs_edge
 
@@ -126,6 +127,7 @@ def test_a_run_writes_its_final_state_as_a_verified_checkpoint(tiny) -> None:
         folder / "checkpoints" / "final",
         template=build(config).initial_state,
         config=config.model_dump(mode="json"),
+        contents=RUN_CHECKPOINT,
     )
 
     assert ckpt.rounds_done == config.rounds == 8

@@ -20,7 +20,7 @@ from radbo.cost import as_dicts
 from radbo.experiment.logs import RoundLogger
 from radbo.experiment.progress import Progress
 from radbo.experiment.stop import signal_name, stop_requested
-from radbo.simulation import RoundRecord, Simulation
+from radbo.simulation import RUN_CHECKPOINT, RoundRecord, Simulation
 
 __all__ = ["Checkpointer", "ProgressShown", "RunHistory", "StopCheck"]
 
@@ -106,6 +106,7 @@ class Checkpointer:
             ledger=self.history.ledger,
             sim_tensors=sim_tensors,
             sim_meta=sim_meta,
+            contents=RUN_CHECKPOINT,
         )
 
     def write_last(self, directory: Path, *, state: Any, start_clock_s: float) -> Path:

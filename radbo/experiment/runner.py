@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from radbo.atomic import atomic_write_text
 from radbo.checkpoint import (
     CheckpointError,
-    atomic_write_text,
     has_checkpoint,
     load_checkpoint,
 )
@@ -141,7 +141,7 @@ def run(
     stored config must match ``config`` except ``rounds``, which may grow (``output_dir`` and
     ``checkpoint_every`` may differ too). Extending a finished run equals running the longer
     run at once: the evaluation its last round got only because it was last is dropped
-    (:func:`radbo.checkpoint.forget_end_of_run_evaluation`).
+    (:func:`radbo.simulation.forget_end_of_run_evaluation`).
 
     ``backend_factory(run_config)``, when given, makes the backend that runs the client work of
     each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
@@ -426,11 +426,8 @@ def _beginning(
         source = final
     if not (resume and source is not None and has_checkpoint(source)):
         return _Beginning(exp.initial_state)
-    from radbo.checkpoint import (
-        Checkpoint,
-        forget_end_of_run_evaluation,
-        remove_temporary_files,
-    )
+    from radbo.checkpoint import Checkpoint, remove_temporary_files
+    from radbo.simulation import RUN_CHECKPOINT, forget_end_of_run_evaluation
     from radbo.simulation.divergence import SMOOTHING
 
     remove_temporary_files(source)  # left by saves that crashed
@@ -455,6 +452,7 @@ def _beginning(
         config=config_data,
         ignore=_RESUMABLE,
         restore=restore,
+        contents=RUN_CHECKPOINT,
     )
     if ckpt.rounds_done > config.rounds:
         raise CheckpointError(

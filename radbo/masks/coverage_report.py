@@ -24,9 +24,20 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from torch import Tensor
+from typing_extensions import TypedDict
 
-__all__ = ["CoverageStats", "CoverageTracker", "RoundCoverage", "coverage_stats"]
+from radbo.schema import Count, Fraction
+
+__all__ = [
+    "CoverageRow",
+    "CoverageState",
+    "CoverageStats",
+    "CoverageTracker",
+    "RoundCoverage",
+    "coverage_stats",
+]
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,28 @@ class RoundCoverage:
     def as_dict(self) -> dict[str, object]:
         """Plain JSON-serialisable dict of the fields."""
         return asdict(self)
+
+
+class CoverageRow(TypedDict):
+    """The schema of one :class:`RoundCoverage` as a checkpoint stores it (its fields, with
+    their types; ``tests/test_checkpoint_integrity.py`` keeps the two equal)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    round: Count
+    min_coverage: Count
+    min_coverage_so_far: Count
+    histogram: list[Count]
+    untrained_fraction: Fraction
+    never_trained_fraction: Fraction
+    numel: Count
+
+
+class CoverageState(BaseModel):
+    """The schema of :meth:`CoverageTracker.state_dict`'s JSON part in a checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[StrictStr] = Field(min_length=1)
+    history: list[CoverageRow]
 
 
 class CoverageTracker:

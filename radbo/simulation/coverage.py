@@ -18,9 +18,10 @@ from torch import Tensor
 
 from radbo.masks.coverage_report import CoverageTracker
 from radbo.masks.index import coverage_counts
+from radbo.schema import short
 from radbo.typing import IndexSet
 
-__all__ = ["CoverageBlocks"]
+__all__ = ["CoverageBlocks", "check_coverage_history"]
 
 
 @dataclass
@@ -130,3 +131,60 @@ class CoverageBlocks:
         tracker = CoverageTracker(names)
         tracker.load_state_dict(masks, meta)
         return tracker
+
+
+def check_coverage_history(coverage: Mapping[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A checkpoint's coverage trackers (their JSON state) against its round records: those
+    of the blocks the rounds report (when a round had clients), each with one history entry
+    per round that had clients, equal to what the rounds report; raises ``ValueError`` saying
+    what does not fit."""
+    busy = [row for row in rows if row["clients"]]
+    reported = {
+        k[len("coverage_") : -len("_min")]
+        for row in busy
+        for k in row
+        if isinstance(k, str) and k.startswith("coverage_") and k.endswith("_min")
+    }
+    if busy and set(coverage) != reported:
+        raise ValueError(
+            f"the engine tracks coverage of {sorted(coverage)}, the rounds report "
+            f"{sorted(reported)}"
+        )
+    for block, tracker in coverage.items():
+        rounds = [entry["round"] for entry in tracker["history"]]
+        if rounds != list(range(len(busy))):
+            raise ValueError(
+                f"the coverage history of {block!r} has {len(rounds)} rounds numbered "
+                f"{short(rounds)}, but {len(busy)} rounds had clients"
+            )
+        _check_block_history(block, tracker["history"], busy)
+
+
+def _check_block_history(
+    block: str, history: list[dict[str, Any]], busy: list[dict[str, Any]]
+) -> None:
+    """Each entry of a block's coverage history against the round record that reports it (its
+    C*, fractions and histogram), and each running C* against the entries before it."""
+    lowest = 0  # the smallest running C* so far that is not 0
+    for entry, row in zip(history, busy, strict=True):
+        reported = {
+            f"coverage_{block}_min": float(entry["min_coverage"]),
+            f"untrained_fraction_{block}": entry["untrained_fraction"],
+            f"never_trained_fraction_{block}": entry["never_trained_fraction"],
+            f"coverage_{block}_histogram": entry["histogram"],
+        }
+        wrong = [k for k, v in reported.items() if row.get(k) != v or type(row[k]) is not type(v)]
+        if wrong:
+            raise ValueError(
+                f"round {row['round']} reports {wrong[0]} = {short(row.get(wrong[0]))}, "
+                f"its coverage history {short(reported[wrong[0]])}"
+            )
+        now = entry["min_coverage"]
+        trained = [c for c in (lowest, now) if c > 0]
+        expected = min(trained) if trained else 0
+        if entry["min_coverage_so_far"] != expected:
+            raise ValueError(
+                f"the coverage history of {block!r} has C* so far "
+                f"{entry['min_coverage_so_far']} in its round {entry['round']}, not {expected}"
+            )
+        lowest = expected

@@ -74,9 +74,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from radbo.schema import is_finite, short
 from radbo.typing import Params
 
 __all__ = [
+    "check_guard_history",
+    "replay_test_loss",
     "MAX_ROLLBACKS",
     "SMOOTHING",
     "BoxedProblem",
@@ -312,3 +315,63 @@ def _finite(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"divergence {name} holds {value!r}, not a finite number")
     return float(value)
+
+
+def check_guard_history(guard: Mapping[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A checkpoint's divergence-guard state (its JSON) against its round records: its
+    rollbacks are the rounds that rolled back, its last good round the one the rounds leave
+    (each round that passed moves it to its end, a rollback to where it rolled back to), and it
+    is diverging when the last round diverged; raises ``ValueError`` saying what does not
+    fit."""
+    good: Any = 0
+    rollbacks = 0
+    for row in rows:
+        divergence = row.get("divergence")
+        if divergence is None:
+            good = row["round"] + 1
+        elif not isinstance(divergence, dict) or divergence.get("action") not in (
+            "rollback",
+            "warn",
+        ):
+            raise ValueError(f"round {row['round']}'s divergence is {short(divergence)}")
+        elif divergence["action"] == "rollback":
+            rollbacks += 1
+            good = divergence.get("rolled_back_to")
+    found = {
+        "good_rounds": good,
+        "rollbacks": rollbacks,
+        "diverging": bool(rows) and "divergence" in rows[-1],
+    }
+    for key, value in found.items():
+        saved = guard.get(key)
+        if saved != value or type(saved) is not type(value):
+            raise ValueError(
+                f"the divergence guard's {key} is {short(saved)}, but the rounds give {value!r}"
+            )
+
+
+def replay_test_loss(
+    guard: dict[str, Any], rows: list[dict[str, Any]], smoothing: float = SMOOTHING
+) -> None:
+    """Set the guard's first, smoothed and lowest ``test_loss`` (its JSON state ``guard``) to
+    what :meth:`DivergenceGuard.accept` makes of the test losses of ``rows`` that passed the
+    guard (rows without ``divergence``), in order."""
+    first: float | None = None
+    smoothed: float | None = None
+    lowest: float | None = None
+    for row in rows:
+        value = row.get("test_loss")
+        if "divergence" in row or not is_finite(value):
+            continue
+        value = float(value)
+        if first is None:
+            first = value
+        past = value if smoothed is None else smoothed
+        smoothed = smoothing * past + (1.0 - smoothing) * value
+        lowest = smoothed if lowest is None else min(lowest, smoothed)
+    for part, figure in (("first", first), ("smoothed", smoothed), ("lowest", lowest)):
+        values = guard[part]
+        if figure is None:
+            values.pop("test_loss", None)
+        else:
+            values["test_loss"] = figure

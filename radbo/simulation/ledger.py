@@ -13,7 +13,7 @@ from typing import Any
 from radbo.client import ClientResult
 from radbo.cost import DeviceLike, LedgerEntry, phase_energy, phase_times, totals
 
-__all__ = ["check_round_costs", "ledger_entry"]
+__all__ = ["check_ledger_rows", "check_round_costs", "ledger_entry"]
 
 
 def ledger_entry(
@@ -67,3 +67,26 @@ def check_round_costs(
                 f"round {row['round']}'s {', '.join(differ[:3])} are not the sums of its "
                 "ledger rows"
             )
+
+
+def check_ledger_rows(
+    ledger: list[dict[str, Any]], rows: list[dict[str, Any]], done: int, history: str
+) -> None:
+    """A checkpoint's ledger rows (of its history file named ``history``) against its round
+    records: rows of the ``done`` rounds, in round order, each charging a client its round
+    sampled; raises ``ValueError`` saying what does not fit."""
+    clients = [set(row["clients"]) for row in rows]
+    last = 0
+    for i, entry in enumerate(ledger):
+        q = entry["round"]
+        if not last <= q < done:
+            raise ValueError(
+                f"{history}: ledger[{i}] is of round {q}, "
+                + (f"after round {last}'s rows" if q < last else f"but {done} rounds are done")
+            )
+        if entry["client"] not in clients[q]:
+            raise ValueError(
+                f"{history}: ledger[{i}] charges client {entry['client']}, which round {q} did "
+                "not sample"
+            )
+        last = q

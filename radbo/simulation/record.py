@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol
+
+from pydantic import ConfigDict
+from typing_extensions import TypedDict
 
 from radbo.cost import LedgerEntry, totals
+from radbo.schema import Amount, Count, is_count, is_finite, is_number, short
 
-__all__ = ["RoundObserver", "RoundRecord"]
+__all__ = ["RoundObserver", "RoundRecord", "RoundRow", "check_rounds", "round_row_values"]
 
 
 @dataclass
@@ -64,6 +69,89 @@ class RoundRecord:
         if self.failures:  # only when a backend reported one: other results stay unchanged
             out["failures"] = self.failures
         return out
+
+
+class RoundRow(TypedDict):
+    """The schema of one round record (:meth:`RoundRecord.as_dict`) as a checkpoint's history
+    stores it: the engine's fields typed (times finite and not negative), the algorithm's
+    metrics free (a NaN there means nothing was measured: no client's result reached that
+    phase), the rest checked by :func:`round_row_values`."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    round: Count
+    clients: list[Count]
+    unavailable: list[Count]
+    rejected: dict[str, list[Count]]
+    dropped: NotRequired[dict[str, list[Count]]]
+    late: NotRequired[dict[str, list[Count]]]
+    communication_rounds: Count
+    wall_time_s: Amount
+    sim_round_time_s: Amount
+    sim_clock_s: Amount
+
+
+# the engine's counters of a round (RoundRecord.metrics), each the size of one of its lists
+_ROUND_COUNTS = {
+    "rejected_updates": "rejected",
+    "dropped_clients": "dropped",
+    "late_clients": "late",
+}
+
+
+def round_row_values(row: RoundRow) -> RoundRow:
+    """The values of a round record's free keys that radbo computes as numbers: evaluations
+    (``test_*``: finite, but a confidence interval of one episode, ``*_ci95``, is NaN), cost
+    counters (``cost_*``: finite, not negative), coverage figures and the engine's counts of
+    rejected, dropped and late clients (equal to its lists)."""
+    for key, value in row.items():
+        if not isinstance(key, str):
+            continue
+        if key.startswith("test_"):
+            if not is_number(value):
+                raise ValueError(f"{key} = {short(value)} is not a number")
+            if not (is_finite(value) or (key.endswith("_ci95") and math.isnan(value))):
+                raise ValueError(f"{key} = {short(value)} is not a finite number")
+        elif key.startswith("cost_") or (key.startswith("coverage_") and key.endswith("_min")):
+            if not (is_finite(value) and value >= 0):
+                raise ValueError(f"{key} = {short(value)} is not a finite number >= 0")
+        elif key.startswith(("untrained_fraction_", "never_trained_fraction_")):
+            if not (is_number(value) and 0 <= value <= 1):
+                raise ValueError(f"{key} = {short(value)} is not a fraction in [0, 1]")
+        elif key.startswith("coverage_") and key.endswith("_histogram"):
+            if not (isinstance(value, list) and all(is_count(v) for v in value)):
+                raise ValueError(f"{key} = {short(value)} is not a list of counts")
+        elif key in _ROUND_COUNTS:
+            listed = row.get(_ROUND_COUNTS[key], {})
+            size = sum(len(c) for c in listed.values()) if isinstance(listed, dict) else None
+            if not is_count(value) or value != size:
+                raise ValueError(f"{key} = {short(value)}, but the round lists {size} such clients")
+    return row
+
+
+def check_rounds(done: int, clock_s: float, rows: list[dict[str, Any]], history: str) -> None:
+    """A checkpoint's round records (of its history file named ``history``) against its
+    counters: ``done`` records, numbered 0 to ``done - 1``, on a clock that never runs back
+    and ends at ``clock_s``; raises ``ValueError`` saying what does not fit."""
+    if len(rows) != done:
+        raise ValueError(
+            f"the index says {done} rounds are done, but its history {history} holds {len(rows)}"
+        )
+    clock = 0.0
+    for i, row in enumerate(rows):
+        if row["round"] != i:
+            raise ValueError(f"{history}: rows[{i}] is of round {row['round']}, not {i}")
+        if row["sim_clock_s"] < clock:
+            raise ValueError(
+                f"{history}: rows[{i}].sim_clock_s = {row['sim_clock_s']!r} is before the "
+                f"round before ({clock!r})"
+            )
+        clock = row["sim_clock_s"]
+    if clock_s < 0 or clock_s != clock:
+        raise ValueError(
+            f"clock_s = {clock_s!r}, but the clock after round {done - 1} is {clock!r}"
+            if rows
+            else f"clock_s = {clock_s!r} before any round, not 0.0"
+        )
 
 
 class RoundObserver(Protocol):
