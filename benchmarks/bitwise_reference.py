@@ -1,7 +1,7 @@
 """Bitwise regression check: record runs today, compare after a refactoring.
 
 Runs the demo config (3 rounds, with its baseline), CNN7 on 16x16 digits (3 rounds sequential,
-2 batched) and 2 rounds of every case of ``tests/test_algorithm_conformance.py`` on the
+2 batched) and 2 rounds of every case of ``tests/algorithms/test_algorithm_conformance.py`` on the
 sequential and the batched backend, plus a batched run with uneven local steps per client
 (``fleet.local_steps = "uniform"`` over 1-3: then every algorithm with a budget of local
 steps runs each client's own count), which drives the masking of finished clients. For each
@@ -36,7 +36,7 @@ from radbo.experiment import run
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_algorithm_conformance import CASES, config  # noqa: E402
+from tests.algorithms.test_algorithm_conformance import CASES, config  # noqa: E402
 
 UNEVEN = {"local_steps": "uniform", "local_steps_range": [1, 3]}
 

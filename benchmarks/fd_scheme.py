@@ -1,7 +1,7 @@
 """Error against FLOPs of the finite-difference hypergradient: forward vs central differences.
 
-The problem is the small tanh network of ``tests/test_hypergrad.py`` (and
-``tests/test_fd_central.py``): y = the weights of a 4-5-1 tanh network (31 numbers), x = a
+The problem is the small tanh network of ``tests/hypergrad/test_hypergrad.py`` (and
+``tests/hypergrad/test_fd_central.py``): y = the weights of a 4-5-1 tanh network (31 numbers), x = a
 scale per input feature and a log L2 weight (5 numbers); g is the mean softplus loss on 24
 training examples plus the L2 term, f the mean softplus loss on 16 validation examples. The
 reference is the exact implicit hypergradient ``∇_x f − ∇²_xy g [∇²_yy g]⁻¹ ∇_y f`` from dense
@@ -56,7 +56,7 @@ class TanhProblem:
 
 
 def tanh_problem(dtype: torch.dtype, seed: int = 7) -> TanhProblem:
-    """Built as ``tests/test_hypergrad.py::test_mlp_implicit_cg_matches_dense_hessian_solution``
+    """Built as ``tests/hypergrad/test_hypergrad.py::test_mlp_implicit_cg_matches_dense_hessian_solution``
     builds it (same generator, same draws, in float64), then cast to ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
 

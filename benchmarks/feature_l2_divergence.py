@@ -1,7 +1,7 @@
 """The ``feature_l2`` divergence case with the guard off, with the default guard (roll back
 and damp) and with the default box on x (issue 15, items 4 and 5).
 
-RABO on ``feature_l2``: the synthetic 20-feature binary problem of ``tests/test_divergence.py``
+RABO on ``feature_l2``: the synthetic 20-feature binary problem of ``tests/simulation/test_divergence.py``
 (600 examples, 5 informative features), ``T = 10``, float64, no mask. Three runs of the same
 config: ``[algorithm] divergence = "off"`` with ``[task] max_log_l2 = "off"`` (the blow-up as
 it is), ``divergence = "rollback"`` (the default) with the box off, and the default box
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from radbo.experiment import run  # noqa: E402
-from tests.test_divergence import case, write_problem  # noqa: E402
+from tests.simulation.test_divergence import case, write_problem  # noqa: E402
 
 SETTINGS = (
     ("guard off, box off", "off", "off"),

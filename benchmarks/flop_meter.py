@@ -9,7 +9,7 @@ alternated, median over ``--repeats`` runs of each.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/flop_meter.py            # demo and CNN7
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/flop_meter.py --configs demo --repeats 3
 
-The ledger's FLOPs are the same integers with either meter (``tests/test_flop_meter.py``).
+The ledger's FLOPs are the same integers with either meter (``tests/flops/test_flop_meter.py``).
 """
 
 from __future__ import annotations

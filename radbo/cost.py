@@ -380,7 +380,7 @@ class LedgerEntry:
 # ledger of a long run (one row per client, phase and round)
 class LedgerRow(TypedDict):
     """The schema of one :class:`LedgerEntry` as a checkpoint's history stores it (its fields,
-    with their types; ``tests/test_checkpoint_integrity.py`` keeps the two equal)."""
+    with their types; ``tests/checkpoint/test_checkpoint_integrity.py`` keeps the two equal)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     round: Count

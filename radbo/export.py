@@ -43,7 +43,7 @@ simulation's own per-client generators, and writes to the output folder:
 **The export checks what it writes.** Each safetensors file is read back, compared bitwise
 with ``extract(state, index_set)`` and loaded into a fresh ``plan.submodel(index_set)``; its
 logits on a fixed batch (the first :data:`CHECK_BATCH` test examples) must equal those of the
-full model whose tensors are zeroed outside the mask (the equivalence ``tests/test_masks.py``
+full model whose tensors are zeroed outside the mask (the equivalence ``tests/masks/test_masks.py``
 proves) within the tolerance. Each ``.pt2`` is loaded back and compared the same way. Each
 ``.pte`` / ``.onnx`` is read back from disk and run **in its own runtime**
 (``executorch.runtime.Runtime``, ``onnxruntime.InferenceSession``) and compared the same way.

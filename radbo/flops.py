@@ -108,7 +108,7 @@ class _TotalFlops(TorchDispatchMode):
     costs about a third of its time on radbo's many small operations. This mode applies the same
     rules -- the same skipped metadata ops, the same decomposition of ops without a formula, the
     same formulas (``torch.utils.flop_counter.flop_registry``) -- and keeps one total, so its
-    count equals ``FlopCounterMode.get_total_flops()`` (``tests/test_flops.py`` checks it on
+    count equals ``FlopCounterMode.get_total_flops()`` (``tests/flops/test_flops.py`` checks it on
     linear, convolutional, BatchNorm and double-backward workloads).
 
     Written by hand because every operation of a client passes through it: what each operator

@@ -106,7 +106,7 @@ def cg_product(
 
     Only the product is marked: the rest of a CG iteration (step sizes, vector updates, inner
     products) is elementwise work and reductions, which the FLOP counter does not count
-    (``tests/test_flop_meter.py`` checks that a solve with a free product counts 0), so one
+    (``tests/flops/test_flop_meter.py`` checks that a solve with a free product counts 0), so one
     product is all one more iteration adds."""
     mark = repeating(CG)
 

@@ -1,4 +1,4 @@
-"""Request handlers for tests/test_flower_worker.py, imported by the radbo worker process.
+"""Request handlers for tests/flower/test_flower_worker.py, imported by the radbo worker process.
 
 Each takes the request bytes and returns reply bytes; ``count`` keeps state across requests,
 so a reply shows which worker process answered and how many requests it has served.

@@ -271,7 +271,7 @@ def rel_err(estimate: Params, reference: Tensor) -> float:
 class Quadratic:
     """A random quadratic bilevel problem in float64 with named, multi-shaped x and y and a
     non-identity SPD inner Hessian A (eigenvalues evenly spaced in [0.5, 10], condition number
-    20), written out in the docstring of ``tests/test_hypergrad.py``."""
+    20), written out in the docstring of ``tests/hypergrad/test_hypergrad.py``."""
 
     A: Tensor
     B: Tensor

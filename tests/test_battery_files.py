@@ -6,7 +6,7 @@ a trace -- and damages it knowing its structure: header fields set to hostile va
 (dimensions, magic numbers, lengths, PNG width and height, gzip flags, CRCs), truncation,
 appended bytes, flipped bits, deleted or repeated ranges, tokens replaced, and the file
 replaced by a FIFO, a folder, a link to ``/dev/zero`` or a sparse file of 30 GiB. The reader
-then runs in a :class:`~tests.test_hostile_data.Sandbox` child (peak RSS below 1 GiB, a
+then runs in a :class:`~tests.data.test_hostile_data.Sandbox` child (peak RSS below 1 GiB, a
 30-second timeout: a read that blocks or takes all memory fails the test) and must either
 
 * read the file correctly: the arrays (or profiles) equal what an independent reading of the
@@ -47,7 +47,7 @@ from hypothesis.control import currently_in_test_context
 
 from radbo.devices import Fleet
 from radbo.devices.profile import ProfileError, parse_profile
-from tests.test_hostile_data import (
+from tests.data.test_hostile_data import (
     SPECIAL,
     GiB,
     Sandbox,

@@ -1,5 +1,5 @@
 """``[partition] kind = "q_dominant"``: FedMSA's heterogeneity level q as a config section
-(the split itself, :func:`partition_q_dominant`, is tested in tests/test_data.py)."""
+(the split itself, :func:`partition_q_dominant`, is tested in tests/data/test_data.py)."""
 
 from __future__ import annotations
 

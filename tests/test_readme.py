@@ -153,7 +153,7 @@ def write_libsvm(path: Path, rows: int = 300, features: int = 123) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     from radbo.data import write_digits_as_mnist
-    from tests.test_few_shot import write_omniglot
+    from tests.tasks.test_few_shot import write_omniglot
 
     base = tmp_path_factory.mktemp("readme")
     (base / "examples").symlink_to(ROOT / "examples")

@@ -6,7 +6,7 @@ heterogeneous local computation" and App. A.2: 10 clients, all participating, ea
 tau_i local steps drawn uniformly from {1, ..., 10}, client weights p_i = 0.1 = 1/n. SimFBO
 (Theorem 1) converges to a stationary point of the objective re-weighted by w_i ~ p_i ||a_i||_1
 (here p_i tau_i), ShroFBO (Theorem 2) to the one of the true objective (checked exactly on a
-constructed problem in tests/test_simfbo.py).
+constructed problem in tests/algorithms/test_simfbo.py).
 
 Here: ``examples/shrofbo.toml`` (10 clients, tau_i drawn once per client from {1..10}, digits
 split Dirichlet(0.3), hyper-representation: MLP hidden layer = x, head = y, full models) with

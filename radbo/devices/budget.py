@@ -130,7 +130,7 @@ class MemoryEstimate:
       arriving at a layer's output and the one it produces for its input coexist with the
       saved tensors not yet released. The working-set term is the approximation; it ignores
       that backward frees each node's saved tensors once the node has run, so the sum is an
-      upper bound in practice (see ``tests/test_budget.py`` for measured numbers).
+      upper bound in practice (see ``tests/devices/test_budget.py`` for measured numbers).
     * ``hypergradient``: the estimator's buffers beyond a plain training step, its
       :meth:`~radbo.hypergrad.Estimator.hypergradient_bytes` (|x|, |y| are the bytes of the
       outer and inner parameters); by the name given to :func:`estimate_training_memory`:

@@ -98,11 +98,11 @@ class FiniteDifference(Estimator):
     instead returns eq. (10) / Alg. 2 exactly as printed, ``grad_p = ∇_{x_p} f + scale ·
     ⟨δ_p, ∇_y f⟩`` (no CG), with the forward difference unless ``scheme`` is given; this is
     *not* a hypergradient and is kept only to reproduce the paper -- on the quadratic test
-    problem of ``tests/test_hypergrad_fd_fo.py`` its relative error is 1.65 (165 %), against
+    problem of ``tests/hypergrad/test_hypergrad_fd_fo.py`` its relative error is 1.65 (165 %), against
     about ``6e-13`` for the corrected form.
 
     **Accuracy and cost of the two schemes** (``benchmarks/fd_scheme.py``; the tanh network of
-    ``tests/test_hypergrad.py``, all 5 coordinates of x, default CG; relative error against
+    ``tests/hypergrad/test_hypergrad.py``, all 5 coordinates of x, default CG; relative error against
     the exact hypergradient, FLOPs measured by the ledger's :class:`radbo.cost.FlopMeter`): at
     their default steps, central 2.9e-6 (float64) and 6.6e-5 to 1.25e-4 (float32, by the CPU's
     kernels) for 1.82x the forward scheme's FLOPs, forward 1.4e-5 and 4.6e-4 to 5.7e-4. In
@@ -173,7 +173,7 @@ class FiniteDifference(Estimator):
     Hessian-vector product costs at most about one gradient (far less when y is a small head,
     since it reuses the saved activations), and autograd's mixed product covers all of x in
     one backward pass where a difference covers one coordinate per gradient
-    (``tests/test_flops.py`` has the exact count; ``benchmarks/hypergrad_flops.py``). What the
+    (``tests/flops/test_flops.py`` has the exact count; ``benchmarks/hypergrad_flops.py``). What the
     estimator saves is second-order machinery: no ``create_graph``, no double backward.
 
     Precision: the differences are accurate when ``∇_y g`` is smooth in y (a linear head or a

@@ -45,7 +45,7 @@ class FirstOrder(Estimator):
     By Lemma 4.7 (for ``λ > 2 L_f / μ``) it differs from the true hypergradient by
     ``O(ℓ κ³ / λ)``, *given accurate inner solves*: errors in ``y_λ`` and ``z`` are
     multiplied by ``λ``, so a large ``λ`` needs correspondingly accurate (or warm-started)
-    inner variables. On the quadratic test problem of ``tests/test_hypergrad_fd_fo.py``
+    inner variables. On the quadratic test problem of ``tests/hypergrad/test_hypergrad_fd_fo.py``
     (``∇²_yy g`` with eigenvalues in ``[0.5, 10]``, ``L_f ≈ 19``, ``lr = 0.05``, converged
     inner solves) the relative error is 0.94, 0.63, 0.15, 1.7e-2 and 1.7e-3 for
     ``λ = 1, 10, 100, 10³, 10⁴`` -- about ``17 / λ`` -- so it is below ``1e-2`` at

@@ -43,7 +43,7 @@ class Neumann(Estimator):
     ``[μ, L]``, the series converges iff ``0 < eta < 2/L`` and its error is
     ``v_K − v* = −(I − eta H)^K v*``, so ``||v_K − v*|| <= (1 − eta μ)^K ||v*||`` for
     ``eta <= 1/L`` (FedMBO eq. (5)). The number of terms needed grows with the condition
-    number ``κ = L/μ``: on the test problem of ``tests/test_hypergrad.py`` (eigenvalues
+    number ``κ = L/μ``: on the test problem of ``tests/hypergrad/test_hypergrad.py`` (eigenvalues
     of H evenly spaced in ``[0.5, 10]``, ``κ = 20``, ``eta = 0.1 = 1/L``) the relative error
     of the hypergradient falls monotonically over 5, 10, 20, 50, 100, 200 terms and is
     below ``1e-2`` from **100 terms** on.

@@ -99,7 +99,7 @@ class RoundCoverage:
 
 class CoverageRow(TypedDict):
     """The schema of one :class:`RoundCoverage` as a checkpoint stores it (its fields, with
-    their types; ``tests/test_checkpoint_integrity.py`` keeps the two equal)."""
+    their types; ``tests/checkpoint/test_checkpoint_integrity.py`` keeps the two equal)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     round: Count

@@ -19,7 +19,7 @@ the step multiplies column j of the weights by ``1 - beta exp(x_j)``: it oscilla
 loss wants silenced drives its x_j up without end (its hypergradient decays only like
 ``exp(-x_j)``) -- so a run with a fixed ``inner_lr`` reaches that edge sooner or later.
 Measured without the box, RABO with ``inner_lr = 0.1``, T = 10 on the synthetic 20-feature
-problem of ``tests/test_divergence.py``: y blows up in round 579 (minibatches of 32,
+problem of ``tests/simulation/test_divergence.py``: y blows up in round 579 (minibatches of 32,
 ``outer_lr = 20``; test loss 5e4 after 1,000 rounds, max x 1e6) or 297 (full batches,
 ``outer_lr = 50``); issue 15 reports round ~1,750 at ``outer_lr = 5`` (max x 2.9 -> 781). The
 ``[algorithm] divergence`` guard catches it (:mod:`radbo.simulation.divergence`). ``"auto"``

@@ -1,0 +1,1 @@
+"""Tests of radbo/report.py."""
