@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -86,13 +86,6 @@ QUANTIZATIONS: tuple[str, ...] = ("int8",)
 #: Seconds a child process may take to load and run a file once (see :func:`load_program`).
 PROBE_TIMEOUT_S = 300
 
-_PACKAGES: dict[str, tuple[str, ...]] = {
-    "pte": ("executorch",),
-    "onnx": ("onnx", "onnxscript", "onnxruntime"),
-}
-_RUNTIME_NAMES = {"pte": "ExecuTorch runtime", "onnx": "ONNX Runtime"}
-_FILE_KINDS = {"pte": "ExecuTorch program", "onnx": "ONNX model"}
-
 
 class ExportError(ValueError):
     """The export cannot be written or an exported file cannot be used (a missing package, an
@@ -120,7 +113,9 @@ def parse_formats(formats: str | Sequence[str]) -> tuple[str, ...]:
 
 def missing_packages(fmt: str) -> list[str]:
     """The packages of ``radbo[edge]`` that ``fmt`` needs and this environment lacks."""
-    return [p for p in _PACKAGES.get(fmt, ()) if importlib.util.find_spec(p) is None]
+    kind = _PROGRAMS.get(fmt)
+    needed = kind.packages if kind is not None else ()
+    return [p for p in needed if importlib.util.find_spec(p) is None]
 
 
 def require(fmt: str) -> None:
@@ -261,9 +256,8 @@ def lower(
         ExportError: ``fmt`` or ``quantize`` unknown, or a package missing.
         Exception: whatever the exporter raises for a model it cannot take.
     """
-    if fmt not in EDGE_FORMATS:
-        raise ExportError(f"export error: {fmt!r} is not an edge format; use one of {EDGE_FORMATS}")
-    if quantize is not None and (fmt != "pte" or quantize not in QUANTIZATIONS):
+    kind = program_kind(fmt)
+    if quantize is not None and quantize not in kind.quantizations:
         raise ExportError(
             f"export error: quantize={quantize!r} is not offered for {fmt!r}; radbo quantizes "
             f"only .pte programs, to {', '.join(QUANTIZATIONS)}"
@@ -272,10 +266,7 @@ def lower(
     model = _fp32_eval_copy(module)
     example = example.detach().to(torch.float32)
     with _native_stderr(), _quiet(), torch.no_grad():
-        if fmt == "onnx":
-            return _lower_onnx(model, example)
-        bound = max(int(max_batch or 0), int(example.shape[0]), 1)
-        return _lower_pte(model, example, bound, quantize, calibration)
+        return kind.lower(model, example, max_batch, quantize, calibration)
 
 
 def _fp32_eval_copy(module: nn.Module) -> nn.Module:
@@ -288,79 +279,6 @@ def _fp32_eval_copy(module: nn.Module) -> nn.Module:
     return model
 
 
-def _lower_pte(
-    model: nn.Module,
-    example: Tensor,
-    max_batch: int,
-    quantize: str | None,
-    calibration: Tensor | None,
-) -> Lowered:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
-    program, dynamic = _export(model, example, max_batch)
-    if quantize == "int8":
-        program = _quantize_int8(program, example, calibration, dynamic, max_batch)
-    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-    data = bytes(edge.to_executorch().buffer)
-    bound = max_batch if dynamic else int(example.shape[0])
-    return Lowered("pte", data, dynamic, bound, quantize)
-
-
-def _quantize_int8(
-    program: Any, example: Tensor, calibration: Tensor | None, dynamic: bool, max_batch: int
-) -> Any:
-    """The exported ``program`` with int8 quantize/dequantize pairs the XNNPACK delegate fuses
-    into int8 kernels: XNNPACK quantizer, symmetric per-channel weights, calibrated on
-    ``calibration`` (observers run in eval mode)."""
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    config = get_symmetric_quantization_config(is_per_channel=True)
-    quantizer = XNNPACKQuantizer().set_global(config)
-    prepared = prepare_pt2e(program.module(), quantizer)
-    seen = example if calibration is None else calibration.detach().to(torch.float32)
-    for start in range(0, max(1, seen.shape[0]), max_batch):
-        prepared(seen[start : start + max_batch])
-    converted = convert_pt2e(prepared)
-    if dynamic:
-        dim = torch.export.Dim("batch", min=1, max=max_batch)
-        return torch.export.export(converted, (example,), dynamic_shapes=({0: dim},))
-    return torch.export.export(converted, (example,))
-
-
-def _lower_onnx(model: nn.Module, example: Tensor) -> Lowered:
-    dynamic = example.shape[0] >= 2
-    onnx_program = None
-    if dynamic:
-        with contextlib.suppress(Exception):  # static below
-            onnx_program = torch.onnx.export(
-                model,
-                (example,),
-                dynamo=True,
-                dynamic_shapes=({0: torch.export.Dim("batch")},),
-                verbose=False,
-                input_names=["input"],
-                output_names=["logits"],
-            )
-    if onnx_program is None:
-        dynamic = False
-        onnx_program = torch.onnx.export(
-            model,
-            (example,),
-            dynamo=True,
-            verbose=False,
-            input_names=["input"],
-            output_names=["logits"],
-        )
-    assert onnx_program is not None, "torch.onnx.export(dynamo=True) returns an ONNXProgram"
-    data = onnx_program.model_proto.SerializeToString()
-    return Lowered("onnx", data, dynamic, None if dynamic else int(example.shape[0]))
-
-
 # ---------------------------------------------------------------------------- loading
 class EdgeProgram:
     """A ``.pte`` or ``.onnx`` program loaded in its own runtime; call it on an FP32 batch.
@@ -369,90 +287,74 @@ class EdgeProgram:
     produced). Attributes: ``format``, ``name`` (the file, for messages), ``input_shape`` (one
     example, without the batch), ``dynamic_batch``, ``max_batch`` (``None``: no bound) and
     ``threads`` (the runtime's intra-op threads).
+
+    Each edge format is a subclass registered under its name (:class:`PteProgram`,
+    :class:`OnnxProgram`; :func:`program_kind`): it says how to lower a model to its file,
+    load the file and run it, and what its runtime, file and packages are called.
     """
 
-    def __init__(self, fmt: str, data: bytes, name: str, *, threads: int | None = None) -> None:
-        if fmt not in EDGE_FORMATS:
-            raise ExportError(f"export error: {fmt!r} is not an edge format; use {EDGE_FORMATS}")
-        require(fmt)
-        self.format = fmt
+    #: the format's name (the file's suffix)
+    format: ClassVar[str]
+    #: the runtime that runs the file, and what the file is, for messages
+    runtime_name: ClassVar[str]
+    file_kind: ClassVar[str]
+    #: the packages of ``radbo[edge]`` the format needs
+    packages: ClassVar[tuple[str, ...]]
+    #: the quantizations :func:`lower` offers for it
+    quantizations: ClassVar[tuple[str, ...]] = ()
+    #: why the format bounds its batch (appended to the refusal of a larger one)
+    bound_note: ClassVar[str] = ""
+
+    input_shape: tuple[int, ...]
+    max_batch: int | None
+    dynamic_batch: bool | None
+
+    def __init__(self, data: bytes, name: str, *, threads: int | None = None) -> None:
+        require(self.format)
         self.name = name
         self.threads = max(1, int(threads or torch.get_num_threads()))
         self._data = data
         try:
-            if fmt == "pte":
-                self._load_pte(data)
-            else:
-                self._load_onnx(data)
+            self._load(data)
         except ExportError:
             raise
         except Exception as err:  # the runtime refuses the bytes: one line naming the file
             raise ExportError(
-                f"export error: {name} is not a loadable {_FILE_KINDS[fmt]} "
-                f"({_RUNTIME_NAMES[fmt]}: {first_line(err)})"
+                f"export error: {name} is not a loadable {self.file_kind} "
+                f"({self.runtime_name}: {first_line(err)})"
             ) from None
 
-    @classmethod
-    def from_bytes(cls, fmt: str, data: bytes, name: str = "<bytes>") -> EdgeProgram:
+    @staticmethod
+    def from_bytes(
+        fmt: str, data: bytes, name: str = "<bytes>", *, threads: int | None = None
+    ) -> EdgeProgram:
         """Load ``data`` in-process (bytes this process produced, e.g. by :func:`lower`)."""
-        return cls(fmt, data, name)
+        return program_kind(fmt)(data, name, threads=threads)
 
-    def _load_pte(self, data: bytes) -> None:
-        # the runtime's "experimental API" notice on first import; its CPU probe's notes on
-        # stderr when the thread pool starts
-        with _native_stderr(), _quiet():
-            import executorch.extension.pybindings.portable_lib as portable
-            from executorch.runtime import Runtime
+    @classmethod
+    def lower(
+        cls,
+        model: nn.Module,
+        example: Tensor,
+        max_batch: int | None,
+        quantize: str | None,
+        calibration: Tensor | None,
+    ) -> Lowered:
+        """The program of ``model`` (FP32, eval mode, a copy) for :func:`lower`."""
+        raise NotImplementedError
 
-            if portable._threadpool_get_thread_count() != self.threads:
-                portable._unsafe_reset_threadpool(self.threads)  # no method runs meanwhile
-            program = Runtime.get().load_program(data)
-            method = program.load_method("forward") if "forward" in program.method_names else None
-        if method is None:
-            raise ExportError(
-                f"export error: {self.name} has no 'forward' method "
-                f"(methods: {sorted(program.method_names)})"
-            )
-        meta = method.metadata
-        if meta.num_inputs() != 1 or meta.num_outputs() != 1:
-            raise ExportError(
-                f"export error: {self.name} takes {meta.num_inputs()} inputs and gives "
-                f"{meta.num_outputs()} outputs; a radbo submodel takes 1 and gives 1"
-            )
-        sizes = tuple(int(s) for s in meta.input_tensor_meta(0).sizes())
-        self._program, self._method = program, method
-        self.input_shape = sizes[1:]
-        self.max_batch: int | None = sizes[0]
-        self._planned_batch = sizes[0]  # the bound ExecuTorch planned memory for
-        # ExecuTorch keeps no flag for a dynamic dimension: the manifest records it
-        self.dynamic_batch: bool | None = None
+    def _load(self, data: bytes) -> None:
+        """Load ``data`` in the runtime and set ``input_shape``, ``max_batch`` and
+        ``dynamic_batch``."""
+        raise NotImplementedError
 
-    def _load_onnx(self, data: bytes) -> None:
-        import onnxruntime
+    def _execute(self, x: Tensor) -> Tensor:
+        """The runtime's output on the checked batch ``x``."""
+        raise NotImplementedError
 
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = self.threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3  # errors only
-        session = onnxruntime.InferenceSession(
-            data, sess_options=options, providers=["CPUExecutionProvider"]
-        )
-        inputs, outputs = session.get_inputs(), session.get_outputs()
-        if len(inputs) != 1 or len(outputs) != 1:
-            raise ExportError(
-                f"export error: {self.name} takes {len(inputs)} inputs and gives "
-                f"{len(outputs)} outputs; a radbo submodel takes 1 and gives 1"
-            )
-        shape = list(inputs[0].shape)
-        if any(not isinstance(s, int) for s in shape[1:]):
-            raise ExportError(
-                f"export error: {self.name} declares input shape {shape}; a radbo submodel "
-                "has a dynamic batch dimension only"
-            )
-        self._session, self._input_name = session, inputs[0].name
-        self.input_shape = tuple(int(s) for s in shape[1:])
-        self.dynamic_batch = not isinstance(shape[0], int)
-        self.max_batch = None if self.dynamic_batch else int(shape[0])
+    def _failure_hint(self, err: Exception) -> str:
+        """What to add to the message of a run the runtime refused (default: nothing)."""
+        return ""
 
     def check_inputs(self, inputs: Tensor) -> None:
         """:class:`ExportError` (naming the file) unless ``inputs`` is an FP32 batch of the
@@ -473,11 +375,7 @@ class EdgeProgram:
                 f"{self.max_batch}, got {batch}; pad the batch or use run_batches"
             )
         if self.max_batch is not None and batch > self.max_batch:
-            why = (
-                " (ExecuTorch plans the program's memory for that bound)"
-                if self.format == "pte"
-                else ""
-            )
+            why = self.bound_note
             raise ExportError(
                 f"export error: {self.name} takes batches of at most max_batch = "
                 f"{self.max_batch}{why}, got {batch}; split the batch (EdgeProgram.run_batches "
@@ -512,24 +410,211 @@ class EdgeProgram:
         self.check_inputs(inputs)
         x = inputs.detach().contiguous()
         try:
-            if self.format == "pte":
-                out = self._method.execute([x])[0]
-                return out.clone() if isinstance(out, Tensor) else torch.as_tensor(out)
-            result = self._session.run(None, {self._input_name: x.numpy()})[0]
-            return torch.from_numpy(result.copy())
+            return self._execute(x)
         except Exception as err:
-            hint = ""
-            if self.format == "pte" and "set_inputs" in str(err):
-                # ExecuTorch's only word for an input it cannot take (error 0x10: a resize
-                # past the bound the program's memory was planned for)
-                hint = (
-                    f"; the program was planned for batches of at most {self._planned_batch}: "
-                    "a larger batch, or another input shape, is refused there"
-                )
             raise ExportError(
-                f"export error: {self.name} failed to run ({_RUNTIME_NAMES[self.format]}: "
-                f"{first_line(err)}){hint}"
+                f"export error: {self.name} failed to run ({self.runtime_name}: "
+                f"{first_line(err)}){self._failure_hint(err)}"
             ) from None
+
+
+_PROGRAMS: dict[str, type[EdgeProgram]] = {}
+P = TypeVar("P", bound=type[EdgeProgram])
+
+
+def _register(kind: P) -> P:
+    _PROGRAMS[kind.format] = kind
+    return kind
+
+
+def program_kind(fmt: str) -> type[EdgeProgram]:
+    """The :class:`EdgeProgram` class of the edge format ``fmt``; :class:`ExportError` for
+    another name."""
+    kind = _PROGRAMS.get(fmt)
+    if kind is None:
+        raise ExportError(f"export error: {fmt!r} is not an edge format; use one of {EDGE_FORMATS}")
+    return kind
+
+
+@_register
+class PteProgram(EdgeProgram):
+    """An ExecuTorch program (``.pte``, XNNPACK-delegated), run by the ExecuTorch runtime."""
+
+    format = "pte"
+    runtime_name = "ExecuTorch runtime"
+    file_kind = "ExecuTorch program"
+    packages = ("executorch",)
+    quantizations = QUANTIZATIONS
+    bound_note = " (ExecuTorch plans the program's memory for that bound)"
+
+    @classmethod
+    def lower(
+        cls,
+        model: nn.Module,
+        example: Tensor,
+        max_batch: int | None,
+        quantize: str | None,
+        calibration: Tensor | None,
+    ) -> Lowered:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackPartitioner,
+        )
+        from executorch.exir import to_edge_transform_and_lower
+
+        bound = max(int(max_batch or 0), int(example.shape[0]), 1)
+        program, dynamic = _export(model, example, bound)
+        if quantize == "int8":
+            program = _quantize_int8(program, example, calibration, dynamic, bound)
+        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+        data = bytes(edge.to_executorch().buffer)
+        return Lowered("pte", data, dynamic, bound if dynamic else int(example.shape[0]), quantize)
+
+    def _load(self, data: bytes) -> None:
+        # the runtime's "experimental API" notice on first import; its CPU probe's notes on
+        # stderr when the thread pool starts
+        with _native_stderr(), _quiet():
+            import executorch.extension.pybindings.portable_lib as portable
+            from executorch.runtime import Runtime
+
+            if portable._threadpool_get_thread_count() != self.threads:
+                portable._unsafe_reset_threadpool(self.threads)  # no method runs meanwhile
+            program = Runtime.get().load_program(data)
+            method = program.load_method("forward") if "forward" in program.method_names else None
+        if method is None:
+            raise ExportError(
+                f"export error: {self.name} has no 'forward' method "
+                f"(methods: {sorted(program.method_names)})"
+            )
+        meta = method.metadata
+        if meta.num_inputs() != 1 or meta.num_outputs() != 1:
+            raise ExportError(
+                f"export error: {self.name} takes {meta.num_inputs()} inputs and gives "
+                f"{meta.num_outputs()} outputs; a radbo submodel takes 1 and gives 1"
+            )
+        sizes = tuple(int(s) for s in meta.input_tensor_meta(0).sizes())
+        self._program, self._method = program, method
+        self.input_shape = sizes[1:]
+        self.max_batch: int | None = sizes[0]
+        self._planned_batch = sizes[0]  # the bound ExecuTorch planned memory for
+        # ExecuTorch keeps no flag for a dynamic dimension: the manifest records it
+        self.dynamic_batch: bool | None = None
+
+    def _execute(self, x: Tensor) -> Tensor:
+        out = self._method.execute([x])[0]
+        return out.clone() if isinstance(out, Tensor) else torch.as_tensor(out)
+
+    def _failure_hint(self, err: Exception) -> str:
+        if "set_inputs" not in str(err):
+            return ""
+        # ExecuTorch's only word for an input it cannot take (error 0x10: a resize past the
+        # bound the program's memory was planned for)
+        return (
+            f"; the program was planned for batches of at most {self._planned_batch}: "
+            "a larger batch, or another input shape, is refused there"
+        )
+
+
+@_register
+class OnnxProgram(EdgeProgram):
+    """An ONNX model (``.onnx``, exported by ``torch.onnx``'s dynamo exporter), run by ONNX
+    Runtime's CPU provider."""
+
+    format = "onnx"
+    runtime_name = "ONNX Runtime"
+    file_kind = "ONNX model"
+    packages = ("onnx", "onnxscript", "onnxruntime")
+
+    @classmethod
+    def lower(
+        cls,
+        model: nn.Module,
+        example: Tensor,
+        max_batch: int | None,
+        quantize: str | None,
+        calibration: Tensor | None,
+    ) -> Lowered:
+        dynamic = example.shape[0] >= 2
+        onnx_program = None
+        if dynamic:
+            with contextlib.suppress(Exception):  # static below
+                onnx_program = torch.onnx.export(
+                    model,
+                    (example,),
+                    dynamo=True,
+                    dynamic_shapes=({0: torch.export.Dim("batch")},),
+                    verbose=False,
+                    input_names=["input"],
+                    output_names=["logits"],
+                )
+        if onnx_program is None:
+            dynamic = False
+            onnx_program = torch.onnx.export(
+                model,
+                (example,),
+                dynamo=True,
+                verbose=False,
+                input_names=["input"],
+                output_names=["logits"],
+            )
+        assert onnx_program is not None, "torch.onnx.export(dynamo=True) returns an ONNXProgram"
+        data = onnx_program.model_proto.SerializeToString()
+        return Lowered("onnx", data, dynamic, None if dynamic else int(example.shape[0]))
+
+    def _load(self, data: bytes) -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3  # errors only
+        session = onnxruntime.InferenceSession(
+            data, sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        inputs, outputs = session.get_inputs(), session.get_outputs()
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise ExportError(
+                f"export error: {self.name} takes {len(inputs)} inputs and gives "
+                f"{len(outputs)} outputs; a radbo submodel takes 1 and gives 1"
+            )
+        shape = list(inputs[0].shape)
+        if any(not isinstance(s, int) for s in shape[1:]):
+            raise ExportError(
+                f"export error: {self.name} declares input shape {shape}; a radbo submodel "
+                "has a dynamic batch dimension only"
+            )
+        self._session, self._input_name = session, inputs[0].name
+        self.input_shape = tuple(int(s) for s in shape[1:])
+        self.dynamic_batch = not isinstance(shape[0], int)
+        self.max_batch = None if self.dynamic_batch else int(shape[0])
+
+    def _execute(self, x: Tensor) -> Tensor:
+        result = self._session.run(None, {self._input_name: x.numpy()})[0]
+        return torch.from_numpy(result.copy())
+
+
+def _quantize_int8(
+    program: Any, example: Tensor, calibration: Tensor | None, dynamic: bool, max_batch: int
+) -> Any:
+    """The exported ``program`` with int8 quantize/dequantize pairs the XNNPACK delegate fuses
+    into int8 kernels: XNNPACK quantizer, symmetric per-channel weights, calibrated on
+    ``calibration`` (observers run in eval mode)."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    config = get_symmetric_quantization_config(is_per_channel=True)
+    quantizer = XNNPACKQuantizer().set_global(config)
+    prepared = prepare_pt2e(program.module(), quantizer)
+    seen = example if calibration is None else calibration.detach().to(torch.float32)
+    for start in range(0, max(1, seen.shape[0]), max_batch):
+        prepared(seen[start : start + max_batch])
+    converted = convert_pt2e(prepared)
+    if dynamic:
+        dim = torch.export.Dim("batch", min=1, max=max_batch)
+        return torch.export.export(converted, (example,), dynamic_shapes=({0: dim},))
+    return torch.export.export(converted, (example,))
 
 
 def _read(path: Path) -> bytes:
@@ -584,7 +669,7 @@ def load_program(
         )
     if isolate if isolate is not None else sha256 is None:
         _probe_in_child(path, fmt)
-    return EdgeProgram(fmt, data, str(path))
+    return EdgeProgram.from_bytes(fmt, data, str(path))
 
 
 def _probe_in_child(path: Path, fmt: str) -> None:
@@ -605,7 +690,7 @@ def _probe_in_child(path: Path, fmt: str) -> None:
         )
     except subprocess.TimeoutExpired:
         raise ExportError(
-            f"export error: loading {path} in the {_RUNTIME_NAMES[fmt]} took more than "
+            f"export error: loading {path} in the {program_kind(fmt).runtime_name} took more than "
             f"{PROBE_TIMEOUT_S} s; the file is damaged or not a radbo export"
         ) from None
     if child.returncode == 0:
@@ -621,8 +706,8 @@ def _probe_in_child(path: Path, fmt: str) -> None:
         except ValueError:
             what = f"signal {-child.returncode}"
         raise ExportError(
-            f"export error: {path} crashed the {_RUNTIME_NAMES[fmt]} ({what}) in a child "
-            f"process: the file is damaged or not an {_FILE_KINDS[fmt]}"
+            f"export error: {path} crashed the {program_kind(fmt).runtime_name} ({what}) in a "
+            f"child process: the file is damaged or not an {program_kind(fmt).file_kind}"
         )
     tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
     raise ExportError(
@@ -635,7 +720,7 @@ def _probe_main(argv: Sequence[str]) -> int:
     the error line (JSON after ``radbo-probe:``) and exit 1."""
     fmt, path = argv
     try:
-        program = EdgeProgram(fmt, _read(Path(path)), path, threads=1)
+        program = EdgeProgram.from_bytes(fmt, _read(Path(path)), path, threads=1)
         program.run_batches(torch.zeros(1, *program.input_shape))
     except ExportError as err:
         print("radbo-probe: " + json.dumps(str(err)), flush=True)

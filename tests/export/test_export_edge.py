@@ -32,7 +32,7 @@ import radbo.edge
 from radbo.cli import main
 from radbo.config import RunConfig, parse_config
 from radbo.devices import parse_profile
-from radbo.edge import EdgeProgram, ExportError, load_program, lower, parse_formats
+from radbo.edge import EDGE_FORMATS, EdgeProgram, ExportError, load_program, lower, parse_formats
 from radbo.experiment import build
 from radbo.export import (
     calibrate,
@@ -657,3 +657,19 @@ def test_every_zoo_model_round_trips_at_every_capacity(name: str, tmp_path: Path
         assert manifest["submodels"] == 1
     else:
         assert manifest["submodels"] == 3
+
+
+def test_each_edge_format_is_one_registered_program_class():
+    """A format is one EdgeProgram subclass (how it lowers, loads and runs, what its runtime
+    is called): no branch on the format's name anywhere in radbo.edge."""
+    import radbo.edge as edge
+
+    assert tuple(edge._PROGRAMS) == EDGE_FORMATS
+    assert edge.program_kind("pte") is edge.PteProgram
+    assert edge.program_kind("onnx") is edge.OnnxProgram
+    assert edge.PteProgram.quantizations == edge.QUANTIZATIONS
+    assert edge.OnnxProgram.quantizations == ()
+    with pytest.raises(ExportError, match="'tflite' is not an edge format"):
+        edge.program_kind("tflite")
+    source = Path(edge.__file__).read_text()
+    assert not re.search(r"""\b(fmt|format)\s*[!=]=\s*["']""", source)
