@@ -56,8 +56,9 @@ class TanhProblem:
 
 
 def tanh_problem(dtype: torch.dtype, seed: int = 7) -> TanhProblem:
-    """Built as ``tests/hypergrad/test_hypergrad.py::test_mlp_implicit_cg_matches_dense_hessian_solution``
-    builds it (same generator, same draws, in float64), then cast to ``dtype``."""
+    """Built as ``tests/hypergrad/test_hypergrad.py`` builds it in
+    ``test_mlp_implicit_cg_matches_dense_hessian_solution`` (same generator, same draws, in
+    float64), then cast to ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> Tensor:

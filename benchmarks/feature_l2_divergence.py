@@ -1,16 +1,16 @@
 """The ``feature_l2`` divergence case with the guard off, with the default guard (roll back
 and damp) and with the default box on x (issue 15, items 4 and 5).
 
-RABO on ``feature_l2``: the synthetic 20-feature binary problem of ``tests/simulation/test_divergence.py``
-(600 examples, 5 informative features), ``T = 10``, float64, no mask. Three runs of the same
-config: ``[algorithm] divergence = "off"`` with ``[task] max_log_l2 = "off"`` (the blow-up as
-it is), ``divergence = "rollback"`` (the default) with the box off, and the default box
-(``max_log_l2 = "auto"``, x_j <= log(1 / inner_lr)) with the guard set to ``"stop"`` (it
-would say if the box let the run blow up). Reported per run: the validation loss (the
-round's ``outer_loss``: the clients' validation BCE; full-batch with the default ``--batch``)
-at its best round and at the end, their ratio (the acceptance: <= 1.01), the first round
-whose loss rose above 10 x the best before it, the rollbacks and their step-size scale, max x at
-the end and the final test loss.
+RABO on ``feature_l2``: the synthetic 20-feature binary problem of
+``tests/simulation/test_divergence.py`` (600 examples, 5 informative features), ``T = 10``, float64,
+no mask. Three runs of the same config: ``[algorithm] divergence = "off"`` with ``[task] max_log_l2
+= "off"`` (the blow-up as it is), ``divergence = "rollback"`` (the default) with the box off, and
+the default box (``max_log_l2 = "auto"``, x_j <= log(1 / inner_lr)) with the guard set to ``"stop"``
+(it would say if the box let the run blow up). Reported per run: the validation loss (the round's
+``outer_loss``: the clients' validation BCE; full-batch with the default ``--batch``) at its best
+round and at the end, their ratio (the acceptance: <= 1.01), the first round whose loss rose above
+10 x the best before it, the rollbacks and their step-size scale, max x at the end and the final
+test loss.
 
     # the test's case: full batch, inner_lr 1, outer_lr 20, 100 rounds, one client (~20 s)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_l2_divergence.py

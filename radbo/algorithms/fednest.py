@@ -150,9 +150,9 @@ class FedNestState:
 class FedNestConfig(AlgorithmConfig):
     """FedNest hyperparameters (Algs. 1-4 of Tarzanagh et al., ICML 2022, arXiv:2205.02215;
     see :mod:`radbo.algorithms.fednest`), which LFedNest (:class:`LFedNestConfig`) shares. The
-    defaults are the settings ``tests/algorithms/test_fednest.py`` runs on the digits hyper-representation
-    task (the public code's MNIST settings -- steps 0.01, 5 local epochs of batch 64 -- make
-    many more local steps)."""
+    defaults are the settings ``tests/algorithms/test_fednest.py`` runs on the digits
+    hyper-representation task (the public code's MNIST settings -- steps 0.01, 5 local epochs
+    of batch 64 -- make many more local steps)."""
 
     name: Literal["fednest"]
     inner_lr: StepSize = Field(

@@ -71,7 +71,8 @@ def make_app(handler: Callable[[Message, Context], Message], actions: Sequence[s
 
 
 # the routed actions of every registered algorithm, listed here without importing radbo's
-# algorithms (and torch); tests/flower/test_flower.py checks it equals radbo.flower.backend.actions()
+# algorithms (and torch); tests/flower/test_flower.py checks it equals
+# radbo.flower.backend.actions()
 ACTIONS = ("inner", "outer", "momentum", "local", GENERIC_ACTION)
 
 #: The ClientApp of a deployment.

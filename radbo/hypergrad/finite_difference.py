@@ -98,23 +98,22 @@ class FiniteDifference(Estimator):
     instead returns eq. (10) / Alg. 2 exactly as printed, ``grad_p = ∇_{x_p} f + scale ·
     ⟨δ_p, ∇_y f⟩`` (no CG), with the forward difference unless ``scheme`` is given; this is
     *not* a hypergradient and is kept only to reproduce the paper -- on the quadratic test
-    problem of ``tests/hypergrad/test_hypergrad_fd_fo.py`` its relative error is 1.65 (165 %), against
-    about ``6e-13`` for the corrected form.
+    problem of ``tests/hypergrad/test_hypergrad_fd_fo.py`` its relative error is 1.65 (165 %),
+    against about ``6e-13`` for the corrected form.
 
     **Accuracy and cost of the two schemes** (``benchmarks/fd_scheme.py``; the tanh network of
-    ``tests/hypergrad/test_hypergrad.py``, all 5 coordinates of x, default CG; relative error against
-    the exact hypergradient, FLOPs measured by the ledger's :class:`radbo.cost.FlopMeter`): at
-    their default steps, central 2.9e-6 (float64) and 6.6e-5 to 1.25e-4 (float32, by the CPU's
-    kernels) for 1.82x the forward scheme's FLOPs, forward 1.4e-5 and 4.6e-4 to 5.7e-4. In
-    float32 the error is rounding, mostly of CG's finite-difference products at the fixed
-    ``hvp_mu = 1e-3`` (central reaches 6e-6 to 1.1e-5 at ``hvp_mu = 1e-2``); before rounding,
-    the forward scheme's truncation at float32's step is 1.8e-4, the central one's 6.9e-6.
-    Given the same FLOPs as 12 more CG iterations, forward stays at 1.4e-5 in float64. (In
-    float64, with both steps tuned down to 1e-8 and 1e-6, forward with those extra
-    iterations reaches 1.7e-8, where central with 10 iterations is held at 2.8e-6 by CG.)
-    When ``|P|`` is a small sample of x, the sampling of ``P`` dominates instead: on
-    ``examples/rafbo.toml`` (5 % of x, float32, 10 rounds) the two schemes end within 0.003
-    test accuracy of each other (seeds 0, 1, 2), central for 1.96x the FLOPs; there
+    ``tests/hypergrad/test_hypergrad.py``, all 5 coordinates of x, default CG; relative error
+    against the exact hypergradient, FLOPs measured by the ledger's :class:`radbo.cost.FlopMeter`):
+    at their default steps, central 2.9e-6 (float64) and 6.6e-5 to 1.25e-4 (float32, by the CPU's
+    kernels) for 1.82x the forward scheme's FLOPs, forward 1.4e-5 and 4.6e-4 to 5.7e-4. In float32
+    the error is rounding, mostly of CG's finite-difference products at the fixed ``hvp_mu = 1e-3``
+    (central reaches 6e-6 to 1.1e-5 at ``hvp_mu = 1e-2``); before rounding, the forward scheme's
+    truncation at float32's step is 1.8e-4, the central one's 6.9e-6. Given the same FLOPs as 12
+    more CG iterations, forward stays at 1.4e-5 in float64. (In float64, with both steps tuned down
+    to 1e-8 and 1e-6, forward with those extra iterations reaches 1.7e-8, where central with 10
+    iterations is held at 2.8e-6 by CG.) When ``|P|`` is a small sample of x, the sampling of ``P``
+    dominates instead: on ``examples/rafbo.toml`` (5 % of x, float32, 10 rounds) the two schemes end
+    within 0.003 test accuracy of each other (seeds 0, 1, 2), central for 1.96x the FLOPs; there
     ``scheme = "forward"`` is the better use of compute.
 
     **Coordinates outside P** get the direct term ``∇_x f`` only. With ``scale = 1``

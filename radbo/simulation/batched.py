@@ -17,8 +17,8 @@ a workload it has not seen by running the work for that one client under the FLO
 **Equality with the sequential backend.** Counts, bytes, FLOPs and the ledger are exactly
 those of the sequential path. Values agree to the rounding of the stacked kernels: a batched
 matrix product or reduction may sum in another order than the unbatched one, so float32 states
-differ in the last bits (``tests/simulation/test_batched.py`` bounds the difference from the dtype and
-checks float64 runs to 1e-12 relative for every algorithm).
+differ in the last bits (``tests/simulation/test_batched.py`` bounds the difference from the
+dtype and checks float64 runs to 1e-12 relative for every algorithm).
 """
 
 from __future__ import annotations

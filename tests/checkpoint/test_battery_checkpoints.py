@@ -78,7 +78,13 @@ def run_battery(examples: int, *, derandomize: bool, timeout: int) -> dict[str, 
     def limit() -> None:  # in the child, before it starts
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    args = [sys.executable, "-m", "tests.checkpoint.test_battery_checkpoints", "--examples", str(examples)]
+    args = [
+        sys.executable,
+        "-m",
+        "tests.checkpoint.test_battery_checkpoints",
+        "--examples",
+        str(examples),
+    ]
     if derandomize:
         args.append("--derandomize")
     proc = subprocess.run(

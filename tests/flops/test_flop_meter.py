@@ -17,9 +17,9 @@ from radbo.experiment import build
 from radbo.flops import count_flops, new_scope, repeated
 from radbo.loops import cg_iteration_flops, cg_product
 from radbo.models import CNN7, Conv4
-from tests.helpers import state_tensors
 from tests.algorithms.test_algorithm_conformance import CASES
 from tests.algorithms.test_algorithm_conformance import config as conformance_config
+from tests.helpers import state_tensors
 
 
 def reference(fn) -> int:

@@ -18,8 +18,8 @@ from radbo.flower.backend import POLL_INTERVAL_S, exchange  # noqa: E402
 from radbo.flower.codec import TaskSender  # noqa: E402
 from radbo.flower.nodedata import write_node_data  # noqa: E402
 from tests.configs import demo_dict, small_config  # noqa: E402
-from tests.helpers import assert_same_state  # noqa: E402
 from tests.flower.test_flower_node import NodeGrid  # noqa: E402
+from tests.helpers import assert_same_state  # noqa: E402
 
 
 class FakeClock:
