@@ -47,10 +47,10 @@ rate 1);
 pfl's ``simple_cnn`` architecture, so this script registers one as a plug-in kind of the
 ``[model]`` section (``name = "pfl_simple_cnn"``, :class:`PflSimpleCNN`): the same layers and
 initialisation, without the two dropout layers (radbo's client loops have no random layers).
-Dropout is few FLOPs (masks over 12,544 and 128 activations per image) but not free on a CPU:
-in a profile of the pfl side it took about 1.4 ms of a local step of about 20 ms (forward
-only; its backward is a multiplication by the mask), so pfl does up to about 7 % more work
-per step than radbo here, which flatters radbo's ratio by as much.
+Dropout is masks over 12,544 and 128 activations per image: pfl's local step (forward,
+backward, SGD step on a batch of 10, one thread) took 18.4 ms with it and 18.2 ms without it
+in an alternated micro-benchmark on the machine of BENCHMARKS.md, so leaving it out flatters
+radbo's ratio by about 1 %.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py              # the size
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py --rounds 6 --repeats 3
