@@ -1,0 +1,98 @@
+"""benchmarks/vs_pfl.py without pfl: its synthetic data and the radbo side at a tiny size.
+
+The radbo side runs in a child process (as the script runs it), so that the model kind it
+registers (``pfl_simple_cnn``) stays out of this process's registry. No pfl environment is
+made here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from radbo.data.readers import read_cifar10
+from radbo.models import MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "vs_pfl.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("vs_pfl", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_synthetic_data_are_the_same_for_pfl_and_radbo(tmp_path):
+    vs_pfl = load_script()
+    assert "pfl_simple_cnn" not in MODELS  # importing the script registers nothing
+    folder = vs_pfl.write_data(tmp_path, clients=6, seed=3)
+    images, labels = np.load(folder / "images.npy"), np.load(folder / "labels.npy")
+    assert images.shape == (300, 32, 32, 3) and images.dtype == np.uint8
+    assert labels.shape == (300,) and set(np.unique(labels)) <= set(range(10))
+    binary, binary_labels = read_cifar10(folder, train=True)
+    np.testing.assert_array_equal(binary, images.transpose(0, 3, 1, 2))
+    np.testing.assert_array_equal(binary_labels, labels)
+    test, _ = read_cifar10(folder, train=False)
+    assert test.shape == (vs_pfl.TEST_IMAGES, 3, 32, 32)
+    again = vs_pfl.write_data(tmp_path / "again", clients=6, seed=3)
+    np.testing.assert_array_equal(np.load(again / "images.npy"), images)  # from the seed
+
+
+def test_the_model_is_pfls_simple_cnn_without_dropout():
+    vs_pfl = load_script()
+    model = vs_pfl.PflSimpleCNN()
+    # pfl's simple_cnn on 32x32x3: 896 + 18,496 + 1,605,760 + 1,290 parameters
+    assert sum(p.numel() for p in model.parameters()) == 1_626_442
+    assert model.inner_param_names() == ["head.weight", "head.bias"]
+    x = model.example_input(3).normal_()
+    state = dict(model.state_dict())
+    assert model.functional_forward(state, x).equal(model(x))
+
+
+def test_the_radbo_side_reports_seconds_per_round_for_every_backend(tmp_path):
+    vs_pfl = load_script()
+    data = vs_pfl.write_data(tmp_path / "data", clients=4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    command = [sys.executable, str(SCRIPT), "--side", "radbo", "--data", str(data)]
+    command += ["--clients", "4", "--per-round", "2", "--rounds", "2", "--workers", "2"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["backend"] for r in results] == ["sequential", "batched", "processes"]
+    for r in results:
+        assert r["side"] == "radbo" and r["device"] == "cpu" and r["threads"] == 1
+        assert len(r["round_s"]) == 2 and r["s_per_round"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--per-round", "5", "--clients", "4"], "--per-round must be at most --clients"),
+        (["--backends", "sequential,threads"], "--backends takes some of"),
+        (["--rounds", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_flags_are_refused(flags, message, capsys):
+    vs_pfl = load_script()
+    with pytest.raises(SystemExit):
+        vs_pfl.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_quick_is_tiny_and_flags_win():
+    vs_pfl = load_script()
+    quick = vs_pfl.parse_args(["--quick"])
+    assert (quick.clients, quick.per_round, quick.rounds, quick.repeats) == (40, 4, 3, 1)
+    assert vs_pfl.parse_args(["--quick", "--rounds", "5"]).rounds == 5
+    full = vs_pfl.parse_args([])
+    assert (full.clients, full.per_round, full.rounds, full.repeats) == (1000, 50, 6, 3)
