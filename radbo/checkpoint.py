@@ -450,11 +450,10 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint after ``rounds_done`` rounds into ``directory``; returns the index.
 
-    ``config`` is the run's config as JSON data; :func:`load_checkpoint` compares it.
-    ``contents`` says what the records are (:class:`Contents`: here, how large a checkpoint of
-    this run may be, for the checkpoint kept as the previous one). The
-    checkpoint that was the newest becomes ``checkpoint-prev.json`` when it verifies and is of
-    an earlier round (see the module docstring for the order of the writes).
+    ``config`` is the run's config as JSON data; :func:`load_checkpoint` compares it;
+    ``contents`` sizes the caps (:class:`Contents`). The checkpoint that was the newest becomes
+    ``checkpoint-prev.json`` when it verifies and is of an earlier round (see the module
+    docstring for the order of the writes).
 
     A write the system refuses (an :class:`OSError` with an errno: the disk is full, the folder
     is read-only) raises :class:`CheckpointError`, one line naming the file; its temporary file

@@ -436,7 +436,7 @@ class RunConfig(Section):
             raise ValueError(
                 f"task {task.name!r} does not go with model {model.name!r}: {' and '.join(needs)}"
             )
-        if not task.maskable and self.mask.policy != "none":
+        if not task.maskable and self.mask.masked:
             raise ValueError(
                 f'task "{task.name}" has nothing to prune (x is not in the forward pass and the '
                 f'classifier keeps its outputs); set [mask] policy = "none" (got '
@@ -446,7 +446,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_full_model_algorithms(self) -> RunConfig:
-        if self.algorithm.full_model and self.mask.policy != "none":
+        if self.algorithm.full_model and self.mask.masked:
             raise ValueError(
                 f"algorithm {self.algorithm.name} trains the full model on every client; set "
                 f'[mask] policy = "none" (got {self.mask.policy!r})'
