@@ -18,6 +18,10 @@ table. Run it with one thread on an otherwise idle machine:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --clients 10 50 100 --repeats 3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --models mlp cnn7 --algorithms fedavg
+
+``--models``: ``mlp`` (the demo's) and ``cnn7`` (a LeNet on digits at 16x16); ``fedavg`` (5
+local steps on every parameter) is there for the convolutional case.
 """
 
 from __future__ import annotations
@@ -42,16 +46,24 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "rabo": {"name": "rabo", "inner_lr": 0.5, "outer_lr": 0.2, "inner_steps": 10},
     "shrofbo": {"name": "shrofbo", "local_steps": 10},
+    "fedavg": {"name": "fedavg", "local_steps": 5},
+}
+#: The models: the demo's MLP on 8x8 digits, and CNN7 (a LeNet) on digits at 16x16
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {},
+    "cnn7": {"data": {"name": "digits", "image_size": 16}, "model": {"name": "cnn7"}},
 }
 
 
-def experiment(algorithm: str, num_clients: int) -> Experiment:
+def experiment(algorithm: str, num_clients: int, model: str = "mlp") -> Experiment:
     data = tomllib.loads(DEMO.read_text())
     data["fleet"] = {"num_clients": num_clients, "capacities": [1.0]}
     data["mask"] = {"policy": "none"}
     data["partition"] = {"kind": "iid"}
     data["baseline"] = {"enabled": False}
     data["algorithm"] = ALGORITHMS[algorithm]
+    for section, values in MODELS[model].items():
+        data[section] = values
     if algorithm != "rabo":
         data.pop("estimator", None)
     return build(parse_config(data))
@@ -91,8 +103,8 @@ def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def measure(algorithm: str, num_clients: int, repeats: int) -> dict[str, float]:
-    exp = experiment(algorithm, num_clients)
+def measure(algorithm: str, num_clients: int, repeats: int, model: str = "mlp") -> dict[str, float]:
+    exp = experiment(algorithm, num_clients, model)
     sim = exp.simulation
     work, tasks = first_phase_tasks(exp)
     cohorts = len({stack_key(t, work.prepare(sim.runtime, t)) for t in tasks})
@@ -126,6 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=MODELS)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(
@@ -133,20 +146,24 @@ def main() -> None:
     )
     print()
     print(
-        "| algorithm | clients | cohorts | 1st phase seq (ms) | batched (ms) | speed-up "
+        "| model | algorithm | clients | cohorts | 1st phase seq (ms) | batched (ms) | speed-up "
         "| round seq (ms) | batched (ms) | speed-up |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for algorithm in args.algorithms:
-        for n in args.clients:
-            m = measure(algorithm, n, args.repeats)
-            print(
-                f"| {algorithm} | {n} | {m['cohorts']} | {1e3 * m['phase_seq']:.1f} "
-                f"| {1e3 * m['phase_bat']:.1f} | {m['phase_seq'] / m['phase_bat']:.2f}x "
-                f"| {1e3 * m['round_seq']:.1f} | {1e3 * m['round_bat']:.1f} "
-                f"| {m['round_seq'] / m['round_bat']:.2f}x |",
-                flush=True,
-            )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model in args.models:
+        for algorithm in args.algorithms:
+            for n in args.clients:
+                _row(model, algorithm, n, measure(algorithm, n, args.repeats, model))
+
+
+def _row(model: str, algorithm: str, n: int, m: dict[str, float]) -> None:
+    print(
+        f"| {model} | {algorithm} | {n} | {m['cohorts']} | {1e3 * m['phase_seq']:.1f} "
+        f"| {1e3 * m['phase_bat']:.1f} | {m['phase_seq'] / m['phase_bat']:.2f}x "
+        f"| {1e3 * m['round_seq']:.1f} | {1e3 * m['round_bat']:.1f} "
+        f"| {m['round_seq'] / m['round_bat']:.2f}x |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
