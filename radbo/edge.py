@@ -77,10 +77,6 @@ __all__ = [
     "require",
 ]
 
-#: Formats a device runs without PyTorch.
-EDGE_FORMATS: tuple[str, ...] = ("pte", "onnx")
-#: Every format ``radbo export`` writes: the weights (``safetensors``) and the edge programs.
-FORMATS: tuple[str, ...] = ("safetensors", *EDGE_FORMATS)
 #: Quantizations :func:`lower` offers for ``.pte``.
 QUANTIZATIONS: tuple[str, ...] = ("int8",)
 #: Seconds a child process may take to load and run a file once (see :func:`load_program`).
@@ -590,6 +586,12 @@ class OnnxProgram(EdgeProgram):
     def _execute(self, x: Tensor) -> Tensor:
         result = self._session.run(None, {self._input_name: x.numpy()})[0]
         return torch.from_numpy(result.copy())
+
+
+#: Formats a device runs without PyTorch: the registered programs, in registration order.
+EDGE_FORMATS: tuple[str, ...] = tuple(_PROGRAMS)
+#: Every format ``radbo export`` writes: the weights (``safetensors``) and the edge programs.
+FORMATS: tuple[str, ...] = ("safetensors", *EDGE_FORMATS)
 
 
 def _quantize_int8(

@@ -181,16 +181,13 @@ def test_every_public_name_is_declared_once_and_resolves(package: str) -> None:
     the stub says."""
     module = importlib.import_module(package)
     stub = Path(str(module.__file__)).with_suffix(".pyi")
+    imports = [
+        n for n in ast.parse(stub.read_text(encoding="utf-8")).body if isinstance(n, ast.ImportFrom)
+    ]
     declared = {
-        alias.asname or alias.name: f"{package}.{n.module}"
-        for n in ast.parse(stub.read_text(encoding="utf-8")).body
-        if isinstance(n, ast.ImportFrom)
-        for alias in n.names
+        alias.asname or alias.name: f"{package}.{n.module}" for n in imports for alias in n.names
     }
-    count = sum(
-        len(n.names) for n in ast.parse(stub.read_text()).body if isinstance(n, ast.ImportFrom)
-    )
-    assert count == len(declared)  # no name declared twice
+    assert sum(len(n.names) for n in imports) == len(declared)  # no name declared twice
     assert sorted(declared) == module.__all__
     if package == "radbo.flower":
         pytest.importorskip("flwr")

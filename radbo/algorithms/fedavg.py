@@ -175,7 +175,8 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
                 for n, p in var.items():
                     total[n].add_(grads[n])
                     p.sub_(grads[n].mul_(self.lr))
-            return (var, total, buffers, loss.detach()), Work(n_grad=1)
+            stepped = {n: p.detach() for n, p in var.items()}  # views: the carry needs no grad
+            return (stepped, total, buffers, loss.detach()), Work(n_grad=1)
 
         steps = cohort.local_steps(step, (params, total, buffers, float("nan")), name="fedavg.step")
         _, total, buffers, loss_value = steps.carry

@@ -80,10 +80,12 @@ def checkpoint_caps(config: Mapping[str, Any] | None) -> tuple[int, int]:
     margin, from its rounds and clients (an unknown size: what memory can take,
     :func:`radbo.checkpoint.memory_ceiling`)."""
     ceiling = memory_ceiling()
-    rounds = config.get("rounds") if config is not None else None
-    fleet = config.get("fleet") if config is not None else None
+    if config is None:
+        return ceiling, ceiling
+    rounds = config.get("rounds")
+    fleet = config.get("fleet")
     clients = fleet.get("num_clients") if isinstance(fleet, Mapping) else None
-    if config is None or not (is_count(rounds) and is_count(clients)):
+    if not (is_count(rounds) and is_count(clients)):
         return ceiling, ceiling
     extra = 4 * len(json.dumps(config, allow_nan=True))
     index = INDEX_BASE_BYTES + extra + rounds * (INDEX_ROUND_BYTES + INDEX_CLIENT_BYTES * clients)

@@ -664,7 +664,7 @@ def test_each_edge_format_is_one_registered_program_class():
     is called): no branch on the format's name anywhere in radbo.edge."""
     import radbo.edge as edge
 
-    assert tuple(edge._PROGRAMS) == EDGE_FORMATS
+    assert EDGE_FORMATS == ("pte", "onnx") == tuple(edge._PROGRAMS)
     assert edge.program_kind("pte") is edge.PteProgram
     assert edge.program_kind("onnx") is edge.OnnxProgram
     assert edge.PteProgram.quantizations == edge.QUANTIZATIONS
