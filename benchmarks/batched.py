@@ -20,14 +20,21 @@ table. Run it with one thread on an otherwise idle machine:
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --clients 10 50 100 --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --models mlp cnn7 --algorithms fedavg
 
-``--models``: ``mlp`` (the demo's) and ``cnn7`` (a LeNet on digits at 16x16); ``fedavg`` (5
-local steps on every parameter) is there for the convolutional case.
+``--models``: ``mlp`` (the demo's), ``cnn7`` (a LeNet on digits at 16x16) and ``simple_cnn``
+(pfl-research's CIFAR-10 CNN on synthetic CIFAR-shaped data, from ``benchmarks/vs_pfl.py``);
+``fedavg`` (5 local steps on every parameter) is there for the convolutional cases.
+
+The ``auto`` columns run :class:`~radbo.simulation.AutoBackend` after two warm-up rounds (its
+first group of a family runs one by one, its second measures both sides and records the faster
+one): it should read the faster of the two other columns.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Callable
@@ -40,9 +47,11 @@ from radbo.client import ClientTask, ClientWork, stack_key
 from radbo.config import parse_config
 from radbo.experiment import Experiment, build
 from radbo.randomness import task_seed
-from radbo.simulation import BatchedBackend, SequentialBackend, full_index_set
+from radbo.simulation import AutoBackend, BatchedBackend, SequentialBackend, full_index_set
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEMO = ROOT / "examples" / "demo.toml"
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "rabo": {"name": "rabo", "inner_lr": 0.5, "outer_lr": 0.2, "inner_steps": 10},
     "shrofbo": {"name": "shrofbo", "local_steps": 10},
@@ -52,7 +61,21 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {},
     "cnn7": {"data": {"name": "digits", "image_size": 16}, "model": {"name": "cnn7"}},
+    "simple_cnn": {},  # pfl-research's, on synthetic CIFAR-shaped data (simple_cnn_sections)
 }
+
+
+def simple_cnn_sections(num_clients: int) -> dict[str, Any]:
+    """pfl-research's CIFAR-10 setup (``benchmarks/vs_pfl.py``): its CNN, registered as a
+    plug-in model, on synthetic data written once per fleet size (50 images per client)."""
+    from benchmarks.vs_pfl import radbo_config, register_model, write_data
+
+    register_model()
+    folder = write_data(
+        Path(tempfile.gettempdir()) / f"radbo-batched-cifar-{num_clients}", num_clients
+    )
+    config = radbo_config(folder, "sequential", num_clients, num_clients, 1, "cpu", 1)
+    return {k: config[k] for k in ("data", "model", "task")}
 
 
 def experiment(algorithm: str, num_clients: int, model: str = "mlp") -> Experiment:
@@ -62,8 +85,11 @@ def experiment(algorithm: str, num_clients: int, model: str = "mlp") -> Experime
     data["partition"] = {"kind": "iid"}
     data["baseline"] = {"enabled": False}
     data["algorithm"] = ALGORITHMS[algorithm]
-    for section, values in MODELS[model].items():
+    sections = simple_cnn_sections(num_clients) if model == "simple_cnn" else MODELS[model]
+    for section, values in sections.items():
         data[section] = values
+    if model == "simple_cnn" and algorithm == "fedavg":  # pfl's batch of 10 examples
+        data["algorithm"] = {**data["algorithm"], "batch_size": 7, "outer_batch_size": 3}
     if algorithm != "rabo":
         data.pop("estimator", None)
     return build(parse_config(data))
@@ -108,7 +134,7 @@ def measure(algorithm: str, num_clients: int, repeats: int, model: str = "mlp") 
     sim = exp.simulation
     work, tasks = first_phase_tasks(exp)
     cohorts = len({stack_key(t, work.prepare(sim.runtime, t)) for t in tasks})
-    seq_backend, bat_backend = SequentialBackend(), BatchedBackend()
+    seq_backend, bat_backend, auto_backend = SequentialBackend(), BatchedBackend(), AutoBackend()
 
     def step(backend: Any) -> object:
         sim.backend = backend
@@ -119,18 +145,17 @@ def measure(algorithm: str, num_clients: int, repeats: int, model: str = "mlp") 
 
     step(seq_backend)  # warm-up: fills the FLOP meter's cache, builds skeletons
     step(bat_backend)
-    phases = alternate(
-        {"seq": lambda: phase(seq_backend), "bat": lambda: phase(bat_backend)}, repeats
-    )
-    rounds = alternate(
-        {"seq": lambda: step(seq_backend), "bat": lambda: step(bat_backend)}, repeats
-    )
+    step(auto_backend)  # the auto backend's warm-up, then its measurement: its plan is made
+    step(auto_backend)
+    sides = {"seq": seq_backend, "bat": bat_backend, "auto": auto_backend}
+    phases = alternate({k: lambda b=b: phase(b) for k, b in sides.items()}, repeats)
+    rounds = alternate({k: lambda b=b: step(b) for k, b in sides.items()}, repeats)
     return {
         "cohorts": cohorts,
-        "phase_seq": phases["seq"],
-        "phase_bat": phases["bat"],
-        "round_seq": rounds["seq"],
-        "round_bat": rounds["bat"],
+        **{f"phase_{k}": v for k, v in phases.items()},
+        **{f"round_{k}": v for k, v in rounds.items()},
+        "auto_stacked": sum(v == "stacked" for v in auto_backend.plan.values()),
+        "auto_families": len(auto_backend.plan),
     }
 
 
@@ -138,7 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    parser.add_argument("--models", nargs="+", default=["mlp"], choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(
@@ -147,9 +172,9 @@ def main() -> None:
     print()
     print(
         "| model | algorithm | clients | cohorts | 1st phase seq (ms) | batched (ms) | speed-up "
-        "| round seq (ms) | batched (ms) | speed-up |"
+        "| round seq (ms) | batched (ms) | speed-up | auto (ms) | speed-up | auto stacked |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in args.models:
         for algorithm in args.algorithms:
             for n in args.clients:
@@ -161,7 +186,9 @@ def _row(model: str, algorithm: str, n: int, m: dict[str, float]) -> None:
         f"| {model} | {algorithm} | {n} | {m['cohorts']} | {1e3 * m['phase_seq']:.1f} "
         f"| {1e3 * m['phase_bat']:.1f} | {m['phase_seq'] / m['phase_bat']:.2f}x "
         f"| {1e3 * m['round_seq']:.1f} | {1e3 * m['round_bat']:.1f} "
-        f"| {m['round_seq'] / m['round_bat']:.2f}x |",
+        f"| {m['round_seq'] / m['round_bat']:.2f}x | {1e3 * m['round_auto']:.1f} "
+        f"| {m['round_seq'] / m['round_auto']:.2f}x "
+        f"| {m['auto_stacked']} of {m['auto_families']} |",
         flush=True,
     )
 

@@ -19,8 +19,8 @@ What the script does:
 3. runs the two sides alternated, ``--repeats`` times: the pfl side
    (``benchmarks/pfl_side.py`` in the pfl environment, a fresh process each time) and the
    radbo side for every backend in ``--backends`` (a fresh process each: ``sequential``,
-   ``batched``, ``processes`` with ``--workers`` workers); the order flips every repetition
-   (pfl first, then radbo first). Every side builds its simulation, runs ``--rounds``
+   ``batched``, ``auto``, ``processes`` with ``--workers`` workers); the order flips every
+   repetition (pfl first, then radbo first). Every side builds its simulation, runs ``--rounds``
    rounds and reports the median seconds of rounds 1.. (round 0 is the warm-up: radbo
    measures its FLOPs there, pfl evaluates the cohort there); no evaluation is timed;
 4. prints a table: each radbo backend, pfl, and the plain-PyTorch floor (the same local
@@ -91,7 +91,7 @@ from radbo.models.functional import apply_layer  # noqa: E402
 
 PFL_SIDE = Path(__file__).resolve().parent / "pfl_side.py"
 PFL_REQUIREMENTS = ("pfl[pytorch]==0.6.0", "torch==2.13.0")
-BACKENDS = ("sequential", "batched", "processes")
+BACKENDS = ("sequential", "batched", "auto", "processes")
 PER_CLIENT = 50  # pfl's mean_datapoints_per_user (constant)
 STEPS = 5  # one local epoch of 50 examples in batches of 10
 FULL_SIZE = {"clients": 1000, "per_round": 50, "rounds": 6, "repeats": 3}  # pfl's set-up

@@ -118,6 +118,7 @@ from .report import (
 )
 from .simulation import (
     BACKENDS as BACKENDS,
+    AutoBackend as AutoBackend,
     BatchedBackend as BatchedBackend,
     DivergenceError as DivergenceError,
     ProcessBackend as ProcessBackend,

@@ -283,10 +283,14 @@ class RuntimeConfig(Section):
     BatchedBackend`; equal to the sequential backend up to float rounding); ``"processes"``
     runs a phase's clients in parallel in ``workers`` worker processes, each with one intra-op
     thread (:class:`radbo.simulation.ProcessBackend`; bitwise equal to the sequential backend
-    with ``threads = 1``). ``workers``: the processes backend's worker count (default: every
-    CPU this process may use, ``len(os.sched_getaffinity(0))``; other backends ignore it). On
-    an idle 2-core machine a steady demo round (9 clients) ran 1.5x faster on 2 workers than
-    on 1 (``benchmarks/workers.py``); with the cores busy with other work it ran slower.
+    with ``threads = 1``); ``"auto"`` runs each workload family stacked or one by one, whichever
+    it measured faster the second time it met it (:class:`radbo.simulation.AutoBackend`; the
+    choice rests on a timing, so float32 results may differ between runs in the last bits,
+    which is why it is not the default). ``workers``: the processes backend's worker count
+    (default: every CPU this process may use, ``len(os.sched_getaffinity(0))``; other
+    backends ignore it). On an idle 2-core machine a steady demo round (9 clients) ran 1.5x
+    faster on 2 workers than on 1 (``benchmarks/workers.py``); with the cores busy with other
+    work it ran slower.
     ``dtype``: the floating-point type of data, models and every client computation.
     ``threads``: torch's intra-op threads while :func:`radbo.run` runs (the caller's setting
     is restored after; with ``"processes"`` they serve this process's server-side work, each
@@ -305,7 +309,8 @@ class RuntimeConfig(Section):
         "sequential",
         description="a registered backend (radbo.simulation.BACKENDS) -- sequential: one client "
         "after another; batched: clients of equal shapes stacked (equal to float rounding); "
-        "processes: worker processes (bitwise equal to sequential)",
+        "processes: worker processes (bitwise equal to sequential); auto: stacked or one by one "
+        "per workload family, whichever it measured faster",
     )
     dtype: Literal["float32", "float64"] = Field(
         "float32", description="floating-point type of data, models and all client work"

@@ -68,7 +68,7 @@ def test_the_radbo_side_reports_seconds_per_round_for_every_backend(tmp_path):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["backend"] for r in results] == ["sequential", "batched", "processes"]
+    assert [r["backend"] for r in results] == ["sequential", "batched", "auto", "processes"]
     for r in results:
         assert r["side"] == "radbo" and r["device"] == "cpu" and r["threads"] == 1
         assert len(r["round_s"]) == 2 and r["s_per_round"] > 0

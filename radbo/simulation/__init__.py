@@ -1,5 +1,6 @@
 """The simulation engine and its backends."""
 
+from radbo.simulation.auto import AutoBackend
 from radbo.simulation.backends import BACKENDS, BackendKind, gpu_refusal
 from radbo.simulation.batched import BatchedBackend
 from radbo.simulation.divergence import DivergenceError
@@ -11,6 +12,7 @@ from radbo.simulation.record import RoundObserver, RoundRecord, RoundRow
 from radbo.simulation.screening import update_problem
 
 __all__ = [
+    "AutoBackend",
     "BACKENDS",
     "RUN_CHECKPOINT",
     "BackendKind",

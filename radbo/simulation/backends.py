@@ -14,12 +14,13 @@ with a :meth:`~BackendKind.from_runtime` constructor, and one decorator::
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from radbo.client import Backend
 from radbo.registry import Named
 
-__all__ = ["BACKENDS", "BackendKind", "gpu_refusal"]
+__all__ = ["BACKENDS", "BackendKind", "StatefulBackend", "gpu_refusal"]
 
 
 class BackendKind(Protocol):
@@ -33,6 +34,21 @@ class BackendKind(Protocol):
     def from_runtime(cls, runtime: Any) -> Backend:
         """The backend for ``runtime`` (a :class:`radbo.config.RuntimeConfig`: its ``workers``
         and the like)."""
+        ...
+
+
+@runtime_checkable
+class StatefulBackend(Protocol):
+    """A backend with choices of its own that a resumed run must make again (the ``auto``
+    backend's plan): the engine saves them with its checkpoint state and restores them."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The backend's state, JSON."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; ``ValueError``, changing nothing, when it is
+        not one."""
         ...
 
 

@@ -37,7 +37,7 @@ from radbo.client import (
 from radbo.cost import DeviceLike, FlopMeter, LedgerEntry, index_metadata_bytes
 from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seed, task_seed
-from radbo.simulation.backends import BACKENDS
+from radbo.simulation.backends import BACKENDS, StatefulBackend
 from radbo.simulation.coverage import CoverageBlocks
 from radbo.simulation.divergence import BoxedProblem, project_outer
 from radbo.simulation.ledger import check_round_costs, ledger_entry
@@ -288,6 +288,8 @@ class Simulation(Generic[State]):
         tensors, coverage = self._coverage_blocks.state_dict()
         meter = None if self.flop_meter is None else self.flop_meter.state_dict()
         data: dict[str, Any] = {"coverage": coverage, "flop_meter": meter}
+        if isinstance(self.backend, StatefulBackend):  # its own choices (auto's plan)
+            data["backend"] = self.backend.state_dict()
         watch = self._divergence_watch()
         if watch is not None:
             guarded, guard_data = watch.state_dict()
@@ -330,12 +332,18 @@ class Simulation(Generic[State]):
             raise ValueError(f"the engine state holds tensors this run does not: {unknown[:5]}")
         if rows is not None and ledger is not None:  # a round's costs are its ledger rows'
             check_round_costs(rows, ledger)
+        saved_backend = meta.get("backend")
+        stateful = self.backend if isinstance(self.backend, StatefulBackend) else None
+        if stateful is not None and saved_backend is not None:  # a copy raises, changing nothing
+            copy.deepcopy(stateful).load_state_dict(saved_backend)
         # everything fits: restore it
         self._coverage_blocks = coverage
         if self.flop_meter is not None and meter_saved is not None:
             self.flop_meter.load_state_dict(meter_saved)
         self._watch = watch
         self.algorithm = algorithm
+        if stateful is not None and saved_backend is not None:
+            stateful.load_state_dict(saved_backend)
 
     def _checked_meter_state(self, saved: Any) -> Any:
         """``saved``, the FLOP meter state of a checkpoint, once checked: present exactly when

@@ -1,0 +1,109 @@
+"""Why stacked (vmapped) convolutions lose to one client at a time on CPU: layer by layer.
+
+``torch.vmap`` over a convolution whose weights differ per client (radbo's batched backend:
+every client trains its own copy) runs one grouped convolution, ``groups = clients``, on the
+clients' inputs concatenated along channels. This times, per layer of pfl-research's CIFAR-10
+``simple_cnn`` (``benchmarks/vs_pfl.py``) and of CNN7 at 16x16, forward + backward (the
+gradient with respect to the weights and the input, as a local step takes it) for ``--clients``
+clients with a batch of ``--batch`` each:
+
+* ``loop``: one client after another (what the sequential backend runs);
+* ``vmap``: ``torch.func.vmap(torch.func.grad(...))`` over the clients (the batched backend);
+* ``grouped``: the grouped convolution the vmap becomes, written out (``groups = clients``,
+  contiguous NCHW), to tell vmap's own overhead from the kernel's;
+* ``grouped_cl``: the same in channels-last memory layout.
+
+The sides alternate, ``--repeats`` times; medians in ms. Run with one thread:
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vmap_conv.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import grad, vmap
+
+#: name -> (in channels, out channels, kernel, image size)
+LAYERS: dict[str, tuple[int, int, int, int]] = {
+    "simple_cnn conv1 (3->32, 3x3, 32x32)": (3, 32, 3, 32),
+    "simple_cnn conv2 (32->64, 3x3, 30x30)": (32, 64, 3, 30),
+    "cnn7 conv1 (1->6, 5x5, 16x16)": (1, 6, 5, 16),
+    "cnn7 conv2 (6->16, 5x5, 6x6)": (6, 16, 5, 6),
+}
+
+
+def loss(w: Tensor, x: Tensor) -> Tensor:
+    return F.conv2d(x, w).square().mean()
+
+
+def sides(clients: int, batch: int, c: int, o: int, k: int, size: int) -> dict[str, Callable]:
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.randn(clients, o, c, k, k, generator=gen) * 0.1
+    xs = torch.randn(clients, batch, c, size, size, generator=gen)
+    both = grad(loss, argnums=(0, 1))
+
+    def loop() -> object:
+        return [both(ws[i], xs[i]) for i in range(clients)]
+
+    def stacked() -> object:
+        return vmap(both)(ws, xs)
+
+    wg = ws.reshape(clients * o, c, k, k).requires_grad_(True)
+    xg = xs.transpose(0, 1).reshape(batch, clients * c, size, size).requires_grad_(True)
+    xcl = xg.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    wcl = wg.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+
+    def grouped(x: Tensor = xg, w: Tensor = wg) -> object:
+        out = F.conv2d(x, w, groups=clients).square().mean()
+        return torch.autograd.grad(out, (w, x))
+
+    return {
+        "loop": loop,
+        "vmap": stacked,
+        "grouped": grouped,
+        "grouped_cl": lambda: grouped(xcl, wcl),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50])
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+    )
+    print()
+    print(
+        "| layer | clients | loop (ms) | vmap (ms) | grouped (ms) | grouped, channels-last (ms) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, shape in LAYERS.items():
+        for n in args.clients:
+            runs = sides(n, args.batch, *shape)
+            times: dict[str, list[float]] = {k: [] for k in runs}
+            for f in runs.values():
+                f()  # warm-up
+            for _ in range(args.repeats):
+                for key, f in runs.items():
+                    start = time.perf_counter()
+                    f()
+                    times[key].append(time.perf_counter() - start)
+            ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+            print(
+                f"| {name} | {n} | {ms['loop']:.1f} | {ms['vmap']:.1f} | {ms['grouped']:.1f} "
+                f"| {ms['grouped_cl']:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
