@@ -32,6 +32,15 @@ FEWSHOT_ROWS = [
     "Static (HeteroFL)",
     "FedRolex",
 ]
+LOSS_TUNING_ROWS = [
+    "RABO",
+    "RAFBO",
+    "FedMBO (full model)",
+    "RABO (full model)",
+    "FedAvg (full model, no tuning)",
+    "Static (HeteroFL)",
+    "FedRolex",
+]
 #: script -> (tiny arguments, rows its table must have)
 SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "rabo_fewshot": (
@@ -51,6 +60,10 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "rabo_scalability": (
         "--seeds 0 --rounds 1 --width 4 --image-size 8 --episodes 10 --clients 2 12".split(),
         ["classes per client", "untrained backbone", "RABO", "RAFBO"],
+    ),
+    "rabo_loss_tuning": (
+        "--seeds 0 --rounds 1 --width 8".split(),
+        LOSS_TUNING_ROWS,
     ),
     "fo_hpo": (
         "--seeds 0 --rounds 10 --examples 400".split(),
@@ -237,6 +250,53 @@ def test_a_configuration_the_data_cannot_serve_is_refused_before_any_run(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_loss_tuning_has_every_row_and_costs_as_fractions_of_fedmbo(tmp_path, capsys):
+    """Sec. V-B on long-tailed digits, one round: every method's row holds its balanced test
+    accuracy, FedMBO's cost fractions are exactly 1, each fraction is the row's GFLOP / MB over
+    FedMBO's (one seed), and the submodel rows at r = 1/2 cost less than their full models."""
+    args = "--seeds 0 --rounds 1 --width 8 --rafbo-coordinates 2".split()
+
+    load("rabo_loss_tuning").main([*args, "--out", str(tmp_path)])
+
+    table = (tmp_path / "rabo_loss_tuning.md").read_text()
+    for png in ("rabo_loss_tuning.png", "rabo_loss_tuning_costs.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cells = {name: row(table, name) for name in LOSS_TUNING_ROWS}
+    fedmbo = cells["FedMBO (full model)"]
+
+    def ratio_of_printed(total: str, reference: str, fraction: str) -> bool:
+        # the totals are printed to 3 decimals: their ratio is known to within that rounding
+        t, ref, f = float(total), float(reference), float(fraction)
+        return abs(t / ref - f) <= 5e-4 * (1 + t / ref) / (ref - 5e-4) + 5e-4
+
+    for name, (seed0, mean, gflop, compute, mb, sent, _paper) in cells.items():
+        assert re.fullmatch(NUMBER, seed0) and mean == f"{seed0} (0.000)", (name, mean)
+        assert ratio_of_printed(gflop, fedmbo[2], compute), (name, gflop, compute)
+        assert ratio_of_printed(mb, fedmbo[4], sent), (name, mb, sent)
+    assert (fedmbo[3], fedmbo[5]) == ("1.000", "1.000")
+    assert cells["RABO"][-1] == "0.50, 0.25"  # the paper's Fig. 6 fractions
+    assert float(cells["RABO"][3]) < float(cells["RABO (full model)"][3])
+    assert float(cells["RABO"][5]) < float(cells["RABO (full model)"][5])
+    # Static and FedRolex train submodels of the same size: the same cost
+    assert cells["Static (HeteroFL)"][2:] == cells["FedRolex"][2:]
+    assert "imbalance 10" in table and "Measured on CPU " in table
+    assert "benchmarks/paper/rabo_loss_tuning.py" in table
+    assert "OMP_NUM_THREADS=1" in capsys.readouterr().out
+
+
+def test_loss_tuning_cost_fractions_are_per_seed_ratios_to_fedmbo_averaged():
+    """Seed 0: 2/4 and seed 1: 1/1 of FedMBO's FLOPs average to 0.75; FedMBO's own is 1."""
+    costs = load("rabo_loss_tuning").costs
+    totals = {
+        "FedMBO (full model)": [{"flops": 4.0}, {"flops": 1.0}],
+        "RABO": [{"flops": 2.0}, {"flops": 1.0}],
+    }
+
+    fractions = costs(totals, "flops")
+
+    assert fractions == {"FedMBO (full model)": 1.0, "RABO": 0.75}
+
+
 def test_device_cuda_is_refused_up_front_without_a_gpu(tmp_path):
     with pytest.raises(SystemExit, match="refused: --device cuda: no CUDA device is available"):
         load("rabo_fewshot").main(["--device", "cuda", "--out", str(tmp_path)])

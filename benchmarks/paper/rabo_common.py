@@ -1,7 +1,8 @@
 """What the RABO paper scripts share: data, device, the printed command, the up-front check.
 
 Used by ``rabo_fewshot.py`` (Table II), ``rabo_scalability.py`` (Table III),
-``rabo_coverage.py`` (Fig. 3) and ``rabo_costs.py`` (Fig. 4). Paper: Li, Zhang, Zheng, Shi,
+``rabo_coverage.py`` (Fig. 3), ``rabo_costs.py`` (Fig. 4) and, for the device, the command and
+the plot, ``rabo_loss_tuning.py`` (Sec. V-B, Figs. 5-6). Paper: Li, Zhang, Zheng, Shi,
 Yuan, Cheng and Yu, "Distributed Bilevel Optimization with Dual Pruning for Resource-limited
 Clients" (RABO/RAFBO), Sec. V-A (``papers/rabo_rafbo.txt``).
 
@@ -69,14 +70,19 @@ def rafbo_sections(coordinates: int) -> dict[str, Any]:
     }
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, out: str = "runs/paper") -> None:
-    """``--omniglot``, ``--device`` and ``--out``, the same in every script."""
-    parser.add_argument(
-        "--omniglot",
-        default=None,
-        metavar="PATH",
-        help="Omniglot folder holding images_background and images_evaluation (default: digits)",
-    )
+def add_common_arguments(
+    parser: argparse.ArgumentParser, out: str = "runs/paper", *, omniglot: bool = True
+) -> None:
+    """``--omniglot`` (the few-shot scripts; not with ``omniglot=False``), ``--device`` and
+    ``--out``, the same in every script."""
+    if omniglot:
+        parser.add_argument(
+            "--omniglot",
+            default=None,
+            metavar="PATH",
+            help="Omniglot folder holding images_background and images_evaluation "
+            "(default: digits)",
+        )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -359,9 +365,11 @@ def plot_curves(
     path: Path,
     title: str,
     reference: tuple[str, float] | None = None,
+    ylabel: str = "meta-test accuracy",
 ) -> None:
-    """Meta-test accuracy against rounds: the mean over seeds of every method, with a band of
-    +- one seed standard deviation; ``reference`` (label, accuracy) as a dashed line."""
+    """Accuracy (``ylabel``, meta-test accuracy by default) against rounds: the mean over seeds
+    of every method, with a band of +- one seed standard deviation; ``reference`` (label,
+    accuracy) as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,7 +396,7 @@ def plot_curves(
         ax.axhline(reference[1], color="k", ls="--", lw=1, label=reference[0])
     seeds = len(next(iter(curves.values()), [None]))
     ax.set_xlabel("round")
-    ax.set_ylabel(f"meta-test accuracy (mean of {seeds} seeds; band: +- seed std)")
+    ax.set_ylabel(f"{ylabel} (mean of {seeds} seeds; band: +- seed std)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
