@@ -13,7 +13,8 @@ final state's tensors.
     PYTHONPATH=. .venv/bin/python benchmarks/bitwise_reference.py --check /tmp/ref
 
 ``--check`` exits 1 unless every record, ledger row and tensor is bitwise the same
-(``torch.equal``, dtypes included); ``--only SUBSTRING`` restricts the runs.
+(``torch.equal``, dtypes included); a run the reference has no record of (a case added since)
+is listed as new and not compared; ``--only SUBSTRING`` restricts the runs.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def main() -> int:
             (folder / f"{name}.json").write_text(text)
             save_file(state, str(folder / f"{name}.safetensors"))
             verdict = "saved"
+        elif not (folder / f"{name}.json").exists():
+            verdict = "new: no reference"  # a case added after the reference was recorded
         else:
             problems = []
             if (folder / f"{name}.json").read_text() != text:

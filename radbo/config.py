@@ -459,6 +459,16 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_algorithm_task(self) -> RunConfig:
+        tasks = self.algorithm.tasks
+        if tasks is not None and self.task.name not in tasks:
+            raise ValueError(
+                f"algorithm {self.algorithm.name} runs only on [task] name = "
+                f"{_or(tuple(repr(t) for t in tasks))}; got {self.task.name!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_estimator(self) -> RunConfig:
         algorithm, estimator = self.algorithm, self.estimator
         if estimator is None:

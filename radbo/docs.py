@@ -304,8 +304,8 @@ def _names(tags: Iterable[str]) -> str:
 
 def combinations() -> str:
     """Which kinds go together, as :func:`radbo.config.parse_config` checks it: each
-    algorithm's estimators (its default first, as a config without ``[estimator]`` gets it)
-    and masks, each task's models and masks."""
+    algorithm's estimators (its default first, as a config without ``[estimator]`` gets it),
+    masks and tasks, each task's models and masks."""
     from radbo.algorithms import ALGORITHMS
     from radbo.config import parse_config
     from radbo.hypergrad import ESTIMATORS
@@ -314,13 +314,16 @@ def combinations() -> str:
 
     lines = [
         "| `[algorithm] name` | `[estimator] name` it takes (without the section: the first) "
-        "| `[mask] policy` |",
-        "|---|---|---|",
+        "| `[mask] policy` | `[task] name` |",
+        "|---|---|---|---|",
     ]
     for tag in ALGORITHMS:
         cls = ALGORITHMS[tag]
         algorithm = cls.model_validate({"name": tag})
-        default = parse_config({"algorithm": {"name": tag}, "mask": {"policy": "none"}}).estimator
+        only = {} if cls.tasks is None else {"task": {"name": cls.tasks[0]}}
+        default = parse_config(
+            {"algorithm": {"name": tag}, "mask": {"policy": "none"}, **only}
+        ).estimator
         if default is None:
             estimators = "none: no `[estimator]` section"
         else:
@@ -341,7 +344,8 @@ def combinations() -> str:
                 entries.append(f"`{toml_value(name)}`{note}")
             estimators = ", ".join(entries)
         masks = '`"none"` (it trains the full model)' if cls.full_model else "any"
-        lines.append(f"| `{toml_value(tag)}` | {estimators} | {masks} |")
+        tasks = "any" if cls.tasks is None else _names(cls.tasks)
+        lines.append(f"| `{toml_value(tag)}` | {estimators} | {masks} | {tasks} |")
     lines += ["", "| `[task] name` | `[model] name` | `[mask] policy` |", "|---|---|---|"]
     own = {tag: MODELS[tag].task for tag in MODELS if MODELS[tag].task is not None}
     for tag in TASKS:

@@ -164,7 +164,7 @@ def test_combinations_say_what_validation_enforces():
         m["name"]: m["rest"]
         for m in re.finditer(r'^\| `"(?P<name>\w+)"` \| (?P<rest>.*) \|$', combinations(), re.M)
     }
-    assert rows["fedmbo"].endswith('`"none"` (it trains the full model)')
+    assert rows["fedmbo"].endswith('`"none"` (it trains the full model) | any')
     with pytest.raises(ConfigError, match="trains the full model"):
         parse_config({"algorithm": {"name": "fedmbo"}, "mask": {"policy": "leading"}})
     assert rows["fedsvrbgd_fo"].startswith('`"first_order"` (`lam = 50.0`; only `lam` used)')
@@ -174,4 +174,7 @@ def test_combinations_say_what_validation_enforces():
         parse_config(
             {"algorithm": {"name": "simfbo"}, "estimator": {"name": "finite_difference", "mu": 0.1}}
         )
+    assert rows["protonet"].endswith('| any | `"few_shot"`')
+    with pytest.raises(ConfigError, match="runs only on"):
+        parse_config({"algorithm": {"name": "protonet"}, "task": {"name": "hyper_representation"}})
     assert rows["feature_l2"] == '`"logistic"` | `"none"` (nothing to prune)'

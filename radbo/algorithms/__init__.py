@@ -17,6 +17,8 @@ from radbo.algorithms.fednest import (
     LFedNestConfig,
 )
 from radbo.algorithms.fedsvrbgd_fo import FedSVRBGD, FedSVRBGDConfig, FedSVRBGDState
+from radbo.algorithms.maml import MAML, MAMLConfig
+from radbo.algorithms.protonet import ProtoNet, ProtoNetConfig
 from radbo.algorithms.rabo import RABO, RAFBO, RABOConfig, RABOState, RAFBOConfig
 from radbo.algorithms.shrofbo import ShroFBO, ShroFBOConfig
 from radbo.algorithms.simfbo import SimFBO, SimFBOConfig, SimFBOState
@@ -45,6 +47,10 @@ __all__ = [
     "FedSVRBGDState",
     "LFedNest",
     "LFedNestConfig",
+    "MAML",
+    "MAMLConfig",
+    "ProtoNet",
+    "ProtoNetConfig",
     "RABOConfig",
     "RABOState",
     "RAFBO",

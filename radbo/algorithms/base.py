@@ -98,6 +98,8 @@ class AlgorithmConfig(Section):
         estimators: the only estimator names it takes (RAFBO: ``("finite_difference",)``), or
             ``None`` (default): every registered estimator offering one of ``estimator_uses``.
         full_model: it trains the full model on every client (masks are refused).
+        tasks: the only ``[task]`` kinds it runs on (ProtoNet: ``("few_shot",)``), or ``None``
+            (default): every task; a config with another task is refused.
         flower_actions: the ``train.<action>`` Flower message types its phases use besides
             ``train`` (see :func:`radbo.flower.message_type`).
         step_sizes: its step-size fields, which the divergence guard damps together after a
@@ -150,6 +152,7 @@ class AlgorithmConfig(Section):
     default_estimator_settings: ClassVar[dict[str, Any]] = {}
     estimators: ClassVar[tuple[str, ...] | None] = None
     full_model: ClassVar[bool] = False
+    tasks: ClassVar[tuple[str, ...] | None] = None
     flower_actions: ClassVar[tuple[str, ...]] = ()
     step_sizes: ClassVar[tuple[str, ...]] = ("inner_lr", "outer_lr")
     # the divergence settings came after configs were first stored (see Section)

@@ -29,12 +29,13 @@ jointly on the client's classes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
+from torch import Tensor
 
 from radbo.aggregation import apply_step, average_buffers, coverage_weighted_mean
 from radbo.algorithms.base import ALGORITHMS, AlgorithmBase, AlgorithmConfig, Wiring, clone
@@ -123,9 +124,20 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         return FedAvgState(x=clone(x), y=clone(y), buffers=clone(buffers))
 
     def phases(self) -> Sequence[Phase[FedAvgState]]:
-        keys = self.reply_keys(self.outer_names, self.inner_names, buffers=True)
+        keys = self.reply_keys(self.trained_names(), buffers=True)
         work = ClientWork(self.run_client, self.prepare_client, keys)
         return (Phase("train", self.broadcast, work, self.server),)
+
+    def trained_names(self) -> tuple[str, ...]:
+        """The parameters local SGD trains, the clients send and the server steps: x and y
+        (a variant training fewer, ProtoNet's x alone, carries the others unchanged)."""
+        return (*self.outer_names, *self.inner_names)
+
+    def local_loss(self, problem: Any) -> Callable[..., Tensor]:
+        """The loss of a local step, ``loss(module, x, y, buffers, batch)`` on the step's inner
+        and outer minibatches together: the task's inner loss g."""
+        loss: Callable[..., Tensor] = problem.inner_loss
+        return loss
 
     def broadcast(self, state: FedAvgState, index_set: IndexSet, slot: int = 0) -> Params:
         """The client's submodel of x, y and buffers."""
@@ -144,11 +156,14 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         return Prepared(steps={"batch": batches}, num_steps=steps)
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
-        """Local SGD on every parameter; returns the summed gradients and buffers."""
+        """Local SGD on the trained parameters (:meth:`trained_names`); returns their summed
+        gradients and the buffers."""
         module = cohort.module(runtime)
-        names = (*self.outer_names, *self.inner_names)
+        names = self.trained_names()
         params = cohort.params(names, clone=True)
+        fixed = cohort.params([n for n in (*self.outer_names, *self.inner_names) if n not in names])
         buffers = cohort.params(self.buffer_names, clone=True)
+        loss_fn = self.local_loss(runtime.problem)
         total = {n: torch.zeros_like(t) for n, t in params.items()}
         Carry = tuple[Params, Params, Params, Any]  # params, summed gradients, buffers, loss
 
@@ -156,10 +171,11 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
             params, total, buffers, _ = carry
             batch = runtime.batch(cohort.step_data("batch", t))
             var = {n: p.requires_grad_(True) for n, p in params.items()}
-            x = {n: var[n] for n in self.outer_names}
-            y = {n: var[n] for n in self.inner_names}
+            every = {**fixed, **var}
+            x = {n: every[n] for n in self.outer_names}
+            y = {n: every[n] for n in self.inner_names}
             # updates the BatchNorm running statistics in ``buffers`` in place
-            loss = cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
+            loss = cohort.loss(loss_fn, module, x, y, buffers, batch)
             grads = dict(
                 zip(
                     var,
@@ -196,9 +212,10 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         index_sets: Sequence[IndexSet],
         weights: Sequence[float],
     ) -> tuple[FedAvgState, dict[str, float]]:
-        """Coverage-weighted step on every parameter with ``lr`` (the coordinate-wise average
-        of the clients' models); buffers averaged, or left to static BN."""
-        shapes = {n: t.shape for n, t in {**state.x, **state.y}.items()}
+        """Coverage-weighted step on every trained parameter with ``lr`` (the coordinate-wise
+        average of the clients' models); buffers averaged, or left to static BN."""
+        trained = set(self.trained_names())
+        shapes = {n: t.shape for n, t in {**state.x, **state.y}.items() if n in trained}
         updates = [r.update for r in results]
         agg = coverage_weighted_mean(updates, index_sets, shapes, weights)
         x = apply_step(state.x, agg, self.lr)

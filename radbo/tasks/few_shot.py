@@ -27,7 +27,13 @@ Hyperparameter Optimization and Meta-Learning", ICML 2018 (arXiv:1806.04910), an
 a fresh linear head fitted on each episode's support set (L2-normalised features, multinomial
 logistic regression with ``head_l2``, ``head_steps`` steps of gradient descent), accuracy on
 its query set; reported as the mean over episodes and the half-width of its 95 % confidence
-interval (``1.96 std / sqrt(episodes)``).
+interval (``1.96 std / sqrt(episodes)``). With ``prototypes = true`` the evaluator also scores
+ProtoNet's own rule on the same episodes and the same L2-normalised features (Snell, Swersky and
+Zemel, "Prototypical networks for few-shot learning", NeurIPS 30, 2017): each query example goes
+to the class whose prototype, the mean support feature, is nearest in squared Euclidean distance
+(``prototype_accuracy`` and its ``prototype_accuracy_ci95``); any algorithm can report it. (ProtoNet
+trains on the raw features; normalising them makes the rule comparable across algorithms, whose
+features differ in scale.)
 
 **Data.** A data set whose training and test splits share their classes (digits, MNIST,
 CIFAR-10) is split by class: ``test_classes`` (default: the upper half of the classes; digits
@@ -67,7 +73,15 @@ from radbo.randomness import Stream, generator
 from radbo.tasks.base import TASKS, InnerL2, TaskConfig
 from radbo.typing import Params
 
-__all__ = ["EpisodeSampler", "FewShot", "FewShotEvaluator", "draw_episode", "episode_cross_entropy"]
+__all__ = [
+    "EpisodeSampler",
+    "FewShot",
+    "FewShotEvaluator",
+    "draw_episode",
+    "episode_cross_entropy",
+    "head_inputs",
+    "prototype_logits",
+]
 
 #: Examples per forward pass of the evaluator's feature extraction.
 _EVAL_BATCH = 1024
@@ -85,6 +99,47 @@ def episode_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     classes = torch.arange(logits.shape[-1], device=logits.device)
     present = (targets.unsqueeze(-1) == classes).any(dim=0)
     return F.cross_entropy(logits.masked_fill(~present, float("-inf")), targets)
+
+
+def head_inputs(module: nn.Module, x: Params, y: Params, buffers: Params, inputs: Tensor) -> Tensor:
+    """What the model's head (its first inner module, ``head`` by default) reads for
+    ``inputs``: the backbone's features, ``[n, d]``, differentiable in x. Captured by a forward
+    hook during the forward pass of :func:`radbo.problem.forward`, so it works for every model
+    of the zoo, pruned skeletons included, and under ``torch.vmap``."""
+    inner_modules: tuple[str, ...] = getattr(module, "inner_modules", ("head",))
+    captured: list[Tensor] = []
+    hook = module.get_submodule(inner_modules[0]).register_forward_hook(
+        lambda _module, args, _output: captured.append(args[0])
+    )
+    try:
+        forward(module, x, y, buffers, inputs)
+    finally:
+        hook.remove()
+    return captured[0].flatten(1)
+
+
+def prototype_logits(support: Tensor, query: Tensor, ways: int) -> Tensor:
+    """ProtoNet's logits (Snell et al. 2017, eqs. 1-2): minus the squared Euclidean distance of
+    each query feature to each class prototype, the mean of the class's support features.
+    ``support [..., ways * shots, d]`` is grouped by class in slot order (as
+    :func:`draw_episode` returns it), ``query [..., q, d]``; returns ``[..., q, ways]``. Written
+    with broadcasting and sums only, so it runs batched over episodes and under ``torch.vmap``.
+
+    >>> support = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 4.0], [0.0, 6.0]])  # 2-way 2-shot
+    >>> prototype_logits(support, torch.tensor([[1.0, 1.0]]), ways=2)  # prototypes (1,0), (0,5)
+    tensor([[ -1., -17.]])
+    """
+    shots = support.shape[-2] // ways
+    prototypes = support.unflatten(-2, (ways, shots)).mean(-2)  # [..., ways, d]
+    return -(query.unsqueeze(-2) - prototypes.unsqueeze(-3)).pow(2).sum(-1)
+
+
+def _mean_and_ci95(hits: Tensor) -> tuple[float, float]:
+    """Mean of per-episode accuracies and the half-width of its 95 % interval
+    (``1.96 std / sqrt(episodes)``; NaN for one episode)."""
+    episodes = hits.numel()
+    ci = 1.96 * float(hits.std()) / math.sqrt(episodes) if episodes > 1 else float("nan")
+    return float(hits.mean()), ci
 
 
 def _class_members(labels: Tensor, pool: Tensor) -> dict[int, Tensor]:
@@ -177,6 +232,7 @@ class FewShot(TaskConfig):
         head: ``"classes"`` (default): one head row per meta-training class, an episode's
             softmax over its own classes; ``"episode"``: N rows, an episode's classes assigned
             to them in a random order (see the module docstring).
+        prototypes: also report ProtoNet's nearest-prototype accuracy (default off).
     """
 
     name: Literal["few_shot"]
@@ -199,8 +255,15 @@ class FewShot(TaskConfig):
     head: Literal["classes", "episode"] = Field(
         "classes", description="head rows: one per class, or N relabelled per episode"
     )
+    prototypes: bool = Field(
+        False,
+        description="also report the nearest-prototype rule's accuracy (ProtoNet's) on the "
+        "same test episodes",
+    )
 
     episodic: ClassVar[bool] = True
+    # added after configs were first stored (see Section)
+    dump_omits_defaults: ClassVar[tuple[str, ...]] = ("prototypes",)
 
     @model_validator(mode="after")
     def _episode_fits(self) -> FewShot:
@@ -231,6 +294,21 @@ class FewShot(TaskConfig):
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
         return self._cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
+
+    def prototype_loss(
+        self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
+    ) -> Tensor:
+        """ProtoNet's episode loss (Snell et al. 2017, eq. 2): ``batch`` is an episode's
+        support set followed by its query set (``ways * shots`` then ``ways * queries``
+        examples, each grouped by class in slot order, as :class:`EpisodeSampler` draws them),
+        embedded in one forward pass; the cross-entropy of the query examples' logits
+        :func:`prototype_logits` against their slots. Only x shapes the features: y (the head)
+        is evaluated but gets a zero gradient."""
+        features = head_inputs(module, x, y, buffers, batch.inputs)
+        split = self.ways * self.shots
+        logits = prototype_logits(features[:split], features[split:], self.ways)
+        slots = torch.arange(self.ways, device=logits.device).repeat_interleave(self.queries)
+        return F.cross_entropy(logits, slots)
 
     def num_outputs(self, train: Any) -> int:
         return self.ways if self.head == "episode" else int(train.num_classes)
@@ -313,7 +391,9 @@ class FewShotEvaluator:
     """Meta-test accuracy of a model state: fixed episodes of the meta-test classes, a fitted
     linear head per episode (see the module docstring). Returns ``accuracy`` (mean over
     episodes), ``accuracy_ci95`` (half-width of its 95 % interval), ``loss`` (mean query
-    cross-entropy of the fitted heads) and ``episodes``."""
+    cross-entropy of the fitted heads) and ``episodes``; with the task's ``prototypes`` also
+    ``prototype_accuracy`` and ``prototype_accuracy_ci95``, the nearest-prototype rule on the
+    same features."""
 
     def __init__(
         self,
@@ -336,23 +416,16 @@ class FewShotEvaluator:
         ]
         self.support = torch.stack([s for s, _ in episodes])  # [E, N*K]
         self.query = torch.stack([q for _, q in episodes])  # [E, N*Q]
-        inner_modules: tuple[str, ...] = getattr(model, "inner_modules", ("head",))
-        self.head_name: str = inner_modules[0]
 
     def features(self, x: Params, y: Params, buffers: Params, index: Tensor) -> Tensor:
         """The head's input for the test examples ``index`` (any shape), L2-normalised."""
         flat = index.reshape(-1)
         unique, inverse = torch.unique(flat, return_inverse=True)
-        captured: list[Tensor] = []
-        hook = self.model.get_submodule(self.head_name).register_forward_hook(
-            lambda module, inputs, output: captured.append(inputs[0].detach())
-        )
-        try:
-            for part in unique.split(_EVAL_BATCH):
-                forward(self.model, x, y, buffers, self.test.features[part])
-        finally:
-            hook.remove()
-        feats = F.normalize(torch.cat(captured).flatten(1), dim=-1)
+        captured = [
+            head_inputs(self.model, x, y, buffers, self.test.features[part])
+            for part in unique.split(_EVAL_BATCH)
+        ]
+        feats = F.normalize(torch.cat(captured), dim=-1)
         return feats[inverse].reshape(*index.shape, -1)
 
     def __call__(self, state: Params) -> dict[str, float]:
@@ -378,14 +451,18 @@ class FewShotEvaluator:
         logits = query @ weight.transpose(1, 2) + bias.unsqueeze(1)
         hits = (logits.argmax(-1) == q_targets).double().mean(-1)  # [E]
         loss = F.cross_entropy(logits.flatten(0, 1), q_targets.flatten()).item()
-        episodes = hits.numel()
-        ci = 1.96 * float(hits.std()) / math.sqrt(episodes) if episodes > 1 else float("nan")
-        return {
-            "accuracy": float(hits.mean()),
+        accuracy, ci = _mean_and_ci95(hits)
+        out = {
+            "accuracy": accuracy,
             "accuracy_ci95": ci,
             "loss": loss,
-            "episodes": float(episodes),
+            "episodes": float(hits.numel()),
         }
+        if task.prototypes:
+            nearest = prototype_logits(support, query, ways).argmax(-1)
+            accuracy, ci = _mean_and_ci95((nearest == q_targets).double().mean(-1))
+            out |= {"prototype_accuracy": accuracy, "prototype_accuracy_ci95": ci}
+        return out
 
 
 def fit_heads(

@@ -184,6 +184,37 @@ CASES: dict[str, tuple[dict, dict | None, dict]] = {
             "task": {"name": "few_shot", "ways": 5, "shots": 1, "queries": 3, "test_episodes": 20},
         },
     ),
+    "protonet-few_shot": (
+        {"name": "protonet", "local_steps": 2},
+        None,
+        {
+            "model": {"name": "conv4", "width": 4},
+            "task": {
+                "name": "few_shot",
+                "ways": 5,
+                "shots": 2,
+                "queries": 3,
+                "test_episodes": 20,
+                "prototypes": True,
+            },
+        },
+    ),
+    "maml-few_shot": (
+        {"name": "maml", "local_steps": 2, "inner_steps": 2},
+        None,
+        {
+            "model": {"name": "conv4", "width": 4},
+            "task": {"name": "few_shot", "ways": 5, "shots": 1, "queries": 3, "test_episodes": 20},
+        },
+    ),
+    "maml-first_order-few_shot": (
+        {"name": "maml", "local_steps": 2, "inner_steps": 2, "first_order": True},
+        None,
+        {
+            "model": {"name": "conv4", "width": 4, "batchnorm": "static"},
+            "task": {"name": "few_shot", "ways": 5, "shots": 1, "queries": 3, "test_episodes": 20},
+        },
+    ),
 }
 
 

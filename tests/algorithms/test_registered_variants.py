@@ -14,12 +14,16 @@ from pydantic import ValidationError
 import radbo
 from radbo.algorithms import (
     ALGORITHMS,
+    MAML,
     RABO,
     RAFBO,
     FedNest,
     FedNestConfig,
     LFedNest,
     LFedNestConfig,
+    MAMLConfig,
+    ProtoNet,
+    ProtoNetConfig,
     RABOConfig,
     RAFBOConfig,
     ShroFBO,
@@ -49,6 +53,8 @@ WIRING = Wiring(outer_names=("x",), inner_names=("y",))
         ("lfednest", LFedNestConfig, LFedNest),
         ("simfbo", SimFBOConfig, SimFBO),
         ("shrofbo", ShroFBOConfig, ShroFBO),
+        ("protonet", ProtoNetConfig, ProtoNet),
+        ("maml", MAMLConfig, MAML),
     ],
 )
 def test_each_variant_resolves_through_the_registry(tag, config_cls, algorithm_cls):
@@ -154,6 +160,16 @@ def test_a_backend_registered_later_is_a_valid_setting_and_says_why_not_on_a_gpu
     assert allowed_text(field.annotation, field.metadata) == (
         '"batched", "processes", "sequential" or "threads"'
     )
+
+
+def test_the_tasks_an_algorithm_names_are_registered_task_kinds():
+    """An algorithm's ``tasks`` (the only ``[task]`` kinds it runs on) are checked against
+    the task's name when a config is read: a misspelt one would refuse every config."""
+    from radbo.tasks import TASKS
+
+    for tag in ALGORITHMS:
+        only = ALGORITHMS[tag].tasks
+        assert only is None or (only and set(only) <= set(TASKS)), tag
 
 
 def test_every_baseline_kind_is_registered():
