@@ -29,6 +29,9 @@ FEWSHOT_ROWS = [
     "RAFBO",
     "FedMBO (full model)",
     "FedAvg (full model)",
+    "Dist-ProtoNet",
+    "Dist-ProtoNet, nearest prototype",
+    "Dist-MAML",
     "Static (HeteroFL)",
     "FedRolex",
 ]

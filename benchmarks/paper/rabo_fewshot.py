@@ -23,6 +23,13 @@ backbone with static BatchNorm (HeteroFL's sBN). Rows:
 - FedMBO (full model): every client at capacity 1, randomized Neumann hypergradient;
 - FedAvg (full model): single-level FedAvg, every client at capacity 1, backbone and head
   trained jointly on the clients' classes;
+- Dist-ProtoNet: prototypical networks (Snell et al., the paper's [25]) federated with
+  FedAvg, every client at capacity 1 (``[algorithm] name = "protonet"``); evaluated like every
+  row (a head fitted per test episode) and, in the row "Dist-ProtoNet, nearest prototype", by
+  its own rule on the same episodes and runs;
+- Dist-MAML: MAML (Finn et al., the paper's [7]) federated with FedAvg, every client at
+  capacity 1 (``[algorithm] name = "maml"``; ``--maml-inner-steps``, ``--maml-inner-lr``,
+  ``--maml-first-order``);
 - Static (HeteroFL): single-level FedAvg on ``leading`` submodels;
 - FedRolex: single-level FedAvg on ``rolling`` submodels.
 
@@ -83,13 +90,18 @@ FEDMBO = "FedMBO (full model)"
 FULL_FEDAVG = "FedAvg (full model)"
 STATIC = "Static (HeteroFL)"
 FEDROLEX = "FedRolex"
-#: Table II of the paper (full Omniglot, ResNet-12), in %: (ways, shots) -> row -> accuracy.
+PROTONET = "Dist-ProtoNet"
+PROTOTYPE_RULE = "Dist-ProtoNet, nearest prototype"
+MAML = "Dist-MAML"
+#: Table II of the paper (full Omniglot, ResNet-12), in %: (ways, shots) -> row -> accuracy,
+#: its columns in the order Dist-ProtoNet, Dist-MAML, FedMBO, Static, FedRolex, RABO, RAFBO.
 #: The paper's "FedRox [1]" is FedRolex (its reference [1]).
+_ROWS = (PROTONET, MAML, FEDMBO, STATIC, FEDROLEX, "RABO", "RAFBO")
 PAPER = {
-    (5, 1): {"RABO": 76.05, "RAFBO": 75.09, FEDMBO: 82.66, STATIC: 72.34, FEDROLEX: 73.74},
-    (5, 5): {"RABO": 89.12, "RAFBO": 88.57, FEDMBO: 93.69, STATIC: 85.09, FEDROLEX: 86.95},
-    (20, 1): {"RABO": 54.97, "RAFBO": 51.37, FEDMBO: 63.18, STATIC: 42.99, FEDROLEX: 47.25},
-    (20, 5): {"RABO": 77.41, "RAFBO": 71.16, FEDMBO: 81.64, STATIC: 51.01, FEDROLEX: 55.29},
+    (5, 1): dict(zip(_ROWS, (80.76, 81.46, 82.66, 72.34, 73.74, 76.05, 75.09), strict=True)),
+    (5, 5): dict(zip(_ROWS, (89.33, 92.01, 93.69, 85.09, 86.95, 89.12, 88.57), strict=True)),
+    (20, 1): dict(zip(_ROWS, (60.05, 61.36, 63.18, 42.99, 47.25, 54.97, 51.37), strict=True)),
+    (20, 5): dict(zip(_ROWS, (78.01, 78.35, 81.64, 51.01, 55.29, 77.41, 71.16), strict=True)),
 }
 
 
@@ -122,6 +134,27 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # what meta-training on the clients' classes does to the backbone at all, with no
     # submodels in the way
     table[FULL_FEDAVG] = {"mask": {"policy": "none"}, "fleet": full_fleet, "algorithm": fedavg}
+    # the full-model few-shot learners, federated with FedAvg's server step; ProtoNet is also
+    # scored by its own nearest-prototype rule (the PROTOTYPE_RULE row, from the same runs)
+    table[PROTONET] = {
+        "mask": {"policy": "none"},
+        "fleet": full_fleet,
+        "task": {"prototypes": True},
+        "algorithm": {"name": "protonet", "lr": 0.1, "local_steps": 5},
+    }
+    table[MAML] = {
+        "mask": {"policy": "none"},
+        "fleet": full_fleet,
+        "task": head,
+        "algorithm": {
+            "name": "maml",
+            "lr": 0.1,
+            "local_steps": 5,
+            "inner_steps": args.maml_inner_steps,
+            "inner_lr": args.maml_inner_lr,
+            "first_order": args.maml_first_order,
+        },
+    }
     table[STATIC] = {"mask": {"policy": "leading"}, "algorithm": fedavg}
     table[FEDROLEX] = {"mask": {"policy": "rolling"}, "algorithm": fedavg}
     return table
@@ -189,6 +222,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "--refit-steps", type=int, default=100, help="S of the 'RABO, refit S' row (0: no row)"
     )
     parser.add_argument("--rafbo-coordinates", type=int, default=32, help="RAFBO's |P|")
+    parser.add_argument("--maml-inner-steps", type=int, default=1, help="Dist-MAML's steps")
+    parser.add_argument("--maml-inner-lr", type=float, default=0.1, help="Dist-MAML's step")
+    parser.add_argument(
+        "--maml-first-order", action="store_true", help="Dist-MAML first-order (FOMAML)"
+    )
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     add_common_arguments(parser)
     args = parser.parse_args(argv)
@@ -248,6 +286,11 @@ def main(argv: list[str] | None = None) -> None:
             result = run(configs[(name, seed)], progress=False, save=False)
             acc, ci = result.final["test_accuracy"], result.final["test_accuracy_ci95"]
             finals.setdefault(name, []).append((acc, ci))
+            if "test_prototype_accuracy" in result.final:  # ProtoNet's own rule, same episodes
+                rule = result.final["test_prototype_accuracy"]
+                rule_ci = result.final["test_prototype_accuracy_ci95"]
+                finals.setdefault(PROTOTYPE_RULE, []).append((rule, rule_ci))
+                flops.setdefault(PROTOTYPE_RULE, []).append(result.totals["flops"])
             flops.setdefault(name, []).append(result.totals["flops"])
             evaluated = [r for r in result.rounds if "test_accuracy" in r]
             curve = [(0, untrained[seed])]
