@@ -61,9 +61,12 @@ def test_fiarse_channel_magnitudes_by_hand() -> None:
 
 
 def test_fiarse_keeps_the_largest_channels_of_the_whole_model_at_capacity_one_half() -> None:
-    # Arrange: at r = 1/2 the two groups share 2 + 2 = 4 channels. Each keeps its best first
-    # (body.0 c2: 9, body.2 c0: 10); then the pool in order is body.0 c0 (7), then body.0 c1
-    # and body.2 c1 tied at 3: the tie goes to the earlier group. The threshold is 3/7.
+    # Arrange: with k0, k1 channels kept, the tiny MLP keeps
+    #   3 k0 + k0 k1 + 3 k1 + 2 connections (body.0 2 k0 + k0, body.2 k0 k1 + k1, head 2 k1 + 2),
+    # 18 at the uniform r = 1/2 (2, 2). Each group's best comes first (body.0 c2: 9, body.2 c0:
+    # 10; 9 connections), then the model-wide order: body.0 c0 (7; 13), then body.0 c1 and
+    # body.2 c1 tied at 3, the tie to the earlier group (body.0 c1; 17), then body.2 c1 (23 > 18:
+    # stop). The threshold is 3/7: per-layer top-2 would have kept [0, 2] and [0, 1].
     plan = _tiny(head=[[4.0, 0.5, 0.25, 0.0], [-4.0, 0.0, 0.25, 0.5]], bias2=[0, 0.5, -0.25, 0])
 
     # Act
@@ -71,28 +74,59 @@ def test_fiarse_keeps_the_largest_channels_of_the_whole_model_at_capacity_one_ha
     three_quarters = _select(FiarsePolicy(), plan, {"body.0": 0.75, "body.2": 0.75})
     quarter = _select(FiarsePolicy(), plan, {"body.0": 0.25, "body.2": 0.25})
 
-    # Assert: per-layer top-2 would have been [0, 2] and [0, 1]
+    # Assert
     assert half == {"body.0": [0, 1, 2], "body.2": [0]}
-    assert three_quarters == {"body.0": [0, 1, 2], "body.2": [0, 1, 2]}  # 6 = 3 + 3
-    assert quarter == {"body.0": [2], "body.2": [0]}  # 2 = each group's best
+    assert plan.connections_kept({"body.0": [0, 1, 2], "body.2": [0]}) == 17
+    # (3, 3) keeps 29 = the uniform 3/4's 29; the next, body.0 c3, would make 35
+    assert three_quarters == {"body.0": [0, 1, 2], "body.2": [0, 1, 2]}
+    assert quarter == {"body.0": [2], "body.2": [0]}  # the uniform (1, 1): each group's best
+
+
+def test_fiarse_budget_counts_connections_so_a_wide_layers_channel_costs_more() -> None:
+    # Arrange: MLP(8, [4, 4], 2) keeps 9 k0 + k0 k1 + 3 k1 + 2 connections, 30 at r = 1/2. Every
+    # body.0 channel slices 13 connections (8 + 1 + 4), every body.2 channel 7 (4 + 1 + 2).
+    #   body.0 rows all 1, .25, .5, .125 (sums 8 a + 2 = 10, 4, 6, 3): means 10/13, 4/13, ...
+    #   body.2 head columns 4, 3, 2, 1 (sums 2 + 2 h = 10, 8, 6, 4):  means 10/7, 8/7, 6/7, 4/7
+    model = MLP(8, [4, 4], 2).double()
+    plan = StructurePlan(model, model.example_input().double(), model.output_layers)
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    state["body.0.weight"] = torch.tensor([1.0, 0.25, 0.5, 0.125]).double()[:, None].expand(4, 8)
+    state["body.2.weight"] = torch.full((4, 4), 0.5, dtype=torch.float64)
+    state["head.weight"] = torch.tensor([4.0, 3.0, 2.0, 1.0]).double()[None, :].expand(2, 4)
+    plan.load_state(state)
+    ratios = {"body.0": 0.5, "body.2": 0.5}
+
+    # Act
+    kept = _select(FiarsePolicy(), plan, ratios)
+    state["head.weight"] = state["head.weight"] / 8  # body.2 now below body.0 but for its best
+    plan.load_state(state)
+    other = _select(FiarsePolicy(), plan, ratios)
+
+    # Assert: best channels (1, 1) = 15, then body.2 c1, c2, c3: (1, 2) 19, (1, 3) 23, (1, 4) 27,
+    # then body.0 c2 would make (2, 4) 40 > 30: five channels where the uniform keeps four
+    assert kept == {"body.0": [0], "body.2": [0, 1, 2, 3]}
+    # head / 8: body.2 means 3/7, 2.75/7, 2.5/7, 2.25/7; the order after the best channels is
+    # body.0 c2 (6/13; (2, 1) 25), body.2 c1 (2.75/7; (2, 2) 30), body.2 c2 ((2, 3) 35 > 30)
+    assert other == {"body.0": [0, 2], "body.2": [0, 1]}
 
 
 def test_fiarse_keeps_each_groups_best_channel_even_below_the_threshold() -> None:
     # Arrange: body.2 has no head weights or bias: every channel sums to 2 (< 2.5, the smallest
-    # of body.0). A plain threshold would keep body.0's four channels and empty body.2.
+    # of body.0). A plain threshold would keep body.0's channels and empty body.2.
     plan = _tiny(head=[[0.0] * 4, [0.0] * 4], bias2=[0, 0, 0, 0])
 
     # Act
     kept = _select(FiarsePolicy(), plan, {"body.0": 0.5, "body.2": 0.5})
 
-    # Assert: body.2 keeps its (tied, so lowest) channel 0; body.0 the best three of the rest
+    # Assert: body.2 keeps its (tied, so lowest) channel 0; body.0 c2, c0, c1 (17 connections;
+    # c3 would make 21 > 18)
     assert kept == {"body.0": [0, 1, 2], "body.2": [0]}
 
 
-def test_fiarse_shares_a_budget_only_among_groups_of_one_ratio() -> None:
+def test_fiarse_keeps_a_group_at_ratio_one_whole_and_pools_the_rest() -> None:
     plan = _tiny(head=[[4.0, 0.5, 0.25, 0.0], [-4.0, 0.0, 0.25, 0.5]], bias2=[0, 0.5, -0.25, 0])
 
-    # a group at ratio 1 keeps everything; a group alone at its ratio keeps kept_count(C, r)
+    # budget: (4, 2) keeps 28; body.2 c0, c1 -> 28, c2 would make 35
     kept = _select(FiarsePolicy(), plan, {"body.2": 0.5, "body.0": 1.0})
 
     assert kept == {"body.2": [0, 1], "body.0": [0, 1, 2, 3]}
