@@ -221,8 +221,8 @@ class MaskConfig(Section):
 
     policy: str = Field(
         "importance",
-        description="leading, rolling, random, importance or coverage (the registered mask "
-        "policies), or none: every client trains the full model",
+        description="leading, rolling, random, importance, coverage, fiarse or oap (the "
+        "registered mask policies), or none: every client trains the full model",
     )
     mask_x: bool = Field(True, description="prune x's layers to the client's capacity")
     mask_y: bool = Field(True, description="prune y's layers to the client's capacity")

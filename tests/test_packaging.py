@@ -147,7 +147,7 @@ def test_citation_file_names_radbo_and_the_papers_of_the_readme():
     assert cff["license"] == PROJECT["license"]
     titles = [" ".join(r["title"].split()) for r in cff["references"]]
     assert titles == readme_citations()
-    assert len(titles) == 12
+    assert len(titles) == 14
     for ref in cff["references"]:
         assert ref["authors"], ref["title"]
         for author in ref["authors"]:  # surnames as the README gives them, no invented names

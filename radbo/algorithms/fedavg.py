@@ -19,7 +19,10 @@ averages each coordinate over the clients that hold it and steps with the same `
 which is HeteroFL's / FedRolex's coordinate-wise average of the clients' models (every holder of
 a coordinate starts the round from the same value). The mask policy makes the method:
 ``[mask] policy = "leading"`` with ``[model] batchnorm = "static"`` is HeteroFL, ``"rolling"``
-is FedRolex, ``"none"`` is plain FedAvg.
+is FedRolex, ``"fiarse"`` is FIARSE's submodel extraction (Wu et al., NeurIPS 2024,
+arXiv:2407.19389; its masked local step is not reproduced, see
+:class:`~radbo.masks.policies.FiarsePolicy`), ``"oap"`` is radbo's reading of the RABO paper's
+OAP (:class:`~radbo.masks.policies.OAPPolicy`), ``"none"`` is plain FedAvg.
 
 Each local step trains on one inner and one outer minibatch of the client together (all of its
 data: single-level training has no validation split); on a few-shot task that is one episode's

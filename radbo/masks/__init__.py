@@ -10,9 +10,11 @@ from radbo.masks.coverage_report import CoverageTracker, RoundCoverage
 from radbo.masks.index import alias, dense_mask, extract, index_set_numel, restrict, scatter
 from radbo.masks.policies import (
     CoveragePolicy,
+    FiarsePolicy,
     ImportancePolicy,
     LeadingPolicy,
     MaskPolicy,
+    OAPPolicy,
     RandomPolicy,
     RollingPolicy,
     RoundPreparedPolicy,
@@ -22,9 +24,11 @@ from radbo.masks.structure import StructurePlan, kept_count
 __all__ = [
     "CoveragePolicy",
     "CoverageTracker",
+    "FiarsePolicy",
     "ImportancePolicy",
     "LeadingPolicy",
     "MaskPolicy",
+    "OAPPolicy",
     "RandomPolicy",
     "RollingPolicy",
     "RoundCoverage",

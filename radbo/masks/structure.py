@@ -453,6 +453,56 @@ class StructurePlan:
             scores[name] = score.detach().to(device="cpu", dtype=torch.float32)
         return scores
 
+    def connection_keys(self) -> list[str]:
+        """State-dict keys of every ``Conv2d`` / ``Linear`` weight and bias, in model order:
+        the model's connections (BatchNorm's affine parameters scale activations instead)."""
+        return [
+            _join(name, leaf)
+            for name, module in self.model.named_modules()
+            if isinstance(module, nn.Conv2d | nn.Linear)
+            for leaf, _ in module.named_parameters(recurse=False)
+        ]
+
+    def connections_kept(self, kept: Mapping[str, Tensor | Sequence[int]]) -> int:
+        """Number of connection entries (:meth:`connection_keys`) that keeping the root channels
+        ``kept`` keeps (a group that is absent keeps all its channels)."""
+        index_set = self.index_sets(kept)
+        return sum(
+            math.prod(
+                size if axis is None else int(axis.numel())
+                for size, axis in zip(self._shapes[key], index_set[key], strict=True)
+            )
+            for key in self.connection_keys()
+        )
+
+    def channel_magnitudes(self) -> dict[str, Tensor]:
+        """Mean absolute weight per root channel of every group, from the model's current weights.
+
+        A channel's magnitude is the mean of ``|w|`` over every connection entry
+        (:meth:`connection_keys`) that removing the channel removes: its own output slice, the
+        next layers' input slices, a residual partner's slices. It is per-parameter magnitude (as
+        in FIARSE, whose importance of a parameter is ``|w|``) averaged over a structured
+        channel, so it is comparable *across* groups: unlike :meth:`group_scores`, no layer is
+        normalised by its own mean. float64, on the CPU.
+        """
+        state = self.model.state_dict()
+        connections = set(self.connection_keys())
+        magnitudes: dict[str, Tensor] = {}
+        for group, channels in self.groups.items():
+            total = torch.zeros(channels, dtype=torch.float64)
+            count = torch.zeros(channels, dtype=torch.float64)
+            for item in self._items[group]:
+                for s in self._slices[item.op]:
+                    if s.key not in connections:
+                        continue
+                    tensor = state[s.key].detach().to(device="cpu", dtype=torch.float64).abs()
+                    rows = tensor.movedim(s.dim, 0).reshape(s.size, -1)
+                    total.index_add_(0, item.root_idxs, rows.sum(1)[item.idxs])
+                    per_entry = torch.full((item.idxs.numel(),), float(rows.shape[1]))
+                    count.index_add_(0, item.root_idxs, per_entry.to(torch.float64))
+            magnitudes[group] = total / count
+        return magnitudes
+
 
 def _safe_mean_normalizer(scores: Tensor) -> Tensor:
     """Torch-Pruning's ``"mean"`` normalizer, leaving an all-zero layer at zero (not NaN)."""

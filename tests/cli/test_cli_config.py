@@ -41,7 +41,8 @@ def test_defaults_are_valid():
         ),
         (
             {"mask": {"policy": "magic"}},
-            "config error: mask.policy = 'magic': Input should be 'importance', 'leading', 'rolling', 'random', 'coverage' or 'none'",
+            "config error: mask.policy = 'magic': Input should be 'importance', 'leading', "
+            "'rolling', 'random', 'coverage', 'fiarse', 'oap' or 'none'",
         ),
         (
             {"fleet": {"capacities": [1.5]}},

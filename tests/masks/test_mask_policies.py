@@ -2,7 +2,7 @@
 
 Hand cases (FedRolex windows, tracker counts), a reference cross-check (factorised holder counts
 == ``coverage_weighted_mean(...).count``), RABO's C_x^* experiment (Fig. 3: capacity 1/4,
-C_x^* in {1, 2}) on the MLP and ResNet-18, and one conformance battery for all five policies.
+C_x^* in {1, 2}) on the MLP and ResNet-18, and one conformance battery for every registered policy.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ import radbo.masks.policies.rolling
 from radbo.aggregation import coverage_weighted_mean
 from radbo.masks.coverage_report import CoverageTracker
 from radbo.masks.index import extract
+from radbo.masks.policies import POLICIES as REGISTERED
 from radbo.masks.policies import (
     CoveragePolicy,
+    FiarsePolicy,
     ImportancePolicy,
     LeadingPolicy,
     MaskPolicy,
+    OAPPolicy,
     RandomPolicy,
     RollingPolicy,
     RoundPreparedPolicy,
@@ -491,7 +494,16 @@ POLICIES: dict[str, Callable[[], MaskPolicy]] = {
     "rolling": lambda: RollingPolicy(stride=3),
     "random": RandomPolicy,
     "coverage": lambda: CoveragePolicy(k=2, num_clients=2),
+    "fiarse": FiarsePolicy,
+    "oap": OAPPolicy,
 }
+#: Policies with one model-wide threshold: groups keep different fractions, within the
+#: connections of the uniform-width submodel (each group at kept_count(C, r)).
+POOLED = {"fiarse"}
+
+
+def test_the_battery_covers_every_registered_policy() -> None:
+    assert set(POLICIES) == set(REGISTERED)
 
 
 @pytest.mark.parametrize("model_name", ["mlp64", "resnet18"])
@@ -515,11 +527,14 @@ def test_policy_conformance(policy_name: str, ratio: float, model_name: str) -> 
     # Assert
     assert isinstance(POLICIES[policy_name](), MaskPolicy)
     assert set(a) == set(plan.groups)
+    uniform = {g: torch.arange(kept_count(channels, ratio)) for g, channels in plan.groups.items()}
+    assert plan.connections_kept(a) <= plan.connections_kept(uniform)
     for group, channels in plan.groups.items():
         kept = a[group]
         assert kept.dtype == torch.long
         assert torch.equal(kept, b[group])  # deterministic under the same inputs
-        assert kept.numel() == kept_count(channels, ratio)
+        if policy_name not in POOLED:
+            assert kept.numel() == kept_count(channels, ratio)
         assert torch.equal(kept, torch.unique(kept))  # sorted, distinct
         assert 0 <= int(kept.min()) and int(kept.max()) < channels
         if ratio == 1.0:
@@ -529,7 +544,8 @@ def test_policy_conformance(policy_name: str, ratio: float, model_name: str) -> 
 
 def test_only_the_coverage_policy_needs_prepare() -> None:
     assert isinstance(CoveragePolicy(1, 1), RoundPreparedPolicy)
-    for make in (LeadingPolicy, ImportancePolicy, RollingPolicy, RandomPolicy):
+    others = (LeadingPolicy, ImportancePolicy, RollingPolicy, RandomPolicy, FiarsePolicy, OAPPolicy)
+    for make in others:
         assert not isinstance(make(), RoundPreparedPolicy)
 
 

@@ -1,8 +1,9 @@
 """Structured-mask conformance battery over radbo's model zoo, and the zoo's architectures.
 
 Every model (MLP 784-200-10 and 64-128-10, SmallCNN, CNN7, a narrow ResNet-12 at 3x32x32,
-ResNet-18) x policy (leading, importance) x capacity ratio r in {1, 1/2, 1/4, 1/8} (every
-prunable group keeps ``kept_count(C, r)`` channels) must satisfy SPEC "Masks":
+ResNet-18) x policy (leading, importance, rolling, random, coverage, fiarse) x capacity ratio
+r in {1, 1/2, 1/4, 1/8} (every prunable group keeps ``kept_count(C, r)`` channels; fiarse's
+groups keep no more connections than that together) must satisfy SPEC "Masks":
 
 * the physical submodel's tensors are ``extract(full, idx)``, which is ``full`` indexed by the
   Cartesian product of the kept indices (checked against plain advanced indexing);
@@ -33,6 +34,7 @@ from torch.func import functional_call
 
 from radbo.masks import (
     CoveragePolicy,
+    FiarsePolicy,
     ImportancePolicy,
     LeadingPolicy,
     MaskPolicy,
@@ -65,7 +67,11 @@ POLICIES: dict[str, Callable[[], MaskPolicy]] = {
     "rolling": lambda: RollingPolicy(stride=3),  # called at round 7: a wrapped window
     "random": RandomPolicy,
     "coverage": lambda: CoveragePolicy(k=1, num_clients=1),
+    "fiarse": FiarsePolicy,  # widths differ by layer: one model-wide threshold
 }
+#: Policies with one model-wide threshold (FIARSE): groups keep different fractions, within
+#: the connections of the uniform-width submodel (each group at kept_count(C, r)).
+POOLED = {"fiarse"}
 RATIOS = [1.0, 0.5, 0.25, 0.125]
 CASES = [(m, p, r) for m in MODELS for p in POLICIES for r in RATIOS]
 BATCH = 2
@@ -241,12 +247,16 @@ def test_index_sets_are_cartesian_products_of_the_policy_choice(
         assert torch.equal(masks[key], _product_mask(shapes[key], entry)), key
         assert int(masks[key].sum()) == counts[key], key
     # Each group's root layer keeps exactly the policy's channels, and each group keeps
-    # kept_count(C, r) of them; the classifier's outputs are never pruned.
+    # kept_count(C, r) of them (a pooled policy: no more connections than that); the
+    # classifier's outputs are never pruned.
     for group, channels in plan.groups.items():
         expected = torch.sort(kept[group]).values
         got = idx[f"{group}.weight"][0]
         assert torch.equal(torch.arange(channels) if got is None else got, expected), group
-        assert expected.numel() == kept_count(channels, ratio), group
+        if policy_name not in POOLED:
+            assert expected.numel() == kept_count(channels, ratio), group
+    uniform = {g: torch.arange(kept_count(channels, ratio)) for g, channels in plan.groups.items()}
+    assert plan.connections_kept(kept) <= plan.connections_kept(uniform)
     for layer in model.output_layers:
         assert idx[f"{layer}.weight"][0] is None
 

@@ -59,8 +59,10 @@ class RoundPreparedPolicy(MaskPolicy, Protocol):
 
 
 from radbo.masks.policies.coverage import CoveragePolicy  # noqa: E402
+from radbo.masks.policies.fiarse import FiarsePolicy  # noqa: E402
 from radbo.masks.policies.importance import ImportancePolicy  # noqa: E402
 from radbo.masks.policies.leading import LeadingPolicy  # noqa: E402
+from radbo.masks.policies.oap import OAPPolicy  # noqa: E402
 from radbo.masks.policies.random import RandomPolicy  # noqa: E402
 from radbo.masks.policies.rolling import RollingPolicy  # noqa: E402
 
@@ -83,14 +85,18 @@ POLICIES: dict[str, Callable[[Any, int], MaskPolicy]] = {
     "rolling": lambda settings, n: RollingPolicy(stride=settings.rolling_stride),
     "random": lambda settings, n: RandomPolicy(),
     "coverage": _coverage,
+    "fiarse": lambda settings, n: FiarsePolicy(),
+    "oap": lambda settings, n: OAPPolicy(),
 }
 
 __all__ = [
     "POLICIES",
     "CoveragePolicy",
+    "FiarsePolicy",
     "ImportancePolicy",
     "LeadingPolicy",
     "MaskPolicy",
+    "OAPPolicy",
     "RandomPolicy",
     "RollingPolicy",
     "RoundPreparedPolicy",
