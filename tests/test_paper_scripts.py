@@ -33,7 +33,9 @@ FEWSHOT_ROWS = [
     "Dist-ProtoNet, nearest prototype",
     "Dist-MAML",
     "Static (HeteroFL)",
+    "OAP",
     "FedRolex",
+    "FIARSE",
 ]
 LOSS_TUNING_ROWS = [
     "RABO",
