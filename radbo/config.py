@@ -433,8 +433,9 @@ class RunConfig(Section):
         # tasks whose x lives in a dedicated model, and that model
         task, model = self.task, self.model
         needs = []
-        if task.model is not None and model.name != task.model:
-            needs.append(f'task "{task.name}" needs model "{task.model}"')
+        if task.models is not None and model.name not in task.models:
+            named = " or ".join(f'"{m}"' for m in task.models)
+            needs.append(f'task "{task.name}" needs model {named}')
         if model.task is not None and task.name != model.task:
             needs.append(f'model "{model.name}" needs task "{model.task}"')
         if needs:

@@ -350,8 +350,8 @@ def combinations() -> str:
     own = {tag: MODELS[tag].task for tag in MODELS if MODELS[tag].task is not None}
     for tag in TASKS:
         task = TASKS[tag]
-        if task.model is not None:
-            models = f"`{toml_value(task.model)}`"
+        if task.models is not None:
+            models = ", ".join(f"`{toml_value(m)}`" for m in task.models)
         else:
             theirs = [m for m, t in own.items() if t != tag]
             models = f"any but {_names(theirs)}" if theirs else "any"

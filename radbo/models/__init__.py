@@ -9,13 +9,16 @@ from radbo.models.logistic import FeatureL2Logistic, LogisticConfig
 from radbo.models.mlp import MLP, MLPConfig
 from radbo.models.resnet import ResNet18, ResNet18Config
 from radbo.models.resnet12 import ResNet12, ResNet12Config
-from radbo.models.vs_mlp import VSMLP, VSMLPConfig
+from radbo.models.vs_mlp import VSMLP, VSMLPConfig, VSParameters
+from radbo.models.vs_resnet import VSResNet18, VSResNet18Config
 
 __all__ = [
     "CNN7",
     "MLP",
     "MODELS",
     "VSMLP",
+    "VSParameters",
+    "VSResNet18",
     "BatchNormConfig",
     "BilevelModel",
     "CNN7Config",
@@ -32,4 +35,5 @@ __all__ = [
     "ResNet18Config",
     "SmallCNN",
     "VSMLPConfig",
+    "VSResNet18Config",
 ]

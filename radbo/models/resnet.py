@@ -57,7 +57,7 @@ class ResNet18(BilevelModel):
     (the classifier) is y.
     """
 
-    inner_modules = ("head",)
+    inner_modules: tuple[str, ...] = ("head",)
     output_layers = ("head",)
 
     def __init__(

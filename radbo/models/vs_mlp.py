@@ -16,7 +16,27 @@ from radbo.models.mlp import MLP
 from radbo.typing import Params
 
 
-class VSMLP(MLP):
+class VSParameters(nn.Module):
+    """The VS-loss hyperparameters as x: three per-class vectors that only the inner loss reads
+    (:meth:`vs_parameters`); a model of the ``vs_loss`` task mixes this in and calls
+    :meth:`add_vs_parameters` after building its network."""
+
+    loss_only_parameters: tuple[str, ...] = ("vs_log_weight", "vs_shift", "vs_log_scale")
+
+    def add_vs_parameters(self, classes: int) -> None:
+        """The three vectors, at zero: the VS loss starts as plain cross-entropy."""
+        self.vs_log_weight = nn.Parameter(torch.zeros(classes))
+        self.vs_shift = nn.Parameter(torch.zeros(classes))
+        self.vs_log_scale = nn.Parameter(torch.zeros(classes))
+
+    @staticmethod
+    def vs_parameters(x: Params) -> tuple[Tensor, Tensor, Tensor]:
+        """``(w, l, D)``: the per-class weight, additive shift and multiplicative logit scale of
+        the VS loss, read from x."""
+        return torch.exp(x["vs_log_weight"]), x["vs_shift"], torch.exp(x["vs_log_scale"])
+
+
+class VSMLP(VSParameters, MLP):
     """``in -> hidden[0] -> ... -> hidden[-1] -> classes`` with ReLU, flattening its input; the
     whole network (``body`` and ``head``) is y. x is three per-class vectors that only the
     inner loss reads (:meth:`vs_parameters`), the hyperparameters of the VS loss of Kini et al.
@@ -36,19 +56,10 @@ class VSMLP(MLP):
 
     inner_modules = ("body", "head")
     output_layers = ("head",)
-    loss_only_parameters = ("vs_log_weight", "vs_shift", "vs_log_scale")
 
     def __init__(self, in_features: int = 64, hidden: Sequence[int] = (128,), classes: int = 10):
-        super().__init__(in_features, hidden, classes)
-        self.vs_log_weight = nn.Parameter(torch.zeros(classes))
-        self.vs_shift = nn.Parameter(torch.zeros(classes))
-        self.vs_log_scale = nn.Parameter(torch.zeros(classes))
-
-    @staticmethod
-    def vs_parameters(x: Params) -> tuple[Tensor, Tensor, Tensor]:
-        """``(w, l, D)``: the per-class weight, additive shift and multiplicative logit scale of
-        the VS loss, read from x."""
-        return torch.exp(x["vs_log_weight"]), x["vs_shift"], torch.exp(x["vs_log_scale"])
+        MLP.__init__(self, in_features, hidden, classes)
+        self.add_vs_parameters(classes)
 
 
 @MODELS.register

@@ -41,7 +41,9 @@ class TaskConfig(Section):
 
     name: str
 
-    model: ClassVar[str | None] = None
+    #: the models this task runs on (its x lives in them), or ``None``: any but those that
+    #: name another task
+    models: ClassVar[tuple[str, ...] | None] = None
     maskable: ClassVar[bool] = True
     episodic: ClassVar[bool] = False
 

@@ -71,7 +71,7 @@ class FeatureL2(HyperRepresentation):
         "(keeps g's inner step stable), a number, or 'off'",
     )
 
-    model: ClassVar[str | None] = "logistic"
+    models: ClassVar[tuple[str, ...] | None] = ("logistic",)
     maskable: ClassVar[bool] = False
     dump_omits_defaults: ClassVar[tuple[str, ...]] = ("max_log_l2",)
 

@@ -142,15 +142,15 @@ class VSLoss:
 @TASKS.register
 class VSLossTask(TaskConfig):
     """Loss-function tuning on long-tailed data (``[task] name = "vs_loss"``, model
-    ``vs_mlp``): x = the per-class VS-loss hyperparameters (weight, additive shift, logit
-    scale), y = the network; g is the VS loss on the training split, f the class-balanced
-    cross-entropy on the validation split, weighted by the inverse class frequencies of the
-    training set."""
+    ``vs_mlp`` or ``vs_resnet18``): x = the per-class VS-loss hyperparameters (weight,
+    additive shift, logit scale), y = the network; g is the VS loss on the training split, f
+    the class-balanced cross-entropy on the validation split, weighted by the inverse class
+    frequencies of the training set."""
 
     name: Literal["vs_loss"]
     inner_l2: float = InnerL2(1e-3)
 
-    model: ClassVar[str | None] = "vs_mlp"
+    models: ClassVar[tuple[str, ...] | None] = ("vs_mlp", "vs_resnet18")
 
     def build(self, train: Any) -> VSLoss:
         return VSLoss.balanced(train.labels, train.num_classes, inner_l2=self.inner_l2)

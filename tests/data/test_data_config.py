@@ -197,7 +197,7 @@ def test_new_model_kinds_validate_with_their_defaults(model: dict, expected: dic
         (
             {"model": {"name": "vgg"}},
             "config error: model = {...}: Input tag 'vgg' found using 'name' does not match any "
-            "of the expected tags: 'cnn', 'cnn7', 'conv4', 'logistic', 'mlp', 'resnet18', 'resnet12', 'vs_mlp'",
+            "of the expected tags: 'cnn', 'cnn7', 'conv4', 'logistic', 'mlp', 'resnet18', 'resnet12', 'vs_mlp', 'vs_resnet18'",
         ),
     ],
 )

@@ -38,6 +38,7 @@ from radbo.models import (
     ResNet12,
     ResNet18,
     SmallCNN,
+    VSResNet18,
 )
 from radbo.problem import calibrate_batchnorm, forward, module_calls_only
 from radbo.typing import Params
@@ -53,6 +54,7 @@ ZOO: dict[str, Callable[[], BilevelModel]] = {
     "conv4": lambda: Conv4(1, 8, 8, 5),
     "cnn": lambda: SmallCNN(1, 8, [4, 8], 10),
     "resnet18": lambda: ResNet18(10, 3, 9, [4, 8, 8, 8]),
+    "vs_resnet18": lambda: VSResNet18(10, 3, 9, [4, 8, 8, 8]),
     "resnet12": lambda: ResNet12(5, 1, 16, width_scale=0.05),
 }
 

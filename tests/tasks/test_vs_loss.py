@@ -16,7 +16,7 @@ from radbo.data import Dataset, long_tail_counts, long_tail_subset
 from radbo.experiment import build, load_data, run
 from radbo.hypergrad import ImplicitCG
 from radbo.masks.structure import StructurePlan
-from radbo.models import VSMLP
+from radbo.models import VSMLP, VSResNet18
 from radbo.problem import Batch, bind_losses, forward
 from radbo.tasks import VSLoss, balanced_class_weights, vs_cross_entropy
 from tests.configs import demo_dict
@@ -216,7 +216,7 @@ def test_docstring_examples():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"task": {"name": "vs_loss"}}, 'task "vs_loss" needs model "vs_mlp"'),
+        ({"task": {"name": "vs_loss"}}, 'task "vs_loss" needs model "vs_mlp" or "vs_resnet18"'),
         ({"model": {"name": "vs_mlp"}}, 'model "vs_mlp" needs task "vs_loss"'),
         (
             {"model": {"name": "vs_mlp"}, "task": {"name": "feature_l2"}},
@@ -383,3 +383,44 @@ def test_implicit_hypergradient_equals_the_derivative_of_the_validation_loss():
         # Measured <= 1.2e-10 on default/avx2/avx512 (2.4e-8 when `numeric` was float32:
         # float32's rounding); bound 1e-7
         assert float((grad[name] - numeric).norm() / numeric.norm()) < 1e-7, name
+
+
+# ------------------------------------------------------------- ResNet-18 (RABO paper Sec. V-B)
+def test_vs_resnet18_holds_only_the_vs_parameters_in_x_and_prunes_its_channels():
+    """The paper's loss-tuning model: every layer of the ResNet-18 is y (RABO's masks prune its
+    channels), x is the three per-class VS vectors, not in the forward pass."""
+    model = VSResNet18(classes=10, in_channels=1, image_size=16, widths=(4, 8, 8, 8))
+    assert model.outer_param_names() == ["vs_log_weight", "vs_shift", "vs_log_scale"]
+    inner = model.inner_param_names()
+    assert inner[0] == "stem.0.weight" and inner[-2:] == ["head.weight", "head.bias"]
+    assert len(inner) + 3 == len(list(model.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = StructurePlan(model, model.example_input(1), output_layers=model.output_layers)
+    assert plan.groups and all(count in (4, 8) for count in plan.groups.values())
+    half = {g: torch.arange(c // 2) for g, c in plan.groups.items()}
+    sub = plan.submodel(plan.index_sets(half))
+    assert sub.vs_shift.shape == (10,) and sub.head.out_features == 10
+    assert sub.stem[0].out_channels == 2
+
+
+def test_rabo_tunes_the_vs_loss_of_a_resnet18_at_capacity_one_half():
+    """Sec. V-B's setting at toy size: long-tailed digits, every client at r = 1/2, RABO; the
+    run works through masks on y, and x (the VS vectors) moves."""
+    data = demo_dict()
+    data.update(
+        rounds=2,
+        eval_every=2,
+        data={"name": "digits", "image_size": 16, "imbalance": 10, "outer_fraction": 0.2},
+        task={"name": "vs_loss"},
+        model={"name": "vs_resnet18", "widths": [4, 8, 8, 8]},
+        fleet={"num_clients": 4, "capacities": [0.5]},
+        mask={"policy": "importance"},
+    )
+    data["algorithm"] = {**data["algorithm"], "inner_steps": 2}
+    data["estimator"] = {"name": "cg", "max_iter": 3}
+    data["baseline"] = {"enabled": False}
+    result = run(parse_config(data), progress=False, save=False)
+    assert math.isfinite(result.final["test_accuracy"])
+    assert any(float(t.abs().max()) > 0 for t in result.state.x.values())  # x moved off 0
+    assert result.rounds[0]["cost_flops"] > 0
