@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from radbo.config import parse_config
+
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "benchmarks" / "paper"
 
@@ -348,3 +350,19 @@ def test_scalability_on_digits_reports_too_few_examples_per_class(tmp_path) -> N
     table = (tmp_path / "rabo_scalability.md").read_text()
     assert re.fullmatch(rf"{NUMBER} ± {NUMBER}", row(table, "RABO", k=1)[2])
     assert row(table, "RABO", k=5)[2] == "too few examples per class"
+
+
+def test_loss_tuning_at_the_papers_size_is_resnet18_and_every_config_is_valid():
+    """``--full`` is the paper's Sec. V-B model, ResNet-18 at widths 64-512, for the VS rows
+    (``vs_resnet18``) and the plain ones (``resnet18``); every row's config is read (not run)."""
+    script = load("rabo_loss_tuning")
+    _, args = script.parse_args(["--full"])
+    assert args.model == "resnet18" and args.width == 64 and args.rounds == 200
+    models = set()
+    for name, sections in script.methods(args).items():
+        config = parse_config(script.merge(script.base_config(args, 0), sections))
+        models.add((config.model.name, tuple(config.model.widths)))
+        assert config.data.image_size == 16, name  # digits upsampled for the ResNet
+    assert models == {("vs_resnet18", (64, 128, 256, 512)), ("resnet18", (64, 128, 256, 512))}
+    _, default = script.parse_args([])
+    assert default.model == "mlp" and default.width == 128

@@ -15,9 +15,11 @@ split, f = the class-balanced cross-entropy on the validation split), ``[data] i
 (class c of C keeps ``imbalance ** (-c / (C - 1))`` of its training examples, i.e. the paper's
 mu = imbalance ** (-1 / (C - 1)); the paper does not give mu; the test set stays balanced) and
 ``[data] outer_fraction = 0.2`` (each client's 80 / 20 split), 10 clients split iid.
-The inner model is model ``vs_mlp`` (an MLP with one hidden layer of ``--width`` units, the
-whole network y, its hidden layer prunable): task ``vs_loss`` takes no other model, so radbo
-cannot run the paper's ResNet-18 on it (not even with ``--full``). Data: scikit-learn's digits
+The inner model is ``--model mlp`` (default: model ``vs_mlp``, one hidden layer of ``--width``
+units, the whole network y, its hidden layer prunable) or ``--model resnet18`` (the paper's:
+model ``vs_resnet18``, stage widths ``--width`` x 1, 2, 4, 8, every layer y and its channels
+prunable; ``--full`` runs it at width 64, the paper's size; digits are upsampled to 16x16 for
+it). Data: scikit-learn's digits
 (default, no files), MNIST with ``--mnist DIR`` or CIFAR-10 with ``--cifar10 DIR``. Rows:
 
 - RABO: importance masks on y at r = 1/2, damped CG hypergradient (Alg. 1);
@@ -29,8 +31,8 @@ cannot run the paper's ResNet-18 on it (not even with ``--full``). Data: scikit-
   the masks alone save, apart from FedMBO's different round (one communication round per
   inner step and per Neumann term);
 - FedAvg (full model, no tuning): single-level FedAvg of the same network with plain
-  cross-entropy on all of each client's data (model ``mlp`` of the same widths, task
-  ``hyper_representation`` with ``inner_l2 = 0``): no loss hyperparameters at all;
+  cross-entropy on all of each client's data (model ``mlp`` or ``resnet18`` of the same
+  widths, task ``hyper_representation`` with ``inner_l2 = 0``): no loss hyperparameters at all;
 - Static (HeteroFL) and FedRolex: the same single-level training on ``leading`` / ``rolling``
   submodels at r = 1/2.
 
@@ -42,7 +44,9 @@ the same seed, averaged over seeds.
     # digits, MLP 64-128-10, 40 rounds, seeds 0 1 2 (a few minutes on 2 cores)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_loss_tuning.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --mnist DIR
-    # a larger run on a GPU: CIFAR-10, hidden width 512, 200 rounds
+    # ResNet-18 at toy width on the CPU (digits 16x16)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --model resnet18
+    # the paper's size on a GPU: CIFAR-10, ResNet-18 (widths 64-512), 200 rounds
     .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --cifar10 DIR --full --device cuda
 
 Writes ``<out>/rabo_loss_tuning.md`` (the table, the device that produced it and the command),
@@ -106,7 +110,7 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # single-level: the same network with plain cross-entropy, nothing tuned (x = the hidden
     # layer, y = the head; fedavg trains both alike)
     plain = {
-        "model": {"name": "mlp", "hidden": [args.width]},
+        "model": model_section(args, tuned=False),
         "task": {"name": "hyper_representation", "inner_l2": 0.0},
         "algorithm": {"name": "fedavg", "lr": BILEVEL["inner_lr"], "local_steps": 10},
     }
@@ -147,14 +151,31 @@ def data_section(args: argparse.Namespace) -> dict[str, Any]:
         return {"name": "cifar10", "root": args.cifar10, **common}
     if args.mnist:
         return {"name": "mnist", "root": args.mnist, **common}
-    return {"name": "digits", "test_fraction": 0.2, **common}
+    size = {"image_size": 16} if args.model == "resnet18" else {}  # ResNet-18: >= 9x9
+    return {"name": "digits", "test_fraction": 0.2, **size, **common}
+
+
+def model_section(args: argparse.Namespace, *, tuned: bool) -> dict[str, Any]:
+    """``[model]``: the VS-loss model (``tuned``) or the plain one of the same widths."""
+    if args.model == "resnet18":
+        widths = [args.width * k for k in (1, 2, 4, 8)]
+        return {"name": "vs_resnet18" if tuned else "resnet18", "widths": widths}
+    return {"name": "vs_mlp" if tuned else "mlp", "hidden": [args.width]}
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """The inner model in words."""
+    if args.model == "resnet18":
+        return f"ResNet-18, stage widths {[args.width * k for k in (1, 2, 4, 8)]}"
+    return f"MLP, hidden width {args.width}"
 
 
 def data_label(args: argparse.Namespace) -> str:
     """``digits``, ``MNIST (DIR)`` or ``CIFAR-10 (DIR)``."""
     if args.cifar10:
         return f"CIFAR-10 ({args.cifar10})"
-    return f"MNIST ({args.mnist})" if args.mnist else "digits 8x8"
+    digits = "digits 16x16" if args.model == "resnet18" else "digits 8x8"
+    return f"MNIST ({args.mnist})" if args.mnist else digits
 
 
 def base_config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -164,7 +185,7 @@ def base_config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "eval_every": args.eval_every,
         "data": data_section(args),
         "partition": {"kind": "iid"},
-        "model": {"name": "vs_mlp", "hidden": [args.width]},
+        "model": model_section(args, tuned=True),
         "task": {"name": "vs_loss", "inner_l2": 1e-3},
         "fleet": {"num_clients": CLIENTS, "capacities": [CAPACITY]},
         "runtime": {"device": args.device},
@@ -174,13 +195,21 @@ def base_config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
-        "--full", action="store_true", help="a larger run (a GPU): hidden width 512, 200 rounds"
+        "--full",
+        action="store_true",
+        help="the paper's size (a GPU): ResNet-18 at widths 64-512, 200 rounds",
+    )
+    parser.add_argument(
+        "--model", choices=["mlp", "resnet18"], default=None, help="default mlp, --full resnet18"
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=None, help="default 40, --full 200")
     parser.add_argument("--eval-every", type=int, default=None, help="rounds between evaluations")
     parser.add_argument(
-        "--width", type=int, default=None, help="hidden units of the MLP (default 128, --full 512)"
+        "--width",
+        type=int,
+        default=None,
+        help="MLP hidden units (default 128), or ResNet-18's first stage (default 4, --full 64)",
     )
     parser.add_argument(
         "--imbalance",
@@ -196,7 +225,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     add_common_arguments(parser, omniglot=False)
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (200 if args.full else 40)
-    args.width = args.width or (512 if args.full else 128)
+    args.model = args.model or ("resnet18" if args.full else "mlp")
+    default_width = {"mlp": 128, "resnet18": 64 if args.full else 4}[args.model]
+    args.width = args.width or default_width
     args.eval_every = args.eval_every or (10 if args.full else max(1, args.rounds // 8))
     return parser, args
 
@@ -287,8 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"{data} long-tailed (imbalance {args.imbalance:g}: class c keeps "
         f"{args.imbalance:g}^(-c/9) of its training examples; balanced test set), {CLIENTS} "
-        f"clients split iid, 80 % training / 20 % validation each; model vs_mlp, hidden width "
-        f"{args.width} (the paper: ResNet-18, which task vs_loss does not take); submodel rows "
+        f"clients split iid, 80 % training / 20 % validation each; {model_label(args)} "
+        f"(the paper: ResNet-18 at widths 64-512); submodel rows "
         f"at capacity 1/2, full-model rows at 1; {args.rounds} rounds; RAFBO |P| = "
         f"{args.rafbo_coordinates} of dim(x) = 30. Accuracy: balanced test accuracy at the last "
         "round ('mean' over seeds, with the seed standard deviation). GFLOP and MB: one run's "
@@ -326,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     plot_curves(
         curves,
         out / "rabo_loss_tuning.png",
-        f"VS-loss tuning, {data}, imbalance {args.imbalance:g}, MLP width {args.width}",
+        f"VS-loss tuning, {data}, imbalance {args.imbalance:g}, {model_label(args)}",
         ylabel="balanced test accuracy",
     )
     plot_costs(compute, comm, out / "rabo_loss_tuning_costs.png")
