@@ -2,6 +2,8 @@
 against 1 worker (which runs the clients in this process, as the sequential backend does).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/workers.py [--rounds 7] [--workers 2]
+    # issue 30's size: an MLP of about 1M parameters (64-1000-1000-10: 1,075,010)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/workers.py --hidden 1000 1000
 
 Both runs are built from the demo config (``examples/demo.toml``: RABO + CG, masks, the
 10-client device fleet) and warmed up with round 0 (it measures FLOPs and starts the pool).
@@ -19,6 +21,7 @@ processes of other containers on the same machine too) and the load average.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -81,13 +84,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="steady rounds per worker count")
     parser.add_argument("--workers", type=int, default=2, help="the worker count set against 1")
+    parser.add_argument(
+        "--hidden", type=int, nargs="+", default=None, help="MLP hidden widths (default: demo's)"
+    )
     args = parser.parse_args()
+    model = {} if args.hidden is None else {"model": {"name": "mlp", "hidden": args.hidden}}
     n = args.workers
     torch.set_num_threads(1)
     runs = {}
     for workers in (1, n):
         runtime = {"backend": "processes", "workers": workers}
-        exp = build(small_config(rounds=args.rounds + 1, runtime=runtime))
+        exp = build(small_config(rounds=args.rounds + 1, runtime=runtime, **model))
         sim = exp.simulation
         state, _ = sim.step(exp.initial_state, 0)  # warm-up: FLOP measurements, pool start
         r = {"sim": sim, "state": state, "wall": [], "cpu": [], "clients": [], "phases": [0.0]}
@@ -110,8 +117,10 @@ def main() -> None:
     for r in runs.values():
         r["sim"].backend.close()
     load = os.getloadavg()
+    size = sum(math.prod(s) for s in runs[1]["sim"].shapes.values())
+    clients = statistics.mean(runs[1]["clients"])
     print(
-        f"demo round (10-client fleet, {statistics.mean(runs[1]['clients']):.1f} clients per "
+        f"demo round ({size:,} model numbers; 10-client fleet, {clients:.1f} clients per "
         f"round on average), median of {args.rounds} alternated steady rounds, "
         f"torch {torch.__version__}, {usable_cpus()} CPUs; other processes used "
         f"{100 * max(others, 0.0):.0f} % of them meanwhile, load average "
