@@ -382,7 +382,8 @@ def plot_curves(
         rounds = [r for r, _ in runs[0]]
         stats = [mean_std([run[j][1] for run in runs]) for j in range(len(rounds))]
         mean = [m for m, _ in stats]
-        ax.plot(rounds, mean, marker="o", ms=3, color=f"C{i}", label=name)
+        style = "-" if i < 10 else "--"  # the colour cycle has 10 colours
+        ax.plot(rounds, mean, marker="o", ms=3, color=f"C{i}", ls=style, label=name)
         if len(runs) > 1:
             ax.fill_between(
                 rounds,
