@@ -24,9 +24,10 @@ runs of the same seed on different machines (or under different load) can differ
 bits; counts, bytes, FLOPs and the ledger never do. The plan is part of the engine's checkpoint
 state (:meth:`state_dict`), so a resumed run makes the same choices as the uninterrupted one,
 and a plan can be given (``AutoBackend(plan=...)``) to repeat another run's choices exactly.
-Runs that must be bitwise reproducible anywhere pick ``"sequential"`` (the default) or
-``"batched"`` by name, as ``torch.backends.cudnn.benchmark`` is off by default for the same
-reason.
+On a GPU each timing waits for the queued kernels (``torch.cuda.synchronize``); that path is
+written but was not run (no GPU was lent when it was built). Runs that must be bitwise
+reproducible anywhere pick ``"sequential"`` (the default) or ``"batched"`` by name, as
+``torch.backends.cudnn.benchmark`` is off by default for the same reason.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
 
 from radbo.client import (
     ClientResult,
@@ -150,11 +153,11 @@ class AutoBackend:
         if family not in self._seen:  # warm-up: kernels, caches, the meter's first count
             self._seen.add(family)
             return _one_by_one(work, runtime, tasks, prepared)
-        start = self.clock()
+        start = self._now()
         work.run(runtime, Cohort.stack(tasks, prepared))
-        middle = self.clock()
+        middle = self._now()
         results = _one_by_one(work, runtime, tasks, prepared)
-        end = self.clock()
+        end = self._now()
         stacked, single = middle - start, end - middle
         self.timings[family] = (stacked, single)
         self.plan[family] = "stacked" if stacked < single else "one_by_one"
@@ -166,6 +169,13 @@ class AutoBackend:
             self.plan[family],
         )
         return results
+
+    def _now(self) -> float:
+        """The clock, once the GPU (if one is in use) has finished what was queued: CUDA
+        kernels run asynchronously, so a timing that does not wait measures their launches."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return self.clock()
 
     def state_dict(self) -> dict[str, Any]:
         """The choices made so far (JSON), for the engine's checkpoint."""

@@ -38,7 +38,13 @@ from radbo.experiment.baseline import BASELINES
 from radbo.experiment.build import build_backend
 from radbo.hypergrad import ESTIMATORS, FiniteDifference, ImplicitCG
 from radbo.models import MLP
-from radbo.simulation import BACKENDS, BatchedBackend, ProcessBackend, SequentialBackend
+from radbo.simulation import (
+    BACKENDS,
+    AutoBackend,
+    BatchedBackend,
+    ProcessBackend,
+    SequentialBackend,
+)
 
 ROOT = Path(radbo.__file__).resolve().parent
 WIRING = Wiring(outer_names=("x",), inner_names=("y",))
@@ -121,6 +127,7 @@ def test_every_backend_resolves_through_the_registry():
         ("sequential", SequentialBackend),
         ("batched", BatchedBackend),
         ("processes", ProcessBackend),
+        ("auto", AutoBackend),
     ):
         assert BACKENDS[name] is cls
         backend = BACKENDS[name].from_runtime(runtime.model_copy(update={"backend": name}))
@@ -128,7 +135,7 @@ def test_every_backend_resolves_through_the_registry():
     assert BACKENDS["processes"].from_runtime(runtime).workers == 2
     config = parse_config({"runtime": {"backend": "batched"}})
     assert type(build_backend(config.runtime)) is BatchedBackend
-    with pytest.raises(ConfigError, match="runtime.backend = 'gpu': unknown; registered: batched"):
+    with pytest.raises(ConfigError, match="runtime.backend = 'gpu': unknown; registered: auto, batched"):
         BACKENDS["gpu"]
 
 
@@ -150,7 +157,8 @@ def test_a_backend_registered_later_is_a_valid_setting_and_says_why_not_on_a_gpu
     assert type(build_backend(config.runtime)) is SequentialBackend
     with pytest.raises(
         ConfigError,
-        match='device = "cuda" needs backend = "batched" or "sequential": a test\'s refusal',
+        match='device = "cuda" needs backend = "auto" or "batched" or "sequential": a test\'s '
+        "refusal",
     ):
         parse_config({"runtime": {"backend": "threads", "device": "cuda"}})
     # the README reference lists the names registered when it is made
@@ -158,7 +166,7 @@ def test_a_backend_registered_later_is_a_valid_setting_and_says_why_not_on_a_gpu
 
     field = RuntimeConfig.model_fields["backend"]
     assert allowed_text(field.annotation, field.metadata) == (
-        '"batched", "processes", "sequential" or "threads"'
+        '"auto", "batched", "processes", "sequential" or "threads"'
     )
 
 
