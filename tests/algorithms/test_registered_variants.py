@@ -135,7 +135,9 @@ def test_every_backend_resolves_through_the_registry():
     assert BACKENDS["processes"].from_runtime(runtime).workers == 2
     config = parse_config({"runtime": {"backend": "batched"}})
     assert type(build_backend(config.runtime)) is BatchedBackend
-    with pytest.raises(ConfigError, match="runtime.backend = 'gpu': unknown; registered: auto, batched"):
+    with pytest.raises(
+        ConfigError, match="runtime.backend = 'gpu': unknown; registered: auto, batched"
+    ):
         BACKENDS["gpu"]
 
 
