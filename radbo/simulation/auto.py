@@ -48,10 +48,10 @@ from radbo.client import (
     Cohort,
     Prepared,
     run_measured,
-    stack_key,
 )
 from radbo.cost import FlopMeter
 from radbo.simulation.backends import BACKENDS
+from radbo.simulation.batched import stack_groups
 
 __all__ = ["AutoBackend", "Side"]
 
@@ -120,10 +120,7 @@ class AutoBackend:
     ) -> list[ClientResult]:
         if not isinstance(work, ClientWork):
             return [run_measured(work, runtime, meter, task) for task in tasks]
-        prepared = [work.prepare(runtime, task) for task in tasks]
-        groups: dict[Hashable, list[int]] = {}
-        for i, (task, drawn) in enumerate(zip(tasks, prepared, strict=True)):
-            groups.setdefault(stack_key(task, drawn), []).append(i)
+        prepared, groups = stack_groups(work, runtime, tasks)
         results: list[ClientResult | None] = [None] * len(tasks)
         for key, members in groups.items():
             group = [tasks[i] for i in members]

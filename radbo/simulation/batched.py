@@ -40,7 +40,20 @@ from radbo.client import (
 from radbo.cost import FlopMeter
 from radbo.simulation.backends import BACKENDS
 
-__all__ = ["BatchedBackend"]
+__all__ = ["BatchedBackend", "stack_groups"]
+
+
+def stack_groups(
+    work: ClientWork, runtime: ClientRuntime, tasks: Sequence[ClientTask]
+) -> tuple[list[Prepared], dict[Hashable, list[int]]]:
+    """Every task's draws (``work.prepare``, from the task's own generator) and the positions
+    of the tasks that can run as one stacked cohort, by :func:`~radbo.client.stack_key`, in
+    the order the keys first appear."""
+    prepared = [work.prepare(runtime, task) for task in tasks]
+    groups: dict[Hashable, list[int]] = {}
+    for i, (task, draws) in enumerate(zip(tasks, prepared, strict=True)):
+        groups.setdefault(stack_key(task, draws), []).append(i)
+    return prepared, groups
 
 
 @BACKENDS.register("batched")
@@ -75,10 +88,7 @@ class BatchedBackend:
     ) -> list[ClientResult]:
         if not isinstance(work, ClientWork):
             return [run_measured(work, runtime, meter, task) for task in tasks]
-        prepared = [work.prepare(runtime, task) for task in tasks]
-        groups: dict[Hashable, list[int]] = {}
-        for i, (task, draws) in enumerate(zip(tasks, prepared, strict=True)):
-            groups.setdefault(stack_key(task, draws), []).append(i)
+        prepared, groups = stack_groups(work, runtime, tasks)
         results: list[ClientResult | None] = [None] * len(tasks)
         for members in groups.values():
             size = self.max_group or len(members)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from radbo.masks.policies.importance import importance_order
 from radbo.masks.structure import StructurePlan, kept_count
 
 
@@ -119,8 +120,7 @@ def _select(
     rest_score, rest_group, rest_channel = [], [], []
     for position, group in enumerate(pooled):
         score = torch.nan_to_num(magnitudes[group], nan=float("-inf"))
-        # A stable descending sort keeps equal scores in index order: ties -> lower index.
-        order = torch.sort(score, descending=True, stable=True).indices
+        order = importance_order(score)  # ties -> lower index
         best[group] = int(order[0])
         rest_score.append(score[order[1:]])
         rest_group.append(torch.full((order.numel() - 1,), position))

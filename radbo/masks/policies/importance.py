@@ -10,6 +10,22 @@ from torch import Tensor
 from radbo.masks.structure import StructurePlan, kept_count
 
 
+def importance_order(score: Tensor) -> Tensor:
+    """Channel indices by decreasing ``score`` (NaN last), equal scores in index order: a
+    stable descending sort, so ties go to the lower index.
+
+    >>> importance_order(torch.tensor([1.0, 3.0, float("nan"), 3.0])).tolist()
+    [1, 3, 0, 2]
+    """
+    score = torch.nan_to_num(score, nan=float("-inf"))
+    return torch.sort(score, descending=True, stable=True).indices
+
+
+def top_channels(score: Tensor, k: int) -> Tensor:
+    """The ``k`` channels of largest ``score`` (ties to the lower index), sorted."""
+    return torch.sort(importance_order(score)[:k]).values
+
+
 class ImportancePolicy:
     """Keep the ``kept_count(C, r)`` channels of each group with the largest importance.
 
@@ -57,8 +73,5 @@ class ImportancePolicy:
         scores = self.scores(plan, round)
         kept: dict[str, Tensor] = {}
         for group, k in counts.items():
-            score = torch.nan_to_num(scores[group], nan=float("-inf"))
-            # A stable descending sort keeps equal scores in index order: ties -> lower index.
-            order = torch.sort(score, descending=True, stable=True).indices
-            kept[group] = torch.sort(order[:k]).values
+            kept[group] = top_channels(scores[group], k)
         return kept

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from radbo.masks.policies.importance import top_channels
 from radbo.masks.structure import StructurePlan, kept_count
 
 
@@ -82,11 +83,7 @@ class OAPPolicy:
     ) -> dict[str, Tensor]:
         """Kept root channels per group named in ``ratios`` (see :class:`MaskPolicy`)."""
         magnitudes = self.filter_magnitudes(plan, round)
-        kept: dict[str, Tensor] = {}
-        for group, ratio in ratios.items():
-            k = kept_count(plan.channels(group), ratio)
-            score = torch.nan_to_num(magnitudes[group], nan=float("-inf"))
-            # A stable descending sort keeps equal scores in index order: ties -> lower index.
-            order = torch.sort(score, descending=True, stable=True).indices
-            kept[group] = torch.sort(order[:k]).values
-        return kept
+        return {
+            group: top_channels(magnitudes[group], kept_count(plan.channels(group), ratio))
+            for group, ratio in ratios.items()
+        }
