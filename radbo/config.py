@@ -332,7 +332,7 @@ class RuntimeConfig(Section):
     def _device_backend(self) -> RuntimeConfig:
         refusal = gpu_refusal(self.backend)
         if self.device != "cpu" and refusal:
-            able = " or ".join(f'"{name}"' for name in BACKENDS if not gpu_refusal(name))
+            able = " or ".join(f'"{name}"' for name in sorted(BACKENDS) if not gpu_refusal(name))
             raise ValueError(f'device = "{self.device}" needs backend = {able}: {refusal}')
         return self
 
