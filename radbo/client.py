@@ -394,6 +394,8 @@ class Cohort:
         if isinstance(value, Tensor):
             if value.ndim == 0:
                 return [value.item()] * self.size
+            if value.ndim == 1:  # one read (on a GPU, one host synchronisation) for all
+                return value.detach().cpu().tolist()
             return [v.item() for v in value.detach().cpu()]
         if isinstance(value, Sequence):
             return list(value)

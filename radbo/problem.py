@@ -190,6 +190,57 @@ def _direct(fn: Callable[..., Tensor], *args: object) -> Tensor:
     return fn(*args)
 
 
+class BoundLoss:
+    """One of a problem's losses closed over module, buffers and batch: ``loss(x, y)``.
+
+    Evaluates ``call(fn, module, x, y, scratch, batch)`` on the private buffer copy
+    ``scratch`` it shares with its sibling (see :func:`bind_losses`). :meth:`at_points`
+    evaluates it at several points at once.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Tensor],
+        module: nn.Module,
+        scratch: Params,
+        batch: Batch,
+        call: LossCall,
+    ) -> None:
+        self.fn, self.module, self.scratch, self.batch, self.call = fn, module, scratch, batch, call
+
+    def __call__(self, x: Params, y: Params) -> Tensor:
+        return self.call(self.fn, self.module, x, y, self.scratch, self.batch)
+
+    def at_points(self, x: Params, y: Params) -> Tensor:
+        """The loss at ``n`` points ``(x[j], y[j])`` at once (every tensor of x and y carries
+        one more leading dim ``n``), one value per point (under ``torch.vmap``). Each point
+        runs on its own copy of the buffers, and those copies are then dropped: BatchNorm
+        running statistics move neither in ``scratch`` nor between points (they do not
+        enter a training-mode loss)."""
+        count = next(iter({**x, **y}.values())).shape[0]
+        points = {k: v.expand(count, *v.shape).clone() for k, v in self.scratch.items()}
+
+        def one(x_: Params, y_: Params, buffers: Params) -> Tensor:
+            return self.call(self.fn, self.module, x_, y_, buffers, self.batch)
+
+        return torch.vmap(one)(x, y, points)
+
+
+def at_points(loss: BilevelLoss) -> BilevelLoss:
+    """``(x, y) -> values``: ``loss`` at ``n`` points at once, x and y (and the values) with one
+    more leading dim ``n``. A :class:`BoundLoss` (what :func:`bind_losses` returns) evaluates
+    each point on its own buffers (:meth:`BoundLoss.at_points`); any other loss runs under
+    ``torch.vmap`` as it is, so it must be a pure function of its inputs.
+
+    >>> f = at_points(lambda x, y: (x["a"] * y["b"]).sum())
+    >>> f({"a": torch.tensor([[1.0], [2.0]])}, {"b": torch.tensor([[3.0], [3.0]])}).tolist()
+    [3.0, 6.0]
+    """
+    if isinstance(loss, BoundLoss):
+        return loss.at_points
+    return torch.vmap(loss)
+
+
 def bind_losses(
     problem: BilevelProblem,
     module: nn.Module,
@@ -197,21 +248,17 @@ def bind_losses(
     inner_batch: Batch,
     outer_batch: Batch,
     call: LossCall = _direct,
-) -> tuple[BilevelLoss, BilevelLoss]:
+) -> tuple[BoundLoss, BoundLoss]:
     """Close the losses over module, buffers and batches: returns ``(outer(x, y), inner(x, y))``.
 
-    The returned closures run on a private copy of ``buffers`` so that the many evaluations
+    The returned losses run on a private copy of ``buffers`` so that the many evaluations
     a hypergradient estimator makes do not move BatchNorm running statistics.
     """
     scratch = {k: v.clone() for k, v in buffers.items()}
-
-    def outer(x: Params, y: Params) -> Tensor:
-        return call(problem.outer_loss, module, x, y, scratch, outer_batch)
-
-    def inner(x: Params, y: Params) -> Tensor:
-        return call(problem.inner_loss, module, x, y, scratch, inner_batch)
-
-    return outer, inner
+    return (
+        BoundLoss(problem.outer_loss, module, scratch, outer_batch, call),
+        BoundLoss(problem.inner_loss, module, scratch, inner_batch, call),
+    )
 
 
 def split_state(state: Params, outer: set[str], inner: set[str]) -> tuple[Params, Params, Params]:

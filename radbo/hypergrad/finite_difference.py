@@ -35,6 +35,7 @@ from radbo.hypergrad.base import (
 )
 from radbo.limits import Steps
 from radbo.loops import cg_product
+from radbo.problem import at_points
 from radbo.typing import BilevelLoss, Params
 
 __all__ = ["FiniteDifference", "default_step"]
@@ -145,6 +146,21 @@ class FiniteDifference(Estimator):
         as_printed: use ``∇_y f`` in place of ``w`` (eq. (10) as printed); default ``False``.
         rescale: multiply the indirect term by ``d / |P|`` (unbiased over ``P``); default
             ``False``.
+        coordinate_batch: how many coordinates of ``P`` share one evaluation of ``∇_y g``:
+            their shifted points are stacked on a new leading dim and the inner loss runs
+            once over them (:func:`radbo.problem.at_points`, under ``torch.vmap``), so a
+            GPU sees ``|P| / coordinate_batch`` launches of larger kernels instead of one
+            small sequence per coordinate. Default ``1``: one coordinate at a time, the
+            float32 results of every earlier release. Any value gives the same arithmetic
+            (the same products and sums, the same FLOPs in the ledger and the same
+            ``n_grad``); batched kernels may round float32 in the last bits differently
+            (equal to rounding in float64, ``tests/hypergrad/test_fd_batched.py``). Memory
+            grows with it: each evaluation holds ``coordinate_batch`` copies of x, y and
+            the inner loss's activations, which the device memory model
+            (:meth:`hypergradient_bytes`) does not count (it models ``1``). The loss must
+            run under ``torch.vmap``: every loss radbo binds does (BatchNorm statistics go
+            to per-point copies that are dropped); a loss of your own must be a pure
+            function of its inputs.
 
     ``P`` is drawn uniformly without replacement from the ``d = dim x`` coordinates of all
     tensors of ``x`` (flattened in dict order) with ``torch.randperm(d, generator=...)``;
@@ -218,6 +234,9 @@ class FiniteDifference(Estimator):
     )
     rescale: bool = Field(
         False, strict=True, description="scale the indirect term by d / |P| (unbiased)"
+    )
+    coordinate_batch: int = Field(
+        1, ge=1, le=4096, strict=True, description="coordinates per batched gradient of g"
     )
 
     capabilities: ClassVar[frozenset[str]] = frozenset({"hypergradient", "products"})
@@ -395,29 +414,60 @@ class FiniteDifference(Estimator):
     ) -> TensorTuple:
         """``∇_x f`` plus, at every coordinate ``p`` of ``coords`` (in order), ``scale ·
         ⟨δ_p, w⟩`` with ``δ_p`` this scheme's difference of ``∇_y g`` (forward ones from
-        ``base = ∇_y g(x, y)``); shaped like x."""
+        ``base = ∇_y g(x, y)``); shaped like x. Takes ``coordinate_batch`` coordinates at a
+        time, all of them at points stacked on a new leading dim when that is more than one."""
         central = self.scheme == "central"
         lead, lead_shape = grad_y_g.lead, flat_x.lead_shape
-        num = coords.shape[-1]
+        num, size = coords.shape[-1], self.coordinate_batch
         scale = flat_x.dim / num if self.rescale and num else 1.0
         flat = flat_x.flat(flat_x.xs)
         grad = flat_x.flat(grad_x_f).clone()
         mu = self.step(flat.dtype)
-        for k in range(num):
-            p = coords[..., k : k + 1]
+        stacked = grad_y_g.at_points() if size > 1 else None
+        for k in range(0, num, size):
+            p = coords[..., k : k + size]  # [*lead, b]
             old = flat.gather(-1, p)
             up = old + mu
             down = old - mu if central else old
             step = up - down  # the step actually taken in floating point
             if bool((step == 0).any()):
                 self._vanishing_step(flat_x, grad_y_g.x_names, p, old, step, mu)
-            shifted = grad_y_g(flat_x.unflat(flat.scatter(-1, p, up)), ys)
-            other = grad_y_g(flat_x.unflat(flat.scatter(-1, p, down)), ys) if central else base
-            diff = tuple(s - b for s, b in zip(shifted, other, strict=True))
+            if stacked is None:
+                shifted = grad_y_g(flat_x.unflat(flat.scatter(-1, p, up)), ys)
+                other = grad_y_g(flat_x.unflat(flat.scatter(-1, p, down)), ys) if central else base
+                diff = tuple(s - b for s, b in zip(shifted, other, strict=True))
+                dots = tuple_dot(diff, w, lead).reshape(lead_shape)
+            else:
+                dots = self._stacked_dots(stacked, flat_x, flat, ys, base, w, p, up, down)
             # in float64, as a plain-float computation would be; then added once in x's dtype
-            term = scale * tuple_dot(diff, w, lead).double() / step.reshape(lead_shape).double()
+            term = scale * dots.double() / step.reshape(dots.shape).double()
             grad = grad.scatter_add(-1, p, term.to(grad.dtype).reshape(p.shape))
         return flat_x.unflat(grad)
+
+    def _stacked_dots(
+        self,
+        stacked: _InnerGradient,
+        flat_x: _FlatX,
+        flat: Tensor,
+        ys: TensorTuple,
+        base: TensorTuple,
+        w: TensorTuple,
+        p: Tensor,
+        up: Tensor,
+        down: Tensor,
+    ) -> Tensor:
+        """``⟨δ_p, w⟩`` for the ``b`` coordinates of ``p`` ``[*lead, b]`` at once, shaped like
+        ``p``: the differences' gradients come from one evaluation of ``stacked`` (the inner
+        gradient over points) at the ``b`` shifted copies of x (two for central ones)."""
+        count = p.shape[-1]
+        ys_at = tuple(t.expand(count, *t.shape) for t in ys)
+        shifted = stacked(flat_x.at_points(flat, p, up), ys_at)
+        if self.scheme == "central":
+            other = stacked(flat_x.at_points(flat, p, down), ys_at)
+        else:
+            other = base
+        diff = tuple(s - b for s, b in zip(shifted, other, strict=True))
+        return tuple_dot(diff, w, stacked.lead).movedim(0, -1)  # [b, *lead] -> [*lead, b]
 
     def _vanishing_step(
         self,
@@ -463,6 +513,11 @@ class _InnerGradient:
             lead=self.lead,
         )[1]
 
+    def at_points(self) -> _InnerGradient:
+        """The same gradient at several points at once: x and y, and the gradients, carry one
+        more leading dim (:func:`radbo.problem.at_points`)."""
+        return _InnerGradient(at_points(self.inner_loss), self.x_names, self.y_names, self.lead + 1)
+
 
 class _FlatX:
     """x as one flat vector per client (tensors in dict order), in which
@@ -486,3 +541,13 @@ class _FlatX:
         """A flat vector per client back to tensors shaped like x."""
         parts = values.split(self.sizes, dim=-1)
         return tuple(p.reshape(t.shape) for p, t in zip(parts, self.xs, strict=True))
+
+    def at_points(self, flat: Tensor, p: Tensor, values: Tensor) -> TensorTuple:
+        """x at ``b`` points, stacked on a new leading dim: point ``j`` is ``flat`` with
+        coordinate ``p[..., j]`` set to ``values[..., j]`` (``p`` and ``values`` ``[*lead,
+        b]``); shaped ``[b, *x's shape]``."""
+        count = p.shape[-1]
+        points = flat.expand(count, *flat.shape).clone()
+        points.scatter_(-1, p.movedim(-1, 0).unsqueeze(-1), values.movedim(-1, 0).unsqueeze(-1))
+        parts = points.split(self.sizes, dim=-1)
+        return tuple(q.reshape(count, *t.shape) for q, t in zip(parts, self.xs, strict=True))

@@ -23,7 +23,11 @@ __all__ = ["Screened", "screen", "update_problem"]
 
 
 def update_problem(
-    update: Mapping[str, Any], index_set: IndexSet, shapes: Mapping[str, torch.Size]
+    update: Mapping[str, Any],
+    index_set: IndexSet,
+    shapes: Mapping[str, torch.Size],
+    *,
+    finite: bool = True,
 ) -> str | None:
     """Why a client's update must not be aggregated, or ``None`` when it is sound.
 
@@ -32,6 +36,8 @@ def update_problem(
     state). It must be a floating tensor of the shape the client's index set selects from
     ``name`` and hold no NaN or Inf. A faulty or malicious client can break any of these;
     the engine then rejects the whole update and counts it (``RoundRecord.rejected``).
+    ``finite=False`` leaves out the NaN / Inf test (:func:`screen` makes it for a whole
+    phase at once).
 
     >>> import torch
     >>> shapes = {"w": torch.Size([3])}
@@ -54,16 +60,50 @@ def update_problem(
         )
         if tuple(tensor.shape) != expected:
             return f"{key!r} has shape {tuple(tensor.shape)}, expected {expected}"
-        if tensor.is_floating_point() and not _finite(tensor):
+        if finite and tensor.is_floating_point() and not _finite([tensor])[0]:
             return f"{key!r} holds NaN or Inf"
     return None
 
 
-def _finite(tensor: Tensor) -> bool:
-    """No NaN or Inf in ``tensor``: its sum is finite (a NaN or an Inf makes every sum NaN or
-    infinite), or else, the sum having overflowed, every element is. One reduction and one
-    read instead of an elementwise test, a reduction and a read, for every client's update."""
-    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
+def _finite(tensors: Sequence[Tensor]) -> list[bool]:
+    """For each tensor, whether it holds no NaN or Inf: its sum is finite (a NaN or an Inf
+    makes every sum NaN or infinite), or else, the sum having overflowed, every element is.
+    One reduction per tensor and one read for all of them (on a GPU, one host
+    synchronisation per phase instead of one per tensor of every client's update)."""
+    if not tensors:
+        return []
+    sums = torch.stack([t.sum().to(torch.float64) for t in tensors]).tolist()
+    return [
+        math.isfinite(v) or bool(torch.isfinite(t).all())
+        for v, t in zip(sums, tensors, strict=True)
+    ]
+
+
+def _unsound(
+    results: Sequence[ClientResult],
+    index_sets: Sequence[IndexSet],
+    shapes: Mapping[str, torch.Size],
+    checked: Sequence[int],
+) -> set[int]:
+    """The positions of ``checked`` whose result was rejected or fails
+    :func:`update_problem`; the NaN / Inf tests of all their tensors read at once."""
+    bad, tensors, owners = set(), [], []
+    for j in checked:
+        r = results[j]
+        if r.rejected is not None or update_problem(r.update, index_sets[j], shapes, finite=False):
+            bad.add(j)
+            continue
+        for t in r.update.values():
+            if t.is_floating_point():
+                tensors.append(t)
+                owners.append(j)
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    for members in groups.values():
+        flags = _finite([tensors[i] for i in members])
+        bad.update(owners[i] for i, ok in zip(members, flags, strict=True) if not ok)
+    return bad
 
 
 @dataclass(frozen=True)
@@ -93,13 +133,17 @@ def screen(
 ) -> Screened:
     """Sort a phase's results: lost ones (``lost``) dropped out, late ones (``slow``) are
     left out, and of the others the unsound ones are rejected; the rest are kept."""
+    if not len(results) == len(index_sets) == len(lost) == len(slow):
+        raise ValueError("screen needs one index set, lost and slow flag per result")
+    checked = [j for j in range(len(results)) if not lost[j] and not slow[j]]
+    unsound = _unsound(results, index_sets, shapes, checked)
     keep, gone, bad = [], [], []
-    for j, (r, idx, dropped) in enumerate(zip(results, index_sets, lost, strict=True)):
-        if dropped:
+    for j, r in enumerate(results):
+        if lost[j]:
             gone.append(r.client)
         elif slow[j]:
             continue
-        elif r.rejected is not None or update_problem(r.update, idx, shapes) is not None:
+        elif j in unsound:
             bad.append(r.client)
         else:
             keep.append(j)

@@ -164,3 +164,57 @@ def test_update_problem_cases(update, problem):
 def test_integer_buffers_pass():
     shapes = {"num_batches_tracked": torch.Size([])}
     assert update_problem({"num_batches_tracked": torch.tensor(3)}, {}, shapes) is None
+
+
+def test_screen_reads_every_update_of_a_phase_at_once():
+    """screen's verdicts are update_problem's, client by client, while the NaN / Inf tests of
+    the whole phase are read in one go: no scalar read per tensor (on a GPU, one host
+    synchronisation per phase). A float32 update whose sum overflows but whose entries are
+    finite (3e38 + 3e38) is sound; a float64 one with an Inf is not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.client import ClientResult
+    from radbo.simulation.screening import screen
+
+    big = torch.tensor([3e38, 3e38])
+    updates = [
+        {"w": torch.ones(2, 2), "b": torch.ones(2)},  # sound
+        {"w": torch.ones(2, 2), "b": torch.tensor([0.0, float("nan")])},  # NaN
+        {"w": torch.ones(2, 2), "b": big},  # overflowing sum, finite entries: sound
+        {"w": torch.ones(2, 2, dtype=torch.float64), "b": torch.tensor([1.0, float("inf")])},
+        {"w": torch.ones(3, 2)},  # wrong shape
+        {"w": torch.full((2, 2), float("nan"))},  # lost: never looked at
+        {"w": torch.full((2, 2), float("nan"))},  # late: never looked at
+    ]
+    results = [
+        ClientResult(client=10 + j, update=u, cost=None, rejected="bad" if j == 3 else None)
+        for j, u in enumerate(updates)
+    ]
+    results[3] = replace(results[3], rejected=None)
+    lost = [False] * 5 + [True, False]
+    slow = [False] * 6 + [True]
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        screened = screen(results, [KEEP] * 7, lost, slow, S)
+    assert screened.keep == [0, 2]
+    assert screened.rejected == [11, 13, 14]
+    assert (screened.dropped, screened.late) == ([15], [16])
+    # the sums come back as one list; an elementwise test only where a sum is not finite
+    # (the NaN, the Inf and the overflow), so a sound phase reads no scalar at all
+    assert len(reads) == 3
+    reads.clear()
+    with Reads():
+        assert screen(results[:1] * 50, [KEEP] * 50, [False] * 50, [False] * 50, S).keep == list(
+            range(50)
+        )
+    assert reads == []
+    verdicts = [update_problem(u, KEEP, S) for u in updates[:5]]
+    assert [v is None for v in verdicts] == [True, False, True, False, False]
