@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from radbo.experiment import build
-from tests.configs import small_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radbo.experiment import build  # noqa: E402
+from tests.configs import small_config  # noqa: E402
 
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
 

@@ -142,3 +142,20 @@ def test_rafbo_runs_batched_over_coordinates_agree_with_one_at_a_time(backend, s
         dict(RAFBO_CNN, estimator={**estimator, "coordinate_batch": 8}, runtime=runtime)
     )
     assert_runs_agree(one, many, rtol=1e-8)
+
+
+def test_the_benchmark_script_runs_and_its_ledgers_agree() -> None:
+    """benchmarks/fd_batch.py at its smallest: two rounds of examples/rafbo.toml, batch 1 and
+    64, the same FLOP ledger."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fd_batch.py"
+    spec = importlib.util.spec_from_file_location("fd_batch", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = argparse.Namespace(rounds=2, device="cpu", all_coordinates=False)
+    (_, one), (_, many) = script.one_run(1, args), script.one_run(64, args)
+    assert one == many > 0
