@@ -65,14 +65,15 @@ _HYPERGRADIENTS: dict[str, type[Estimator] | None] = {
 HypergradientModel = Hypergradient | Estimator | type[Estimator] | None
 
 
-def _memory_model(hypergradient: HypergradientModel) -> type[Estimator] | None:
-    """The estimator class whose :meth:`~radbo.hypergrad.Estimator.hypergradient_bytes`
-    models ``hypergradient`` (a name of :data:`Hypergradient`, an estimator or its class;
-    ``None`` or ``"none"``: nothing)."""
+def _memory_model(hypergradient: HypergradientModel) -> Estimator | type[Estimator] | None:
+    """What models the buffers of ``hypergradient``: a configured estimator itself (its
+    :meth:`~radbo.hypergrad.Estimator.memory_bytes` reads its settings), else the estimator
+    class (:meth:`~radbo.hypergrad.Estimator.hypergradient_bytes`) of a name of
+    :data:`Hypergradient` or a class; ``None`` or ``"none"``: nothing."""
     if hypergradient is None:
         return None
     if isinstance(hypergradient, Estimator):
-        return type(hypergradient)
+        return hypergradient  # its settings may matter (Estimator.memory_bytes)
     if isinstance(hypergradient, type) and issubclass(hypergradient, Estimator):
         return hypergradient
     if not isinstance(hypergradient, str) or hypergradient not in _HYPERGRADIENTS:
@@ -270,8 +271,13 @@ def estimate_training_memory(
     if model is not None:
         inner = trainable_names(module, "inner", inner_names)
         y_bytes = _param_bytes([params[n] for n in inner])
-        footprint = MemoryFootprint(weights - y_bytes, y_bytes, lambda: step.second_order(inner))
-        extra = model.hypergradient_bytes(footprint)
+        footprint = MemoryFootprint(
+            weights - y_bytes, y_bytes, lambda: step.second_order(inner), step.activations
+        )
+        if isinstance(model, Estimator):
+            extra = model.memory_bytes(footprint)
+        else:
+            extra = model.hypergradient_bytes(footprint)
     return MemoryEstimate(
         weights=weights,
         gradients=weights,

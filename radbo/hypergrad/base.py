@@ -61,11 +61,14 @@ class MemoryFootprint:
             ``g`` and what ``∇_y g`` built with ``create_graph=True`` saves for double
             backward, counted on the ``meta`` device when called (only an estimator with
             second-order products calls it).
+        activations: the bytes autograd saves for one first-order backward of the loss on
+            a batch (what each point of a batched evaluation holds again; default 0).
     """
 
     x_bytes: int
     y_bytes: int
     second_order: Callable[[], int]
+    activations: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,13 @@ class Estimator(Section):
         ``∇²_xy g · v`` and the hypergradient itself (2|x|)."""
         x, y = footprint.x_bytes, footprint.y_bytes
         return footprint.second_order() + 4 * y + (x + y) + 2 * x
+
+    def memory_bytes(self, footprint: MemoryFootprint) -> int:
+        """:meth:`hypergradient_bytes` for this estimator's settings (what the budget planner
+        adds when it is given the configured estimator rather than its class); the same
+        unless a setting changes the buffers (:class:`~radbo.hypergrad.FiniteDifference`'s
+        ``coordinate_batch``)."""
+        return self.hypergradient_bytes(footprint)
 
     def fields_for(self, use: str) -> frozenset[str] | None:
         """The settings that matter when an algorithm uses this estimator for ``use``

@@ -156,8 +156,8 @@ class FiniteDifference(Estimator):
             ``n_grad``); batched kernels may round float32 in the last bits differently
             (equal to rounding in float64, ``tests/hypergrad/test_fd_batched.py``). Memory
             grows with it: each evaluation holds ``coordinate_batch`` copies of x, y and
-            the inner loss's activations, which the device memory model
-            (:meth:`hypergradient_bytes`) does not count (it models ``1``). The loss must
+            the inner loss's activations, which the device memory model counts
+            (:meth:`memory_bytes`). The loss must
             run under ``torch.vmap``: every loss radbo binds does (BatchNorm statistics go
             to per-point copies that are dropped); a loss of your own must be a pure
             function of its inputs.
@@ -249,6 +249,19 @@ class FiniteDifference(Estimator):
         the finite-difference solve (4|y|); no second-order graph."""
         x, y = footprint.x_bytes, footprint.y_bytes
         return (x + y) + 2 * y + x + 4 * y
+
+    def memory_bytes(self, footprint: MemoryFootprint) -> int:
+        """:meth:`hypergradient_bytes` plus, for ``coordinate_batch = b > 1``, ``b - 1`` more
+        points held at once, each a shifted copy of x, a copy of y and the gradient of g at
+        it (|x| + 2|y|) and the activations of its backward (``footprint.activations``).
+
+        >>> fp = MemoryFootprint(x_bytes=100, y_bytes=10, second_order=int, activations=50)
+        >>> one, three = FiniteDifference(), FiniteDifference(coordinate_batch=3)
+        >>> one.memory_bytes(fp), three.memory_bytes(fp)
+        (270, 610)
+        """
+        point = footprint.x_bytes + 2 * footprint.y_bytes + footprint.activations
+        return self.hypergradient_bytes(footprint) + (self.coordinate_batch - 1) * point
 
     @model_validator(mode="before")
     @classmethod

@@ -26,7 +26,7 @@ from radbo.devices.budget import (
 )
 from radbo.devices.profile import DeviceProfile
 from radbo.flops import training_step_flops
-from radbo.hypergrad import ImplicitCG
+from radbo.hypergrad import FiniteDifference, ImplicitCG
 from radbo.masks.structure import StructurePlan
 from radbo.models import MLP, SmallCNN
 from radbo.models.base import BilevelModel
@@ -108,6 +108,11 @@ def test_estimate_components_by_hand() -> None:
     assert first.hypergradient == 2 * y_bytes
     fd = estimate_training_memory(model, 8, hypergradient="finite_difference")
     assert fd.hypergradient == 2 * x_bytes + 7 * y_bytes
+    # the configured estimator: coordinate_batch = 5 holds 4 more points at once, each a
+    # shifted x, a y, its gradient and one backward's activations
+    assert estimate_training_memory(model, 8, hypergradient=FiniteDifference()) == fd
+    batched = estimate_training_memory(model, 8, hypergradient=FiniteDifference(coordinate_batch=5))
+    assert batched.hypergradient == fd.hypergradient + 4 * (x_bytes + 2 * y_bytes + activations)
     implicit = estimate_training_memory(model, 8, hypergradient="implicit")
     # A second set of saved activations, 4|y| CG vectors, ∇f (|x|+|y|), ∇²_xy g·v and the
     # result (2|x|), plus what the create_graph backward saves for double backward (> 0).
