@@ -366,3 +366,17 @@ def test_loss_tuning_at_the_papers_size_is_resnet18_and_every_config_is_valid():
     assert models == {("vs_resnet18", (64, 128, 256, 512)), ("resnet18", (64, 128, 256, 512))}
     _, default = script.parse_args([])
     assert default.model == "mlp" and default.width == 128
+
+
+@pytest.mark.parametrize("name", ["rabo_fewshot", "rabo_loss_tuning"])
+def test_coordinate_batch_reaches_only_the_rafbo_row_and_only_when_set(name: str):
+    """``--coordinate-batch`` (for ``--device cuda``) sets RAFBO's ``[estimator]
+    coordinate_batch``; by default the RAFBO config reads as before the flag existed."""
+    script = load(name)
+    _, default = script.parse_args([])
+    _, batched = script.parse_args(["--coordinate-batch", "16"])
+    assert "coordinate_batch" not in script.methods(default)["RAFBO"]["estimator"]
+    for row, sections in script.methods(batched).items():
+        config = parse_config(script.merge(script.base_config(batched, 0), sections))
+        expected = 16 if row == "RAFBO" else None
+        assert getattr(config.estimator, "coordinate_batch", None) == expected, row

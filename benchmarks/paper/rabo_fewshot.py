@@ -49,7 +49,8 @@ line that names the fix.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_fewshot.py --omniglot DIR \\
         --ways 20 --shots 1 --model resnet12
     # the paper's size on a GPU: 10 clients, width 64, 28x28, 200 rounds, 600 episodes
-    .venv/bin/python benchmarks/paper/rabo_fewshot.py --omniglot DIR --full --device cuda
+    .venv/bin/python benchmarks/paper/rabo_fewshot.py --omniglot DIR --full --device cuda \\
+        --coordinate-batch 32
 
 Writes ``<out>/rabo_fewshot.md`` (the table, the device that produced it and the command) and
 ``<out>/rabo_fewshot.png`` (meta-test accuracy against rounds, mean over seeds with a band of
@@ -74,6 +75,7 @@ from benchmarks.paper.rabo_common import (  # noqa: E402
     CAPACITIES,
     CAPACITY_NAMES,
     add_common_arguments,
+    add_coordinate_batch,
     check_device,
     check_served,
     command_line,
@@ -125,7 +127,10 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {"RABO": {**importance, **rabo_sections()}}
     if args.refit_steps:
         table[refit_name(args.refit_steps)] = {**importance, **rabo_sections(args.refit_steps)}
-    table["RAFBO"] = {**importance, **rafbo_sections(args.rafbo_coordinates)}
+    table["RAFBO"] = {
+        **importance,
+        **rafbo_sections(args.rafbo_coordinates, args.coordinate_batch),
+    }
     table[FEDMBO] = {
         "mask": {"policy": "none"},
         "task": head,
@@ -231,6 +236,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "--refit-steps", type=int, default=100, help="S of the 'RABO, refit S' row (0: no row)"
     )
     parser.add_argument("--rafbo-coordinates", type=int, default=32, help="RAFBO's |P|")
+    add_coordinate_batch(parser)
     parser.add_argument("--maml-inner-steps", type=int, default=1, help="Dist-MAML's steps")
     parser.add_argument("--maml-inner-lr", type=float, default=0.1, help="Dist-MAML's step")
     parser.add_argument(

@@ -47,7 +47,8 @@ the same seed, averaged over seeds.
     # ResNet-18 at toy width on the CPU (digits 16x16)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --model resnet18
     # the paper's size on a GPU: CIFAR-10, ResNet-18 (widths 64-512), 200 rounds
-    .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --cifar10 DIR --full --device cuda
+    .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --cifar10 DIR --full --device cuda \\
+        --coordinate-batch 8
 
 Writes ``<out>/rabo_loss_tuning.md`` (the table, the device that produced it and the command),
 ``<out>/rabo_loss_tuning.png`` (Fig. 5: balanced test accuracy against rounds, mean over seeds
@@ -70,6 +71,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.paper.rabo_common import (  # noqa: E402
     add_common_arguments,
+    add_coordinate_batch,
+    batch_setting,
     check_device,
     command_line,
     giga,
@@ -125,6 +128,7 @@ def methods(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 "num_coordinates": args.rafbo_coordinates,
                 "cg_iters": CG["max_iter"],
                 "damping": CG["damping"],
+                **batch_setting(args.coordinate_batch),
             },
         },
         FEDMBO: {
@@ -218,6 +222,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         help="largest / smallest class of the training set (mu = imbalance ** (-1 / (C - 1)))",
     )
     parser.add_argument("--rafbo-coordinates", type=int, default=8, help="RAFBO's |P|")
+    add_coordinate_batch(parser)
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--mnist", default=None, metavar="DIR", help="MNIST IDX files in DIR")
