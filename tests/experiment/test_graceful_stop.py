@@ -173,8 +173,16 @@ def test_without_a_handler_nothing_changes(tmp_path, monkeypatch):
     KeyboardInterrupt it always was."""
     cfg = small_config(rounds=2, baseline={"enabled": False})
     signal_at(monkeypatch, 0, 0, signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        radbo.run(cfg, output_dir=tmp_path / "out", progress=False)
+    # Python's own handler for the test: an in-process Flower run earlier in this process
+    # (flwr's register_signal_handlers) may have left its handler installed, and then SIGINT
+    # is not a KeyboardInterrupt whatever radbo does (seen once under pytest-xdist)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            radbo.run(cfg, output_dir=tmp_path / "out", progress=False)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not (tmp_path / "out" / LOCK_FILE).exists()
 
 
