@@ -157,10 +157,9 @@ class FiniteDifference(Estimator):
             (equal to rounding in float64, ``tests/hypergrad/test_fd_batched.py``). Memory
             grows with it: each evaluation holds ``coordinate_batch`` copies of x, y and
             the inner loss's activations, which the device memory model counts
-            (:meth:`memory_bytes`). The loss must
-            run under ``torch.vmap``: every loss radbo binds does (BatchNorm statistics go
-            to per-point copies that are dropped); a loss of your own must be a pure
-            function of its inputs.
+            (:meth:`memory_bytes`). The loss must run under ``torch.vmap``: every loss
+            radbo binds does (BatchNorm statistics go to per-point copies that are
+            dropped); a loss of your own must be a pure function of its inputs.
 
     ``P`` is drawn uniformly without replacement from the ``d = dim x`` coordinates of all
     tensors of ``x`` (flattened in dict order) with ``torch.randperm(d, generator=...)``;
