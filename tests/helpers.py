@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import signal
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,6 +36,19 @@ from radbo.problem import ClientData
 from radbo.simulation import SequentialBackend, Simulation
 from radbo.tasks import HyperRepresentation
 from radbo.typing import Params
+
+
+# ------------------------------------------------------------------------------ scripts
+def load_script(path: Path, name: str) -> ModuleType:
+    """The script at ``path`` (a benchmark, not a package module) imported as ``name``; it is
+    registered in ``sys.modules`` because dataclasses in a script look their module up there."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # ------------------------------------------------------------------------------ state equality
 

@@ -3,18 +3,15 @@ synchronisations), by call site (issue 30, item 3)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("host_syncs", ROOT / "benchmarks/host_syncs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "host_syncs.py", "host_syncs")
 
 
 def test_screening_reads_once_per_phase_and_nothing_grows_with_the_clients():

@@ -6,25 +6,19 @@ Opt-in (``-m slow``): about ten seconds on one core.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests import helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script() -> ModuleType:
-    path = ROOT / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_overhead", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in a script look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(ROOT / "benchmarks" / "overhead.py", "bench_overhead")
 
 
 @pytest.mark.slow

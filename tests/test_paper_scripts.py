@@ -9,9 +9,7 @@ size on its default data, about one minute on one core together.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 
 from radbo.config import parse_config
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "benchmarks" / "paper"
@@ -89,12 +88,7 @@ NUMBER = r"\d\.\d{3}"
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"paper_{name}", PAPER / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in a script look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PAPER / f"{name}.py", f"paper_{name}")
 
 
 def row(table: str, name: str, *, k: int | None = None) -> list[str]:

@@ -6,7 +6,6 @@ made here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,17 +17,14 @@ import pytest
 
 from radbo.data.readers import read_cifar10
 from radbo.models import MODELS
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "vs_pfl.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("vs_pfl", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(SCRIPT, "vs_pfl")
 
 
 def test_the_synthetic_data_are_the_same_for_pfl_and_radbo(tmp_path):

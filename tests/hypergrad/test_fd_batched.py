@@ -19,7 +19,7 @@ import torch
 
 from radbo.hypergrad import FiniteDifference
 from radbo.problem import at_points
-from tests.helpers import flat
+from tests.helpers import flat, load_script
 from tests.hypergrad.test_fd_central import QuadraticInX
 from tests.simulation.test_batched import FULL, assert_runs_agree, trajectory
 
@@ -148,14 +148,10 @@ def test_the_benchmark_script_runs_and_its_ledgers_agree() -> None:
     """benchmarks/fd_batch.py at its smallest: two rounds of examples/rafbo.toml, batch 1 and
     64, the same FLOP ledger."""
     import argparse
-    import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "fd_batch.py"
-    spec = importlib.util.spec_from_file_location("fd_batch", path)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(path, "fd_batch")
     args = argparse.Namespace(rounds=2, device="cpu", all_coordinates=False)
     (_, one), (_, many) = script.one_run(1, args), script.one_run(64, args)
     assert one == many > 0
