@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--all-coordinates", action="store_true", help="every coordinate of x")
     args = parser.parse_args()
-    torch.set_num_threads(1) if args.device == "cpu" else None
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     seconds: dict[int, list[float]] = {b: [] for b in args.batches}
     ledgers: dict[int, int] = {}
     for rep in range(args.repeats):

@@ -444,7 +444,7 @@ class FiniteDifference(Estimator):
             step = up - down  # the step actually taken in floating point
             if bool((step == 0).any()):
                 self._vanishing_step(flat_x, grad_y_g.x_names, p, old, step, mu)
-            if stacked is None:
+            if stacked is None:  # one coordinate: the plain calls, bitwise as before the batch
                 shifted = grad_y_g(flat_x.unflat(flat.scatter(-1, p, up)), ys)
                 other = grad_y_g(flat_x.unflat(flat.scatter(-1, p, down)), ys) if central else base
                 diff = tuple(s - b for s, b in zip(shifted, other, strict=True))
@@ -550,16 +550,16 @@ class _FlatX:
         return torch.cat([t.reshape(*self.lead_shape, -1) for t in tensors], dim=-1)
 
     def unflat(self, values: Tensor) -> TensorTuple:
-        """A flat vector per client back to tensors shaped like x."""
+        """A flat vector per client back to tensors shaped like x (leading dims before the
+        clients', as :meth:`at_points` makes, are kept)."""
+        extra = values.shape[: values.ndim - 1 - len(self.lead_shape)]
         parts = values.split(self.sizes, dim=-1)
-        return tuple(p.reshape(t.shape) for p, t in zip(parts, self.xs, strict=True))
+        return tuple(p.reshape((*extra, *t.shape)) for p, t in zip(parts, self.xs, strict=True))
 
     def at_points(self, flat: Tensor, p: Tensor, values: Tensor) -> TensorTuple:
         """x at ``b`` points, stacked on a new leading dim: point ``j`` is ``flat`` with
         coordinate ``p[..., j]`` set to ``values[..., j]`` (``p`` and ``values`` ``[*lead,
         b]``); shaped ``[b, *x's shape]``."""
-        count = p.shape[-1]
-        points = flat.expand(count, *flat.shape).clone()
+        points = flat.expand(p.shape[-1], *flat.shape).clone()
         points.scatter_(-1, p.movedim(-1, 0).unsqueeze(-1), values.movedim(-1, 0).unsqueeze(-1))
-        parts = points.split(self.sizes, dim=-1)
-        return tuple(q.reshape(count, *t.shape) for q, t in zip(parts, self.xs, strict=True))
+        return self.unflat(points)

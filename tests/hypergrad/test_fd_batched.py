@@ -36,9 +36,9 @@ def qx() -> QuadraticInX:
 def _quotient_rounding(est: FiniteDifference, qx: QuadraticInX, x, y, result) -> float:
     """The bound of the module docstring for one estimate (``w = −v``)."""
     xf = flat(x)
-    step = float(((xf + est.step(xf.dtype)) - (xf - est.step(xf.dtype))).abs().min())
-    if est.scheme == "forward":
-        step = float(((xf + est.step(xf.dtype)) - xf).abs().min())
+    mu = est.step(xf.dtype)
+    down = xf if est.scheme == "forward" else xf - mu
+    step = float(((xf + mu) - down).abs().min())
     with torch.enable_grad():
         yl = {k: t.detach().requires_grad_(True) for k, t in y.items()}
         (g,) = torch.autograd.grad(qx.inner(x, yl), list(yl.values()))
