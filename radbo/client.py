@@ -39,6 +39,8 @@ from torch import Tensor, nn
 from radbo.cost import FlopMeter, shape_signature, tensor_bytes
 from radbo.loops import LocalSteps, Work, cg_iteration_flops, local_steps
 from radbo.problem import (
+    PAD_INDEX,
+    PAD_TARGET,
     Batch,
     BilevelProblem,
     ClientData,
@@ -62,6 +64,7 @@ __all__ = [
     "Phase",
     "Prepared",
     "mean_metric",
+    "pads_minibatches",
     "reply",
     "run_measured",
 ]
@@ -165,6 +168,12 @@ class ClientRuntime:
 
     Skeletons are cached by shape: ``functional_call`` supplies every parameter and buffer, so
     clients whose submodels have the same shapes share one module.
+
+    ``pads`` says that a stacked cohort may pad its clients' shorter minibatches (see
+    :attr:`Prepared.ragged`): the problem's losses average over examples with
+    ``F.cross_entropy``'s default ``ignore_index`` (:data:`~radbo.problem.PAD_TARGET`, which
+    :meth:`batch` gives a padded example) and the model mixes no examples (no BatchNorm, no
+    dropout); :func:`pads_minibatches` decides it.
     """
 
     problem: BilevelProblem
@@ -173,6 +182,7 @@ class ClientRuntime:
     model: nn.Module
     build_submodel: Callable[[IndexSet], nn.Module] | None = None
     sampler: Sampler = field(default_factory=MinibatchSampler)
+    pads: bool = False
     _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
 
     def module_for(self, index_set: IndexSet) -> nn.Module:
@@ -191,8 +201,24 @@ class ClientRuntime:
         return module
 
     def batch(self, indices: Tensor) -> Batch:
-        """The examples at ``indices`` of the training set (any leading shape)."""
-        return Batch(self.features[indices], self.labels[indices])
+        """The examples at ``indices`` of the training set (any leading shape); where
+        :attr:`pads`, an index :data:`~radbo.problem.PAD_INDEX` is a padded example (the last
+        one's features, target :data:`~radbo.problem.PAD_TARGET`)."""
+        labels = self.labels[indices]
+        if self.pads and indices.ndim > 1:  # only a stacked cohort's minibatches are padded
+            labels = labels.masked_fill((indices == PAD_INDEX).to(labels.device), PAD_TARGET)
+        return Batch(self.features[indices], labels)
+
+
+def pads_minibatches(problem: BilevelProblem, model: nn.Module) -> bool:
+    """Whether stacked cohorts may pad minibatches (:attr:`ClientRuntime.pads`): the problem
+    says its losses are means of ``F.cross_entropy`` over examples plus terms free of the
+    batch (a class attribute ``pads_minibatches = True``), and no layer of ``model`` mixes
+    examples (BatchNorm normalises with the batch's statistics; dropout draws per example)."""
+    mixing = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+    return bool(getattr(problem, "pads_minibatches", False)) and not any(
+        isinstance(m, mixing) for m in model.modules()
+    )
 
 
 # ---------------------------------------------------------------------------- client work
@@ -209,21 +235,34 @@ class Prepared:
             see :meth:`Cohort.local_steps`).
         num_steps: the client's number of local steps (the length of every ``steps`` entry).
         key: anything else clients must share to run together (hashable; default none).
+        ragged: keys of ``data`` or ``steps`` whose last dimension is a minibatch of example
+            indices (read through :meth:`ClientRuntime.batch`): where the runtime
+            :attr:`~ClientRuntime.pads`, clients whose minibatches differ only in length run
+            as one cohort, the shorter ones padded (:meth:`Cohort.data`).
     """
 
     data: Mapping[str, Tensor] = field(default_factory=dict)
     steps: Mapping[str, Tensor] = field(default_factory=dict)
     num_steps: int = 0
     key: Hashable = ()
+    ragged: frozenset[str] = frozenset()
 
-    def signature(self) -> Hashable:
+    def signature(self, pad: bool = False) -> Hashable:
         """What two clients' draws must have in common to run as one cohort (shapes, dtypes
-        and ``key``; not the number of steps)."""
+        and ``key``; not the number of steps; with ``pad``, not the length of a
+        :attr:`ragged` minibatch)."""
 
         def sig(items: Mapping[str, Tensor], skip: int) -> tuple:
-            return tuple((k, tuple(t.shape[skip:]), t.dtype) for k, t in sorted(items.items()))
+            return tuple(
+                (k, tuple(t.shape[skip : -1 if pad and k in self.ragged else None]), t.dtype)
+                for k, t in sorted(items.items())
+            )
 
         return (sig(self.data, 0), sig(self.steps, 1), self.key)
+
+    def size(self, key: str) -> int:
+        """The length of minibatch ``key`` (its last dimension, unpadded)."""
+        return (self.data[key] if key in self.data else self.steps[key]).shape[-1]
 
 
 def no_draws(runtime: ClientRuntime, task: ClientTask) -> Prepared:
@@ -287,6 +326,24 @@ class Cohort:
     def _gather(self, tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         return torch.stack(list(tensors), dim=dim) if self.stacked else tensors[0]
 
+    def _draws(self, key: str, tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+        """Drawn ``tensors`` gathered; a :attr:`Prepared.ragged` minibatch's shorter entries
+        padded at the end with :data:`~radbo.problem.PAD_INDEX` (the cohort was grouped
+        with padding, :func:`stack_key`)."""
+        if self.stacked and key in self.prepared[0].ragged:
+            longest = max(t.shape[-1] for t in tensors)
+            tensors = [
+                t
+                if t.shape[-1] == longest
+                else torch.nn.functional.pad(t, (0, longest - t.shape[-1]), value=PAD_INDEX)
+                for t in tensors
+            ]
+        return self._gather(tensors, dim)
+
+    def sizes(self, key: str) -> list[int]:
+        """Each client's length of minibatch ``key``, unpadded (:meth:`Prepared.size`)."""
+        return [p.size(key) for p in self.prepared]
+
     def param(self, name: str) -> Tensor:
         """Received tensor ``name`` (stacked over clients when stacked)."""
         return self._gather([t.params[name] for t in self.tasks])
@@ -303,8 +360,8 @@ class Cohort:
         return name in self.tasks[0].params
 
     def data(self, key: str) -> Tensor:
-        """A once-drawn tensor of :attr:`Prepared.data`."""
-        return self._gather([p.data[key] for p in self.prepared])
+        """A once-drawn tensor of :attr:`Prepared.data` (a ragged minibatch padded)."""
+        return self._draws(key, [p.data[key] for p in self.prepared])
 
     @property
     def num_steps(self) -> list[int]:
@@ -321,14 +378,14 @@ class Cohort:
         if whole is None and self.stacked:
             per_client = [p.steps[key] for p in self.prepared]
             if len({t.shape[0] for t in per_client}) == 1:
-                whole = self._all_steps[key] = torch.stack(per_client, dim=1)
+                whole = self._all_steps[key] = self._draws(key, per_client, dim=1)
         if whole is not None:
             return whole[min(step, whole.shape[0] - 1)]
         entries = []
         for p in self.prepared:
             t = p.steps[key]
             entries.append(t[min(step, t.shape[0] - 1)])
-        return self._gather(entries)
+        return self._draws(key, entries)
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what
@@ -626,8 +683,9 @@ class MaskAssigner(Protocol):
     ) -> IndexSet: ...
 
 
-def stack_key(task: ClientTask, prepared: Prepared) -> Hashable:
+def stack_key(task: ClientTask, prepared: Prepared, pad: bool = False) -> Hashable:
     """What two tasks must share to run as one stacked cohort: phase, index-set shapes, the
-    received tensors' shapes and dtypes, and the draws' signature."""
+    received tensors' shapes and dtypes, and the draws' signature (with ``pad``, ragged
+    minibatches of any length: :attr:`Prepared.ragged`)."""
     received = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(task.params.items()))
-    return (task.phase, _shape_key(task.index_set), received, prepared.signature())
+    return (task.phase, _shape_key(task.index_set), received, prepared.signature(pad))

@@ -30,6 +30,13 @@ class Batch:
     targets: Tensor
 
 
+#: The index a stacked cohort pads a shorter minibatch with (see :class:`radbo.client.Cohort`).
+PAD_INDEX = -1
+#: The target of a padded example: ``F.cross_entropy``'s default ``ignore_index``, so a mean
+#: cross-entropy over a padded minibatch is the mean over its real examples.
+PAD_TARGET = -100
+
+
 @dataclass(frozen=True)
 class ClientData:
     """Indices of one client's samples in the training set.

@@ -112,6 +112,12 @@ FULL = {"mask": {"policy": "none"}}
 CASES = {
     "rabo-cg": {},
     "rabo-batched": {"runtime": {"backend": "batched"}},
+    # 40 non-iid clients, most holding less than a minibatch: ragged cohorts padded (their
+    # index tensors live on the CPU, the labels they mask on the GPU; that mix once failed)
+    "rabo-padded": {
+        "runtime": {"backend": "batched"},
+        "fleet": {**demo_dict()["fleet"], "num_clients": 40},
+    },
     # all 8,320 coordinates of x, 256 per gradient of g: one at a time took over 100 s on an
     # H100 (one launch sequence per coordinate); test_fd_batched.py has batch = one at a time
     "rafbo-fd": {

@@ -47,6 +47,7 @@ the same seed, averaged over seeds.
     # ResNet-18 at toy width on the CPU (digits 16x16)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --model resnet18
     # the paper's size on a GPU: CIFAR-10, ResNet-18 (widths 64-512), 200 rounds
+    # (about 6 s per RABO round on an H100: some 20 minutes per row and seed)
     .venv/bin/python benchmarks/paper/rabo_loss_tuning.py --cifar10 DIR --full --device cuda \\
         --coordinate-batch 8
 

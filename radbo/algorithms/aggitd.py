@@ -315,7 +315,9 @@ class AggITD(AggITDConfig, AlgorithmBase):
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.local_steps
         batches = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
-        return Prepared(steps={"inner": torch.stack(batches)}, num_steps=steps)
+        return Prepared(
+            steps={"inner": torch.stack(batches)}, num_steps=steps, ragged=frozenset({"inner"})
+        )
 
     def run_local(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """tau_i local SGD steps on g_i from y^r; returns the summed gradients
@@ -368,7 +370,7 @@ class AggITD(AggITDConfig, AlgorithmBase):
         """One outer minibatch."""
         gen = task.generator()
         idx = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
-        return Prepared(data={"outer": idx})
+        return Prepared(data={"outer": idx}, ragged=frozenset({"outer"}))
 
     def run_outer(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """``grad_x f_i`` and ``grad_y f_i`` at (x^k, y^R) on one outer minibatch (one
@@ -395,7 +397,9 @@ class AggITD(AggITDConfig, AlgorithmBase):
             **dict(zip(xn, grad_x, strict=True)),
             **{f"{V}:{n}": g for n, g in zip(yn, grad_y, strict=True)},
         }
-        return cohort.replies(update, {"outer_loss": values[0]}, n_grad=1, samples=idx.shape[-1])
+        return cohort.replies(
+            update, {"outer_loss": values[0]}, n_grad=1, samples=cohort.sizes("outer")
+        )
 
     def run_backward(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """Replay tau_i local steps from y^r, then back-propagate v_{r+1} through them:

@@ -156,7 +156,7 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
             inner.append(pair[0])
             outer.append(pair[1])
         batches = torch.cat([torch.stack(inner), torch.stack(outer)], dim=1)
-        return Prepared(steps={"batch": batches}, num_steps=steps)
+        return Prepared(steps={"batch": batches}, num_steps=steps, ragged=frozenset({"batch"}))
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """Local SGD on the trained parameters (:meth:`trained_names`); returns their summed
@@ -200,12 +200,11 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         steps = cohort.local_steps(step, (params, total, buffers, float("nan")), name="fedavg.step")
         _, total, buffers, loss_value = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        sizes = [p.steps["batch"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
             {"train_loss": loss_value},
             n_grad=steps.n_grad,
-            samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
+            samples=[n * b for n, b in zip(cohort.num_steps, cohort.sizes("batch"), strict=True)],
         )
 
     def server(

@@ -244,7 +244,8 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
     def prepare_inner(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One inner minibatch of S examples."""
         gen = task.generator()
-        return Prepared(data={"inner": runtime.sampler.inner(task.data, self.batch_size, gen)})
+        idx = runtime.sampler.inner(task.data, self.batch_size, gen)
+        return Prepared(data={"inner": idx}, ragged=frozenset({"inner"}))
 
     def run_gradient(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """One minibatch gradient of g_i in y (Alg. 1 line 8)."""
@@ -259,7 +260,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         if self.aggregate_buffers:
             update.update(buffers)
         return cohort.replies(
-            update, {"inner_loss": loss.detach()}, n_grad=1, samples=idx.shape[-1]
+            update, {"inner_loss": loss.detach()}, n_grad=1, samples=cohort.sizes("inner")
         )
 
     def prepare_phe_init(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
@@ -267,7 +268,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         gen = task.generator()
         phi = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
         theta = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
-        return Prepared(data={"phi": phi, "theta": theta})
+        return Prepared(data={"phi": phi, "theta": theta}, ragged=frozenset({"phi", "theta"}))
 
     def run_phe_init(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """d_i = ∇_x f_i (batch φ) and p_{i,0} = (N/ℓ) ∇_y f_i (batch θ) (Alg. 2 lines 3-5)."""
@@ -306,7 +307,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
             **dict(zip(xn, d, strict=True)),
             **{f"{P}:{n}": scale * g for n, g in zip(yn, grad_y, strict=True)},
         }
-        samples = phi.shape[-1] + theta.shape[-1]
+        samples = [a + b for a, b in zip(cohort.sizes("phi"), cohort.sizes("theta"), strict=True)]
         return cohort.replies(update, {"outer_loss": value[0]}, n_grad=2, samples=samples)
 
     def _chain_product(
@@ -321,7 +322,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
         system = self.estimator.linearize(inner, x, y, lead=cohort.lead, with_x=mixed)
         p = tuple(cohort.param(f"{P}:{n}") for n in self.inner_names)
         product = system.mixed(p) if mixed else system.hvp(p)
-        counts = {"n_grad": system.n_grad, "n_hvp": system.n_hvp, "samples": idx.shape[-1]}
+        counts = {"n_grad": system.n_grad, "n_hvp": system.n_hvp, "samples": cohort.sizes("inner")}
         return p, product, counts
 
     def run_neumann_step(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:

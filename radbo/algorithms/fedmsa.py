@@ -242,7 +242,7 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
     def prepare_momentum(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One sample ξ_r^m (an inner and an outer minibatch), shared by both points."""
         inner, outer = self._draw_pair(runtime, task, task.generator())
-        return Prepared(data={"inner": inner, "outer": outer})
+        return Prepared(data={"inner": inner, "outer": outer}, ragged=frozenset({"inner", "outer"}))
 
     def run_momentum(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """h^m, q^m of eq. (5) on one sample shared by both points (ρ = 1 in round 0)."""
@@ -270,7 +270,7 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
             **{f"{QW}:{k}": t for k, t in s_w.items()},
             **{f"{QV}:{k}": t for k, t in s_v.items()},
         }
-        samples = cohort.data("inner").shape[-1] + cohort.data("outer").shape[-1]
+        samples = [a + b for a, b in zip(cohort.sizes("inner"), cohort.sizes("outer"), strict=True)]
         return cohort.replies(
             update,
             {"outer_loss": f_value, "inner_loss": g_value},
@@ -337,7 +337,7 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
             "inner": torch.stack([i for i, _ in pairs]),
             "outer": torch.stack([o for _, o in pairs]),
         }
-        return Prepared(steps=data, num_steps=len(pairs))
+        return Prepared(steps=data, num_steps=len(pairs), ragged=frozenset(data))
 
     def run_local(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """Lines 10-16: SARAH-type directions and K steps from the server point."""

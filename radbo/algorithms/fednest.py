@@ -385,7 +385,8 @@ class FedNest(FedNestConfig, AlgorithmBase):
     def prepare_inner(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One inner minibatch ζ."""
         gen = task.generator()
-        return Prepared(data={"inner": runtime.sampler.inner(task.data, self.batch_size, gen)})
+        idx = runtime.sampler.inner(task.data, self.batch_size, gen)
+        return Prepared(data={"inner": idx}, ragged=frozenset({"inner"}))
 
     def run_inner_gradient(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """q_i = ∇_y g_i(x, y; ζ_i), the client's share of FedInn's global gradient."""
@@ -397,7 +398,9 @@ class FedNest(FedNestConfig, AlgorithmBase):
         _, grad_y = self._grads(
             inner, "inner_loss", x, y, wrt_x=False, wrt_y=True, lead=cohort.lead, value=value
         )
-        return cohort.replies(grad_y, {"inner_loss": value[0]}, n_grad=1, samples=idx.shape[-1])
+        return cohort.replies(
+            grad_y, {"inner_loss": value[0]}, n_grad=1, samples=cohort.sizes("inner")
+        )
 
     def server_anchor(self, state, results, index_sets, weights):
         """q = mean_i q_i, carried to the local round (none: the local round is skipped)."""
@@ -413,7 +416,9 @@ class FedNest(FedNestConfig, AlgorithmBase):
         gen = task.generator()
         steps = task.budget.local_steps
         draws = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
-        return Prepared(steps={"inner": torch.stack(draws)}, num_steps=steps)
+        return Prepared(
+            steps={"inner": torch.stack(draws)}, num_steps=steps, ragged=frozenset({"inner"})
+        )
 
     def run_local_y(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """τ_i local steps on y: SVRG-corrected by the server's q when it sent one (FedInn),
@@ -481,9 +486,8 @@ class FedNest(FedNestConfig, AlgorithmBase):
     def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One outer minibatch θ."""
         gen = task.generator()
-        return Prepared(
-            data={"outer": runtime.sampler.outer(task.data, self.outer_batch_size, gen)}
-        )
+        idx = runtime.sampler.outer(task.data, self.outer_batch_size, gen)
+        return Prepared(data={"outer": idx}, ragged=frozenset({"outer"}))
 
     def run_outer_gradient_y(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """∇_y f_i(x, y; θ_i), the client's share of p_0."""
@@ -496,7 +500,9 @@ class FedNest(FedNestConfig, AlgorithmBase):
             outer, "outer_loss", x, y, wrt_x=False, wrt_y=True, lead=cohort.lead, value=value
         )
         update = {f"{P}:{n}": t for n, t in grad_y.items()}
-        return cohort.replies(update, {"outer_loss": value[0]}, n_grad=1, samples=idx.shape[-1])
+        return cohort.replies(
+            update, {"outer_loss": value[0]}, n_grad=1, samples=cohort.sizes("outer")
+        )
 
     def _carried_mean(self, prefix: str, like: Params, results, index_sets, weights) -> Params:
         shapes = {f"{prefix}:{n}": t.shape for n, t in like.items()}
@@ -533,7 +539,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
             for n, pi, hi in zip(self.inner_names, p, hp, strict=True)
         }
         return cohort.replies(
-            update, n_grad=system.n_grad, n_hvp=system.n_hvp, samples=idx.shape[-1]
+            update, n_grad=system.n_grad, n_hvp=system.n_hvp, samples=cohort.sizes("inner")
         )
 
     def neumann_server(self, level: int):
@@ -554,7 +560,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
         inner, outer = runtime.sampler.pair(
             task.data, self.batch_size, self.outer_batch_size, task.generator()
         )
-        return Prepared(data={"inner": inner, "outer": outer})
+        return Prepared(data={"inner": inner, "outer": outer}, ragged=frozenset({"inner", "outer"}))
 
     def run_hypergradient(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """h_i = ∇_x f_i(x, y; φ) − ∇²_xy g_i(x, y; ζ) p with the server's IHGP vector p."""
@@ -575,7 +581,9 @@ class FedNest(FedNestConfig, AlgorithmBase):
             {"outer_loss": value[0]},
             n_grad=system.n_grad + 1,
             n_hvp=system.n_hvp,
-            samples=inner_idx.shape[-1] + outer_idx.shape[-1],
+            samples=[
+                a + b for a, b in zip(cohort.sizes("inner"), cohort.sizes("outer"), strict=True)
+            ],
         )
 
     def server_hypergrad(self, state, results, index_sets, weights):
@@ -594,7 +602,9 @@ class FedNest(FedNestConfig, AlgorithmBase):
         gen = task.generator()
         steps = self.outer_local_steps
         draws = [runtime.sampler.outer(task.data, self.outer_batch_size, gen) for _ in range(steps)]
-        return Prepared(steps={"outer": torch.stack(draws)}, num_steps=steps)
+        return Prepared(
+            steps={"outer": torch.stack(draws)}, num_steps=steps, ragged=frozenset({"outer"})
+        )
 
     def run_local_x(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """SVRG-corrected local steps on x with the server's h; returns the summed directions
@@ -683,6 +693,7 @@ class LFedNest(LFedNestConfig, FedNest):
                 "outer": torch.stack([o for _, o in pairs]),
             },
             num_steps=steps,
+            ragged=frozenset({"inner", "outer"}),
         )
 
     def run_local_hypergradient(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:

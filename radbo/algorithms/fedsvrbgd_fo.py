@@ -328,7 +328,8 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
             inner.append(pair[0])
             outer.append(pair[1])
         steps = {"inner": torch.stack(inner), "outer": torch.stack(outer)}
-        return Prepared(data=data, steps=steps, num_steps=task.budget.local_steps)
+        ragged = frozenset({*data, *steps})  # every draw is a minibatch
+        return Prepared(data=data, steps=steps, num_steps=task.budget.local_steps, ragged=ragged)
 
     def _estimator_keys(self) -> list[str]:
         return [f"{prefix}:{n}" for prefix in ESTIMATOR_PARTS for n in self._names(prefix)]

@@ -203,7 +203,9 @@ class RABO(RABOConfig, AlgorithmBase):
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.inner_steps
         batches = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
-        return Prepared(steps={"inner": torch.stack(batches)}, num_steps=steps)
+        return Prepared(
+            steps={"inner": torch.stack(batches)}, num_steps=steps, ragged=frozenset({"inner"})
+        )
 
     def run_inner(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers."""
@@ -233,8 +235,7 @@ class RABO(RABOConfig, AlgorithmBase):
         steps = cohort.local_steps(step, (y, total, buffers, float("nan")), name="rabo.inner")
         _, total, buffers, loss_value = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
-        samples = [n * b for n, b in zip(cohort.num_steps, batch_sizes, strict=True)]
+        samples = [n * b for n, b in zip(cohort.num_steps, cohort.sizes("inner"), strict=True)]
         return cohort.replies(
             update, {"inner_loss": loss_value}, n_grad=steps.n_grad, samples=samples
         )
@@ -277,7 +278,7 @@ class RABO(RABOConfig, AlgorithmBase):
         data = {"inner": inner, "outer": outer}
         x = {n: task.params[n] for n in self.outer_names}
         data.update({f"estimator:{k}": t for k, t in self.estimator.draw(gen, x).items()})
-        return Prepared(data=data)
+        return Prepared(data=data, ragged=frozenset({"inner", "outer"}))
 
     def run_outer(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """Local hypergradient on the submodel (eq. (7)) with the configured estimator."""
@@ -308,7 +309,7 @@ class RABO(RABOConfig, AlgorithmBase):
         with torch.no_grad():
             outer_value = outer(x, y)
         update = {**grad, **result.state}
-        samples = inner_idx.shape[-1] + outer_idx.shape[-1]
+        samples = [a + b for a, b in zip(cohort.sizes("inner"), cohort.sizes("outer"), strict=True)]
         # x is already on the client from the inner phase; so are the buffers unless the
         # inner phase re-averaged them (then the client needs the server's new ones)
         fresh = list(self.buffer_names) if self.aggregate_buffers else []

@@ -242,7 +242,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             inner.append(pair[0])
             outer.append(pair[1])
         steps = {"inner": torch.stack(inner), "outer": torch.stack(outer)}
-        return Prepared(steps=steps, num_steps=task.budget.local_steps)
+        return Prepared(
+            steps=steps, num_steps=task.budget.local_steps, ragged=frozenset({"inner", "outer"})
+        )
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """tau_i simultaneous local steps (eq. (3)) and the local aggregates (eq. (4))."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from radbo.algorithms import AlgorithmConfig, Wiring
-from radbo.client import Algorithm, ClientRuntime, Phase
+from radbo.client import Algorithm, ClientRuntime, Phase, pads_minibatches
 from radbo.config import ConfigError, RunConfig
 from radbo.data import Dataset, DatasetSummary
 from radbo.masks.structure import StructurePlan
@@ -185,12 +185,14 @@ def client_side(
     whose task is built for the training set ``training`` summarises."""
     algorithm = build_algorithm(config.algorithm, algorithm_wiring(config, model, population_steps))
     plan = model.plan
+    problem = build_task(config.task, training)
     runtime = ClientRuntime(
-        problem=build_task(config.task, training),
+        problem=problem,
         features=examples.features,
         labels=examples.labels,
         model=model.model,
         build_submodel=None if plan is None else plan.submodel,
         sampler=sampler,
+        pads=pads_minibatches(problem, model.model),
     )
     return ClientSide(model, algorithm, runtime)

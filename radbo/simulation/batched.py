@@ -11,6 +11,16 @@ leading dimension and runs ``work.run`` once per group: the problem's losses go 
 norms for clipping) stays per client (:mod:`radbo.autodiff`). Work that is a plain function
 rather than a :class:`~radbo.client.ClientWork` runs one client at a time.
 
+**Ragged minibatches.** A client holding fewer examples than a minibatch draws a shorter one.
+Where the runtime :attr:`~radbo.client.ClientRuntime.pads` (the task's losses are a mean
+cross-entropy over examples, and no layer mixes examples: no BatchNorm, no dropout), the
+minibatches an algorithm declares :attr:`~radbo.client.Prepared.ragged` do not split a group:
+the cohort pads the shorter ones with :data:`~radbo.problem.PAD_INDEX`, whose target
+cross-entropy ignores, so each client's loss is the mean over its own examples. Without it,
+each minibatch length was a cohort of its own: the demo fleet of 100 clients ran 26 stacked
+cohorts per phase (and a dozen single clients) where it now runs 3, one per submodel shape
+(``benchmarks/padding.py``). Counts and FLOPs are those of the unpadded client.
+
 FLOPs are what each client alone would execute: :func:`~radbo.client.run_measured` measures
 a workload it has not seen by running the work for that one client under the FLOP counter.
 
@@ -48,11 +58,12 @@ def stack_groups(
 ) -> tuple[list[Prepared], dict[Hashable, list[int]]]:
     """Every task's draws (``work.prepare``, from the task's own generator) and the positions
     of the tasks that can run as one stacked cohort, by :func:`~radbo.client.stack_key`, in
-    the order the keys first appear."""
+    the order the keys first appear; where the runtime :attr:`~radbo.client.ClientRuntime.pads`,
+    minibatches of different lengths do not split a group (the cohort pads them)."""
     prepared = [work.prepare(runtime, task) for task in tasks]
     groups: dict[Hashable, list[int]] = {}
     for i, (task, draws) in enumerate(zip(tasks, prepared, strict=True)):
-        groups.setdefault(stack_key(task, draws), []).append(i)
+        groups.setdefault(stack_key(task, draws, runtime.pads), []).append(i)
     return prepared, groups
 
 

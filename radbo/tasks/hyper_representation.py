@@ -18,7 +18,7 @@ divergence`` guard (:mod:`radbo.simulation.divergence`) catches a run that blows
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,6 +36,10 @@ class HyperRepresentation(TaskConfig):
 
     name: Literal["hyper_representation"] = "hyper_representation"
     inner_l2: float = InnerL2(1e-2)
+
+    #: both losses are a mean ``F.cross_entropy`` over the batch plus batch-free terms, so a
+    #: padded example (target ``PAD_TARGET``) counts for nothing (radbo.client.pads_minibatches)
+    pads_minibatches: ClassVar[bool] = True
 
     def build(self, train: Any) -> HyperRepresentation:
         return self
