@@ -340,9 +340,10 @@ class Cohort:
             ]
         return self._gather(tensors, dim)
 
-    def sizes(self, key: str) -> list[int]:
-        """Each client's length of minibatch ``key``, unpadded (:meth:`Prepared.size`)."""
-        return [p.size(key) for p in self.prepared]
+    def sizes(self, *keys: str) -> list[int]:
+        """Each client's length of minibatch ``keys`` (summed over them), unpadded
+        (:meth:`Prepared.size`): the examples its work read, for ``samples`` counts."""
+        return [sum(p.size(k) for k in keys) for p in self.prepared]
 
     def param(self, name: str) -> Tensor:
         """Received tensor ``name`` (stacked over clients when stacked)."""

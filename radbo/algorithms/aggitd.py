@@ -358,7 +358,7 @@ class AggITD(AggITDConfig, AlgorithmBase):
         steps = cohort.local_steps(step, (y, total, buffers), name="aggitd.local")
         _, total, buffers = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
+        sizes = cohort.sizes("inner")
         return cohort.replies(
             update,
             {"inner_loss": first[0] if first else float("nan")},
@@ -433,7 +433,7 @@ class AggITD(AggITDConfig, AlgorithmBase):
             **dict(zip(self.outer_names, a, strict=True)),
             **{f"{V}:{n}": t for n, t in zip(yn, u, strict=True)},
         }
-        sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
+        sizes = cohort.sizes("inner")
         return cohort.replies(
             update,
             n_grad=steps.n_grad,

@@ -307,7 +307,7 @@ class FedMBO(FedMBOConfig, AlgorithmBase):
             **dict(zip(xn, d, strict=True)),
             **{f"{P}:{n}": scale * g for n, g in zip(yn, grad_y, strict=True)},
         }
-        samples = [a + b for a, b in zip(cohort.sizes("phi"), cohort.sizes("theta"), strict=True)]
+        samples = cohort.sizes("phi", "theta")
         return cohort.replies(update, {"outer_loss": value[0]}, n_grad=2, samples=samples)
 
     def _chain_product(

@@ -270,7 +270,7 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
             **{f"{QW}:{k}": t for k, t in s_w.items()},
             **{f"{QV}:{k}": t for k, t in s_v.items()},
         }
-        samples = [a + b for a, b in zip(cohort.sizes("inner"), cohort.sizes("outer"), strict=True)]
+        samples = cohort.sizes("inner", "outer")
         return cohort.replies(
             update,
             {"outer_loss": f_value, "inner_loss": g_value},

@@ -458,7 +458,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
         update = dict(total)
         if self.aggregate_buffers:
             update.update(buffers)
-        batch_sizes = [p.steps["inner"].shape[1] for p in cohort.prepared]
+        batch_sizes = cohort.sizes("inner")
         return cohort.replies(
             update,
             {"inner_loss": first[0] if first else 0.0},
@@ -581,9 +581,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
             {"outer_loss": value[0]},
             n_grad=system.n_grad + 1,
             n_hvp=system.n_hvp,
-            samples=[
-                a + b for a, b in zip(cohort.sizes("inner"), cohort.sizes("outer"), strict=True)
-            ],
+            samples=cohort.sizes("inner", "outer"),
         )
 
     def server_hypergrad(self, state, results, index_sets, weights):
@@ -625,7 +623,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
         total = {n: torch.zeros_like(t) for n, t in x0.items()}
         steps = cohort.local_steps(step, (x0, total), name="fednest.local_x")
         _, total = steps.carry
-        batch_sizes = [p.steps["outer"].shape[1] for p in cohort.prepared]
+        batch_sizes = cohort.sizes("outer")
         return cohort.replies(
             total,
             n_grad=steps.n_grad,
@@ -748,7 +746,7 @@ class LFedNest(LFedNestConfig, FedNest):
         total = {n: torch.zeros_like(t) for n, t in x.items()}
         steps = cohort.local_steps(step, (x, total), name="lfednest.outer", uniform=False)
         _, total = steps.carry
-        sizes = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
+        sizes = cohort.sizes("inner", "outer")
         return cohort.replies(
             total,
             {"outer_loss": first[0] if first else 0.0},

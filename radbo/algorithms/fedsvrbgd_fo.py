@@ -413,7 +413,7 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         if self.aggregate_buffers:
             update.update(buffers)
         outer_loss, inner_loss = losses if losses is not None else (0.0, 0.0)
-        batch = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
+        batch = cohort.sizes("inner", "outer")
         init = [
             p.data["init_inner"].shape[-1] + p.data["init_outer"].shape[-1] if n_init else 0
             for p in cohort.prepared

@@ -309,7 +309,7 @@ class RABO(RABOConfig, AlgorithmBase):
         with torch.no_grad():
             outer_value = outer(x, y)
         update = {**grad, **result.state}
-        samples = [a + b for a, b in zip(cohort.sizes("inner"), cohort.sizes("outer"), strict=True)]
+        samples = cohort.sizes("inner", "outer")
         # x is already on the client from the inner phase; so are the buffers unless the
         # inner phase re-averaged them (then the client needs the server's new ones)
         fresh = list(self.buffer_names) if self.aggregate_buffers else []

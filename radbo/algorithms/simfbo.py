@@ -299,7 +299,7 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         if self.aggregate_buffers:
             update.update(buffers)
         inner_loss, outer_loss = first[0] if first else (0.0, 0.0)
-        batch = [p.steps["inner"].shape[1] + p.steps["outer"].shape[1] for p in cohort.prepared]
+        batch = cohort.sizes("inner", "outer")
         return cohort.replies(
             update,
             {

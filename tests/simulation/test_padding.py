@@ -99,6 +99,7 @@ def test_a_cohort_pads_ragged_draws_at_the_end_and_reports_unpadded_sizes():
     assert cohort.step_data("steps", 1).tolist() == [[2, PAD_INDEX], [5, 6]]
     assert cohort.sizes("batch") == [2, 3]
     assert cohort.sizes("steps") == [1, 2]
+    assert cohort.sizes("batch", "steps") == [3, 5]  # summed: a phase reading both
 
 
 def test_unequal_step_counts_pad_each_step():
