@@ -27,6 +27,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,14 @@ def demo() -> dict[str, Any]:
     return data
 
 
-def _demo_batched(clients: int) -> Callable[[], dict[str, Any]]:
-    def make() -> dict[str, Any]:
-        data = demo()
-        data["fleet"].update(num_clients=clients)
-        data["runtime"] = {"backend": "batched"}
-        if clients > 700:  # digits' 1,438 training examples give at most 719 disjoint clients
-            data["partition"]["allow_overlap"] = True
-        return data
-
-    return make
+def demo_fleet(clients: int) -> dict[str, Any]:
+    """The demo config with ``clients`` clients on the batched backend (baseline off)."""
+    data = demo()
+    data["fleet"].update(num_clients=clients)
+    data["runtime"] = {"backend": "batched"}
+    if clients > 719:  # digits' 1,438 training examples give at most 719 disjoint clients
+        data["partition"]["allow_overlap"] = True
+    return data
 
 
 def _cnn7() -> dict[str, Any]:
@@ -86,8 +85,11 @@ def _conv4_few_shot() -> dict[str, Any]:
 
 WORKLOADS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "demo": ("demo: MLP on 8x8 digits, RABO + CG, 10 clients, sequential", demo),
-    "demo-batched-100": ("demo fleet of 100 clients, batched backend", _demo_batched(100)),
-    "demo-batched-1000": ("demo fleet of 1,000 clients, batched backend", _demo_batched(1000)),
+    "demo-batched-100": ("demo fleet of 100 clients, batched backend", partial(demo_fleet, 100)),
+    "demo-batched-1000": (
+        "demo fleet of 1,000 clients, batched backend",
+        partial(demo_fleet, 1000),
+    ),
     "cnn7": ("CNN7 on 16x16 digits, RABO + CG, 10 clients", _cnn7),
     "resnet18": ("ResNet-18 on 16x16 digits, RABO + CG (T = 3), 10 clients", _resnet18),
     "conv4-few-shot": (

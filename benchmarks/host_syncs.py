@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from radbo._torch_private import TorchDispatchMode  # noqa: E402
 from radbo.experiment import build  # noqa: E402
 from tests.configs import small_config  # noqa: E402
 

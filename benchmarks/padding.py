@@ -32,57 +32,40 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from radbo._torch_private import TorchDispatchMode
 from radbo.client import Cohort
-from radbo.config import parse_config
-from radbo.experiment import build
-from radbo.simulation import BatchedBackend, SequentialBackend
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu import Runner, demo_fleet  # noqa: E402
+
 SIDES = ("sequential", "batched, split", "batched, padded")
 MISSING = {"s": float("nan"), "ops": 0, "cohorts_per_phase": float("nan")}
 
 
-def config(clients: int, algorithm: str, device: str = "cpu") -> Any:
-    data = tomllib.loads((ROOT / "examples" / "demo.toml").read_text())
-    data["baseline"] = {"enabled": False}
-    if device != "cpu":
-        data["runtime"] = {"device": device}
-    data["fleet"]["num_clients"] = clients
-    if clients > 719:  # digits' 1,438 training examples give at most 719 disjoint clients
-        data["partition"]["allow_overlap"] = True
+def side_config(clients: int, algorithm: str, side: str) -> dict[str, Any]:
+    """The demo fleet of ``clients`` (:func:`benchmarks.gpu.demo_fleet`) with ``algorithm``
+    on the backend of ``side``."""
+    data = demo_fleet(clients)
     if algorithm != "rabo":
         data["algorithm"] = {"name": algorithm}
         data.pop("estimator", None)
-    return parse_config(data)
+    if side == "sequential":
+        data["runtime"] = {"backend": "sequential"}
+    return data
 
 
-class Side:
-    """One built simulation stepping round after round."""
-
-    def __init__(self, clients: int, algorithm: str, side: str, device: str = "cpu") -> None:
-        self.exp = build(config(clients, algorithm, device))
-        self.cuda = device != "cpu"
-        sim = self.exp.simulation
-        sim.backend = SequentialBackend() if side == "sequential" else BatchedBackend()
-        sim.runtime.pads = side == "batched, padded" and sim.runtime.pads
-        self.state, self.round, self.clock = self.exp.initial_state, 0, 0.0
-
-    def step(self) -> float:
-        start = time.perf_counter()
-        self.state, record = self.exp.simulation.step(self.state, self.round, self.clock)
-        if self.cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        self.round, self.clock = self.round + 1, record.clock_s
-        return elapsed
+def make_side(clients: int, algorithm: str, side: str, device: str = "cpu") -> Runner:
+    """One side built and ready to step; "batched, split" runs with padding off."""
+    runner = Runner(side_config(clients, algorithm, side), device)
+    runtime = runner.exp.simulation.runtime
+    runtime.pads = runtime.pads and side == "batched, padded"
+    return runner
 
 
 class _Ops(TorchDispatchMode):
@@ -95,7 +78,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def counted_round(side: Side) -> tuple[int, int]:
+def counted_round(side: Runner) -> tuple[int, int]:
     """(aten operations, stacked cohorts) of one round of ``side``."""
     stacks: list[int] = []
     original = Cohort.stack.__func__  # type: ignore[attr-defined]
@@ -122,7 +105,7 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """Per side of ``names``: median seconds per round, aten operations of one round and
     stacked cohorts per phase."""
-    sides = {name: Side(clients, algorithm, name, device) for name in names}
+    sides = {name: make_side(clients, algorithm, name, device) for name in names}
     for side in sides.values():  # round 0 measures FLOPs; round 1 is the first steady one
         side.step()
         side.step()
