@@ -345,6 +345,13 @@ class Cohort:
         (:meth:`Prepared.size`): the examples its work read, for ``samples`` counts."""
         return [sum(p.size(k) for k in keys) for p in self.prepared]
 
+    def step_samples(self, *keys: str) -> list[int]:
+        """Each client's examples over its local steps: its :attr:`num_steps` times the
+        per-step minibatch lengths ``keys`` of :attr:`Prepared.steps` (0 without steps)."""
+        return [
+            p.num_steps * sum(p.size(k) for k in keys) if p.num_steps else 0 for p in self.prepared
+        ]
+
     def param(self, name: str) -> Tensor:
         """Received tensor ``name`` (stacked over clients when stacked)."""
         return self._gather([t.params[name] for t in self.tasks])

@@ -358,12 +358,11 @@ class AggITD(AggITDConfig, AlgorithmBase):
         steps = cohort.local_steps(step, (y, total, buffers), name="aggitd.local")
         _, total, buffers = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        sizes = cohort.sizes("inner")
         return cohort.replies(
             update,
             {"inner_loss": first[0] if first else float("nan")},
             n_grad=steps.n_grad,
-            samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
+            samples=cohort.step_samples("inner"),
         )
 
     def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
@@ -433,12 +432,11 @@ class AggITD(AggITDConfig, AlgorithmBase):
             **dict(zip(self.outer_names, a, strict=True)),
             **{f"{V}:{n}": t for n, t in zip(yn, u, strict=True)},
         }
-        sizes = cohort.sizes("inner")
         return cohort.replies(
             update,
             n_grad=steps.n_grad,
             n_hvp=steps.n_hvp,
-            samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
+            samples=cohort.step_samples("inner"),
         )
 
     # -- servers -----------------------------------------------------------------------------------

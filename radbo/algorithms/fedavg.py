@@ -204,7 +204,7 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
             update,
             {"train_loss": loss_value},
             n_grad=steps.n_grad,
-            samples=[n * b for n, b in zip(cohort.num_steps, cohort.sizes("batch"), strict=True)],
+            samples=cohort.step_samples("batch"),
         )
 
     def server(

@@ -381,16 +381,12 @@ class FedMSA(FedMSAConfig, AlgorithmBase):
         update = {**x, **w, **{f"{V}:{k}": t for k, t in v.items()}}
         if self.aggregate_buffers:
             update.update(buffers)
-        batch = [
-            p.steps["inner"].shape[1] + p.steps["outer"].shape[1] if p.steps else 0
-            for p in cohort.prepared
-        ]
         return cohort.replies(
             update,
             {"local_steps": [float(n + 1) for n in cohort.num_steps]},
             n_grad=steps.n_grad,
             n_hvp=steps.n_hvp,
-            samples=[b * n for b, n in zip(batch, cohort.num_steps, strict=True)],
+            samples=cohort.step_samples("inner", "outer"),
         )
 
     def server_local(self, state, results, index_sets, weights):

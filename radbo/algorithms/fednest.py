@@ -458,12 +458,11 @@ class FedNest(FedNestConfig, AlgorithmBase):
         update = dict(total)
         if self.aggregate_buffers:
             update.update(buffers)
-        batch_sizes = cohort.sizes("inner")
         return cohort.replies(
             update,
             {"inner_loss": first[0] if first else 0.0},
             n_grad=steps.n_grad,
-            samples=[b * s for b, s in zip(batch_sizes, cohort.num_steps, strict=True)],
+            samples=cohort.step_samples("inner"),
         )
 
     def server_local_y(self, state, results, index_sets, weights):
@@ -623,11 +622,10 @@ class FedNest(FedNestConfig, AlgorithmBase):
         total = {n: torch.zeros_like(t) for n, t in x0.items()}
         steps = cohort.local_steps(step, (x0, total), name="fednest.local_x")
         _, total = steps.carry
-        batch_sizes = cohort.sizes("outer")
         return cohort.replies(
             total,
             n_grad=steps.n_grad,
-            samples=[b * s for b, s in zip(batch_sizes, cohort.num_steps, strict=True)],
+            samples=cohort.step_samples("outer"),
         )
 
     def server_local_x(self, state, results, index_sets, weights):
@@ -746,13 +744,12 @@ class LFedNest(LFedNestConfig, FedNest):
         total = {n: torch.zeros_like(t) for n, t in x.items()}
         steps = cohort.local_steps(step, (x, total), name="lfednest.outer", uniform=False)
         _, total = steps.carry
-        sizes = cohort.sizes("inner", "outer")
         return cohort.replies(
             total,
             {"outer_loss": first[0] if first else 0.0},
             n_grad=steps.n_grad,
             n_hvp=steps.n_hvp,
-            samples=[b * s for b, s in zip(sizes, cohort.num_steps, strict=True)],
+            samples=cohort.step_samples("inner", "outer"),
         )
 
     def server_local_outer(self, state, results, index_sets, weights):

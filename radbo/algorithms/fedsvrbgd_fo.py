@@ -413,7 +413,6 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         if self.aggregate_buffers:
             update.update(buffers)
         outer_loss, inner_loss = losses if losses is not None else (0.0, 0.0)
-        batch = cohort.sizes("inner", "outer")
         init = [
             p.data["init_inner"].shape[-1] + p.data["init_outer"].shape[-1] if n_init else 0
             for p in cohort.prepared
@@ -429,7 +428,9 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
             },
             n_grad=[n_init + n for n in steps.n_grad],
             n_hvp=0,
-            samples=[i + b * t for i, b, t in zip(init, batch, cohort.num_steps, strict=True)],
+            samples=[
+                i + s for i, s in zip(init, cohort.step_samples("inner", "outer"), strict=True)
+            ],
         )
 
     def server(

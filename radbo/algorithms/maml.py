@@ -162,11 +162,10 @@ class MAML(MAMLConfig, FedAvg):
         steps = cohort.local_steps(step, (params, total, buffers, float("nan")), name="maml.step")
         _, total, buffers, loss_value = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        sizes = [p.steps["support"].shape[1] + p.steps["query"].shape[1] for p in cohort.prepared]
         return cohort.replies(
             update,
             {"train_loss": loss_value},
             n_grad=steps.n_grad,
             n_hvp=steps.n_hvp,
-            samples=[n * b for n, b in zip(cohort.num_steps, sizes, strict=True)],
+            samples=cohort.step_samples("support", "query"),
         )

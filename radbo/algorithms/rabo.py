@@ -235,7 +235,7 @@ class RABO(RABOConfig, AlgorithmBase):
         steps = cohort.local_steps(step, (y, total, buffers, float("nan")), name="rabo.inner")
         _, total, buffers, loss_value = steps.carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
-        samples = [n * b for n, b in zip(cohort.num_steps, cohort.sizes("inner"), strict=True)]
+        samples = cohort.step_samples("inner")
         return cohort.replies(
             update, {"inner_loss": loss_value}, n_grad=steps.n_grad, samples=samples
         )

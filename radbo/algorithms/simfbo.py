@@ -299,7 +299,6 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         if self.aggregate_buffers:
             update.update(buffers)
         inner_loss, outer_loss = first[0] if first else (0.0, 0.0)
-        batch = cohort.sizes("inner", "outer")
         return cohort.replies(
             update,
             {
@@ -310,7 +309,7 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             },
             n_grad=steps.n_grad,
             n_hvp=steps.n_hvp,
-            samples=[b * t for b, t in zip(batch, cohort.num_steps, strict=True)],
+            samples=cohort.step_samples("inner", "outer"),
         )
 
     def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:

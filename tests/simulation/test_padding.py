@@ -100,6 +100,7 @@ def test_a_cohort_pads_ragged_draws_at_the_end_and_reports_unpadded_sizes():
     assert cohort.sizes("batch") == [2, 3]
     assert cohort.sizes("steps") == [1, 2]
     assert cohort.sizes("batch", "steps") == [3, 5]  # summed: a phase reading both
+    assert cohort.step_samples("steps") == [2 * 1, 2 * 2]  # local steps x unpadded length
 
 
 def test_unequal_step_counts_pad_each_step():
