@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from radbo.masks.index import add_at, coverage_counts, kept_shape
+from radbo.masks.index import add_at, coverage_counts, holder_sums, integer_valued, kept_shape
 from radbo.typing import IndexSet, Params
 
 
@@ -86,21 +86,27 @@ def coverage_weighted_mean(
         raise ValueError(f"aggregation weights must be non-negative, got {list(weights)}")
     if scales is not None and len(scales) != len(updates):
         raise ValueError(f"got {len(updates)} updates but {len(scales)} scales")
+    # integer weights (the default 1, sample counts): the summed weights come from the index
+    # sets in a few operations per tensor (holder_sums, exact for integers); others are summed
+    # client by client in client order
+    exact = integer_valued(weights)
     mean: Params = {}
     weight_sum: Params = {}
     scale: Params = {}
     for name, shape in shapes.items():
         device = updates[0][name].device if updates and name in updates[0] else None
         num = torch.zeros(shape, dtype=torch.float64, device=device)
-        den = torch.zeros(shape, dtype=torch.float64, device=device)
-        sc = torch.zeros(shape, dtype=torch.float64, device=device)
+        entries = [index_set.get(name, (None,) * len(shape)) for index_set in index_sets]
+        den = (
+            holder_sums(entries, weights, shape, device)
+            if exact
+            else torch.zeros(shape, dtype=torch.float64, device=device)
+        )
+        sc = None if scales is None else torch.zeros(shape, dtype=torch.float64, device=device)
         client_scales = [0.0] * len(updates) if scales is None else scales
-        for update, index_set, w, s_i in zip(
-            updates, index_sets, weights, client_scales, strict=True
-        ):
+        for update, index, w, s_i in zip(updates, entries, weights, client_scales, strict=True):
             if name not in update:
                 raise ValueError(f"client update is missing tensor {name!r}")
-            index = index_set.get(name, (None,) * len(shape))
             sub = update[name]
             expected = kept_shape(index, shape)
             if tuple(sub.shape) != expected:
@@ -108,16 +114,20 @@ def coverage_weighted_mean(
                     f"client update {name!r} has shape {tuple(sub.shape)}, "
                     f"its index set selects {expected}"
                 )
-            add_at(num, index, w * sub.detach().to(torch.float64))
-            add_at(den, index, float(w))
-            if scales is not None:
+            # 1.0 * v is v: the product is left out, and add_at adds v in float64 as before
+            value = sub.detach() if w == 1.0 else w * sub.detach().to(torch.float64)
+            add_at(num, index, value)
+            if not exact:
+                add_at(den, index, float(w))
+            if sc is not None:
                 add_at(sc, index, float(w * s_i))
         dtype = updates[0][name].dtype if updates else torch.float32
         held = den > 0
         safe = den.clamp_min(1e-300)
         mean[name] = torch.where(held, num / safe, 0.0).to(dtype)
         weight_sum[name] = den.to(dtype)
-        scale[name] = torch.where(held, sc / safe, 0.0).to(dtype)
+        if sc is not None:
+            scale[name] = torch.where(held, sc / safe, 0.0).to(dtype)
     count = coverage_counts(index_sets, shapes, weights)
     return CoverageMean(
         mean=mean, weight=weight_sum, count=count, scale=None if scales is None else scale

@@ -241,3 +241,120 @@ def test_scattering_a_block_equals_adding_to_the_selected_cartesian_product():
         expected[key] += 0.25
         _add_at(got, index, 0.25)
         assert torch.equal(got, expected)
+
+
+def _random_index_sets(gen, shape, clients, *, whole=0.3):
+    """Structured index sets of ``clients`` clients for a tensor of ``shape``: each dimension
+    kept whole or a random sorted subset; some clients hold the whole tensor."""
+    sets = []
+    for _ in range(clients):
+        if torch.rand((), generator=gen) < whole:
+            sets.append((None,) * len(shape))
+            continue
+        sets.append(
+            tuple(
+                None
+                if torch.rand((), generator=gen) < 0.4
+                else torch.sort(
+                    torch.randperm(n, generator=gen)[: 1 + int(torch.randint(n, (), generator=gen))]
+                ).values
+                for n in shape
+            )
+        )
+    return sets
+
+
+def _dense(index, shape):
+    """The client's holding as a dense 0/1 float64 tensor (outer product of its dimensions)."""
+    out = torch.ones((), dtype=torch.float64)
+    for idx, n in zip(index, shape, strict=True):
+        axis = torch.ones(n, dtype=torch.float64)
+        if idx is not None:
+            axis = torch.zeros(n, dtype=torch.float64)
+            axis[idx] = 1.0
+        out = out.unsqueeze(-1) * axis
+    return out.reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (6, 5, 3, 2), (4, 1, 3)])
+def test_holder_sums_equal_the_sum_of_dense_holdings(shape):
+    """holder_sums (one contraction of per-dimension indicator rows) equals, exactly, adding
+    every client's dense 0/1 holding times its integer coefficient; no clients gives zeros."""
+    from radbo.masks.index import holder_sums
+
+    gen = torch.Generator().manual_seed(len(shape))
+    size = torch.Size(shape)
+    for clients in (0, 1, 3, 40):
+        sets = _random_index_sets(gen, shape, clients)
+        coefficients = [float(torch.randint(0, 50, (), generator=gen)) for _ in sets]
+        expected = torch.zeros(shape, dtype=torch.float64)
+        for index, c in zip(sets, coefficients, strict=True):
+            expected += c * _dense(index, shape)
+        got = holder_sums(sets, coefficients, size)
+        assert got.dtype == torch.float64 and got.shape == size
+        assert torch.equal(got, expected)
+
+
+def test_holder_sums_reject_a_coefficient_count_that_does_not_match():
+    from radbo.masks.index import holder_sums
+
+    with pytest.raises(ValueError, match="2 index entries but 1 coefficients"):
+        holder_sums([(None,), (None,)], [1.0], torch.Size([3]))
+
+
+def _client_by_client(updates, index_sets, shapes, weights):
+    """The aggregation as it was before holder_sums: every client's weight and holding
+    scattered one client after the other, in client order, in float64."""
+    from radbo.masks.index import add_at
+
+    mean, den_out, count = {}, {}, {}
+    for name, shape in shapes.items():
+        num = torch.zeros(shape, dtype=torch.float64)
+        den = torch.zeros(shape, dtype=torch.float64)
+        cnt = torch.zeros(shape, dtype=torch.int64)
+        for update, index_set, w in zip(updates, index_sets, weights, strict=True):
+            index = index_set[name]
+            add_at(num, index, w * update[name].to(torch.float64))
+            add_at(den, index, float(w))
+            if w > 0:
+                add_at(cnt, index, 1)
+        mean[name] = torch.where(den > 0, num / den.clamp_min(1e-300), 0.0).to(torch.float32)
+        den_out[name], count[name] = den.to(torch.float32), cnt
+    return mean, den_out, count
+
+
+@pytest.mark.parametrize(
+    "weights", ["ones", "integers", "fractions"], ids=["unit", "integer", "fractional"]
+)
+def test_coverage_weighted_mean_is_bitwise_the_client_by_client_sum(weights):
+    """Whatever the weights (the unit default and integer sample counts take holder_sums'
+    path, fractional ones the per-client one), the mean, summed weights and counts are
+    bitwise those of scattering client after client in client order: the numerator's
+    additions keep their order, and the summed weights are exact integers either way."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = {"conv": torch.Size([6, 5, 3, 3]), "fc": torch.Size([8, 6]), "b": torch.Size([8])}
+    clients = 12
+    per_tensor = {n: _random_index_sets(gen, s, clients) for n, s in shapes.items()}
+    index_sets = [{n: per_tensor[n][i] for n in shapes} for i in range(clients)]
+    updates = [
+        {
+            n: torch.randn(
+                tuple(s[d] if idx is None else idx.numel() for d, idx in enumerate(sets[n])),
+                generator=gen,
+            )
+            for n, s in shapes.items()
+        }
+        for sets in index_sets
+    ]
+    w = {
+        "ones": [1.0] * clients,
+        "integers": [float(torch.randint(0, 30, (), generator=gen)) for _ in range(clients)],
+        "fractions": [float(torch.rand((), generator=gen)) for _ in range(clients)],
+    }[weights]
+    w[3] = 0.0  # a client of weight 0 holds nothing
+    agg = coverage_weighted_mean(updates, index_sets, shapes, w)
+    mean, den, count = _client_by_client(updates, index_sets, shapes, w)
+    for name in shapes:
+        assert torch.equal(agg.mean[name], mean[name]), name
+        assert torch.equal(agg.weight[name], den[name]), name
+        assert torch.equal(agg.count[name], count[name]), name
