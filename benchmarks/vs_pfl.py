@@ -19,13 +19,16 @@ What the script does:
 3. runs the two sides alternated, ``--repeats`` times: the pfl side
    (``benchmarks/pfl_side.py`` in the pfl environment, a fresh process each time) and the
    radbo side for every backend in ``--backends`` (a fresh process each: ``sequential``,
-   ``batched``, ``auto``, ``processes`` with ``--workers`` workers); the order flips every
+   ``batched``, ``auto``, ``processes`` with ``--workers`` workers; a side named
+   ``backend:channels_last``, e.g. ``sequential:channels_last``, runs that backend with
+   ``[runtime] memory_format = "channels_last"``); the order flips every
    repetition (pfl first, then radbo first). Every side builds its simulation, runs ``--rounds``
    rounds and reports the median seconds of rounds 1.. (round 0 is the warm-up: radbo
    measures its FLOPs there, pfl evaluates the cohort there); no evaluation is timed;
 4. prints a table: each radbo backend, pfl, and the plain-PyTorch floor (the same local
    step as a bare ``nn.Module`` + ``torch.optim.SGD`` loop, timed at the start of every
-   repetition: :func:`floor_seconds`), each with its seconds per round (median over the
+   repetition: :func:`floor_seconds`; also with channels-last images when a side is), each
+   with its seconds per round (median over the
    repetitions and the range), the ratio radbo / pfl, the ratio to the floor and the device.
 
 Both sides run with one intra-op thread (``OMP_NUM_THREADS=1``, ``MKL_NUM_THREADS=1``,
@@ -92,6 +95,16 @@ from radbo.models.functional import apply_layer  # noqa: E402
 PFL_SIDE = Path(__file__).resolve().parent / "pfl_side.py"
 PFL_REQUIREMENTS = ("pfl[pytorch]==0.6.0", "torch==2.13.0")
 BACKENDS = ("sequential", "batched", "auto", "processes")
+FORMATS = ("contiguous", "channels_last")  # [runtime] memory_format; a side "backend:format"
+
+
+def side_parts(side: str) -> tuple[str, str]:
+    """``"sequential:channels_last"`` -> ``("sequential", "channels_last")``; a bare backend
+    is contiguous."""
+    backend, _, memory_format = side.partition(":")
+    return backend, memory_format or "contiguous"
+
+
 PER_CLIENT = 50  # pfl's mean_datapoints_per_user (constant)
 STEPS = 5  # one local epoch of 50 examples in batches of 10
 FULL_SIZE = {"clients": 1000, "per_round": 50, "rounds": 6, "repeats": 3}  # pfl's set-up
@@ -221,10 +234,19 @@ def last_json(stdout: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------- the radbo side
 def radbo_config(
-    data: Path, backend: str, clients: int, per_round: int, rounds: int, device: str, workers: int
+    data: Path,
+    backend: str,
+    clients: int,
+    per_round: int,
+    rounds: int,
+    device: str,
+    workers: int,
+    memory_format: str = "contiguous",
 ) -> dict[str, Any]:
     """The run config of the radbo side (see the module docstring)."""
     runtime: dict[str, Any] = {"backend": backend, "threads": 1, "device": device}
+    if memory_format != "contiguous":
+        runtime["memory_format"] = memory_format
     if backend == "processes":
         runtime["workers"] = workers
     return {
@@ -259,15 +281,19 @@ def radbo_side(
     rounds: int,
     device: str = "cpu",
     workers: int = 2,
+    memory_format: str = "contiguous",
 ) -> dict[str, Any]:
-    """Build radbo's FedAvg run for ``backend`` in this process, run ``rounds`` rounds of
-    :meth:`Simulation.step` and return the seconds of each and the median of rounds 1.."""
+    """Build radbo's FedAvg run for ``backend`` (``[runtime] memory_format``:
+    ``memory_format``) in this process, run ``rounds`` rounds of :meth:`Simulation.step` and
+    return the seconds of each and the median of rounds 1.."""
     from radbo.config import parse_config
     from radbo.experiment import build
 
     torch.set_num_threads(1)
     register_model()
-    config = parse_config(radbo_config(data, backend, clients, per_round, rounds, device, workers))
+    config = parse_config(
+        radbo_config(data, backend, clients, per_round, rounds, device, workers, memory_format)
+    )
     exp = build(config)
     sim, state = exp.simulation, exp.initial_state
     cuda = device.startswith("cuda")
@@ -289,6 +315,7 @@ def radbo_side(
     return {
         "side": "radbo",
         "backend": backend,
+        "memory_format": memory_format,
         "device": device,
         "threads": torch.get_num_threads(),
         "round_s": seconds,
@@ -297,17 +324,26 @@ def radbo_side(
 
 
 # ------------------------------------------------------------------------- the floor
-def floor_seconds(per_round: int, device: str = "cpu", steps: int = 30, seed: int = 0) -> float:
+def floor_seconds(
+    per_round: int,
+    device: str = "cpu",
+    steps: int = 30,
+    seed: int = 0,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> float:
     """The arithmetic of a round in plain PyTorch: the median time of one local step on a batch
     of 10 (``PflSimpleCNN`` as an ``nn.Module``, mean cross-entropy, ``loss.backward()``,
     ``torch.optim.SGD(lr=0.1).step()``, in place) times the round's 5 steps per client and
     ``per_round`` clients. Neither side can do a round's work faster with these kernels; what
-    each spends above it is its own overhead (data handling, copies, aggregation)."""
+    each spends above it is its own overhead (data handling, copies, aggregation).
+    ``memory_format=torch.channels_last`` hands the model its images in NHWC layout, as radbo's
+    ``[runtime] memory_format = "channels_last"`` does (the weights keep theirs)."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed)
     model = PflSimpleCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     images = torch.rand(10, 3, 32, 32, generator=gen).to(device)
+    images = images.contiguous(memory_format=memory_format)
     labels = torch.randint(0, CLASSES, (10,), generator=gen).to(device)
     seconds = []
     for _ in range(steps):
@@ -361,8 +397,10 @@ def table(
     floor: list[float],
     device: str,
     workers: int,
+    floor_nhwc: Sequence[float] = (),
 ) -> str:
-    """Markdown: one row per radbo backend, then pfl's and the plain-PyTorch floor."""
+    """Markdown: one row per radbo side, then pfl's and the plain-PyTorch floor (and the
+    floor with channels-last images, when measured); "/ floor" is to the contiguous one."""
     lines = [
         "| side | s/round | radbo / pfl | / floor | device |",
         "|---|---:|---:|---:|---|",
@@ -370,8 +408,10 @@ def table(
     where = device_name(device)
     pfl_mid = statistics.median(pfl) if pfl else float("nan")
     floor_mid = statistics.median(floor) if floor else float("nan")
-    for backend, values in radbo.items():
+    for side, values in radbo.items():
+        backend, memory_format = side_parts(side)
         label = f"radbo {backend}" + (f" ({workers} workers)" if backend == "processes" else "")
+        label += ", channels-last" if memory_format == "channels_last" else ""
         mid = statistics.median(values)
         lines.append(
             f"| {label} | {summary(values)} | {mid / pfl_mid:.2f}x | {mid / floor_mid:.2f}x | "
@@ -381,6 +421,12 @@ def table(
         lines.append(f"| pfl 0.6.0 | {summary(pfl)} | | {pfl_mid / floor_mid:.2f}x | {where} |")
     if floor:
         lines.append(f"| plain PyTorch floor | {summary(floor)} | | 1.00x | {where} |")
+    if floor_nhwc:
+        mid = statistics.median(floor_nhwc)
+        lines.append(
+            f"| plain PyTorch floor, channels-last | {summary(floor_nhwc)} | | "
+            f"{mid / floor_mid:.2f}x | {where} |"
+        )
     return "\n".join(lines)
 
 
@@ -390,7 +436,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--per-round", type=int, help="clients per round (default 50)")
     parser.add_argument("--rounds", type=int, help="rounds per run, the first a warm-up (6)")
     parser.add_argument("--repeats", type=int, help="alternated runs of each side (default 3)")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="radbo backends")
+    parser.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help='radbo backends, each optionally ":channels_last" ([runtime] memory_format)',
+    )
     parser.add_argument("--workers", type=int, default=2, help="workers of radbo's processes")
     parser.add_argument("--device", default="cpu", help='"cpu" or "cuda" (both sides)')
     parser.add_argument("--venv", default=str(ROOT / ".venv-pfl"), help="pfl's environment")
@@ -418,11 +468,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is visible to torch here")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(args.backends) - set(BACKENDS))
+    unknown = sorted(
+        b
+        for b in args.backends
+        if side_parts(b)[0] not in BACKENDS or side_parts(b)[1] not in FORMATS
+    )
     if unknown or not args.backends:
-        parser.error(f"--backends takes some of {', '.join(BACKENDS)}, got {unknown}")
-    if args.device != "cpu" and "processes" in args.backends:
-        args.backends.remove("processes")  # forked workers cannot share a GPU context
+        parser.error(
+            f"--backends takes some of {', '.join(BACKENDS)} (each optionally "
+            f'":channels_last"), got {unknown}'
+        )
+    if args.device != "cpu":  # forked workers cannot share a GPU context
+        args.backends = [b for b in args.backends if side_parts(b)[0] != "processes"]
     return args
 
 
@@ -430,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     data = Path(args.data)
     if args.side == "radbo":  # a child: every backend asked for, one JSON line each
-        for backend in args.backends:
+        for side in args.backends:
+            backend, memory_format = side_parts(side)
             result = radbo_side(
                 data,
                 backend,
@@ -439,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rounds=args.rounds,
                 device=args.device,
                 workers=args.workers,
+                memory_format=memory_format,
             )
             print(json.dumps(result), flush=True)
         return
@@ -450,9 +509,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     pfl: list[float] = []
     radbo: dict[str, list[float]] = {b: [] for b in args.backends}
     floor: list[float] = []
+    nhwc = any(side_parts(b)[1] == "channels_last" for b in args.backends)
+    floor_nhwc: list[float] = []
     for rep in range(args.repeats):
         floor.append(floor_seconds(args.per_round, args.device))
         print(f"repeat {rep + 1}/{args.repeats}: floor: {floor[-1]:.3f} s/round", file=sys.stderr)
+        if nhwc:
+            cl = torch.channels_last
+            floor_nhwc.append(floor_seconds(args.per_round, args.device, memory_format=cl))
+            print(
+                f"repeat {rep + 1}/{args.repeats}: floor, channels-last: {floor_nhwc[-1]:.3f} "
+                "s/round",
+                file=sys.stderr,
+            )
         order = ["pfl", *args.backends] if rep % 2 == 0 else [*args.backends, "pfl"]
         for who in order:
             if who == "pfl":
@@ -483,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         flags.append("--skip-pfl")
     shown = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py " + " ".join(flags)
     text = (
-        f"{table(pfl, radbo, floor, args.device, args.workers)}\n\n"
+        f"{table(pfl, radbo, floor, args.device, args.workers, floor_nhwc)}\n\n"
         f"Seconds per round: median over {args.repeats} alternated runs of each side (range in "
         f"brackets) of each run's median steady round (rounds 1..{args.rounds - 1}); "
         f"{args.clients} clients of {PER_CLIENT} images, {args.per_round} per round; torch "

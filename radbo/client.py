@@ -174,6 +174,10 @@ class ClientRuntime:
     ``F.cross_entropy``'s default ``ignore_index`` (:data:`~radbo.problem.PAD_TARGET`, which
     :meth:`batch` gives a padded example) and the model mixes no examples (no BatchNorm, no
     dropout); :func:`pads_minibatches` decides it.
+
+    ``channels_last``: :meth:`batch` gives a client's image minibatches (``N x C x H x W``) in
+    ``torch.channels_last`` layout (``[runtime] memory_format``); a stacked cohort's (one
+    dimension more) keep theirs.
     """
 
     problem: BilevelProblem
@@ -183,6 +187,7 @@ class ClientRuntime:
     build_submodel: Callable[[IndexSet], nn.Module] | None = None
     sampler: Sampler = field(default_factory=MinibatchSampler)
     pads: bool = False
+    channels_last: bool = False
     _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
 
     def module_for(self, index_set: IndexSet) -> nn.Module:
@@ -207,7 +212,10 @@ class ClientRuntime:
         labels = self.labels[indices]
         if self.pads and indices.ndim > 1:  # only a stacked cohort's minibatches are padded
             labels = labels.masked_fill((indices == PAD_INDEX).to(labels.device), PAD_TARGET)
-        return Batch(self.features[indices], labels)
+        features = self.features[indices]
+        if self.channels_last and features.ndim == 4:  # one client's images, N x C x H x W
+            features = features.contiguous(memory_format=torch.channels_last)
+        return Batch(features, labels)
 
 
 def pads_minibatches(problem: BilevelProblem, model: nn.Module) -> bool:

@@ -75,6 +75,7 @@ def test_the_radbo_side_reports_seconds_per_round_for_every_backend(tmp_path):
     [
         (["--per-round", "5", "--clients", "4"], "--per-round must be at most --clients"),
         (["--backends", "sequential,threads"], "--backends takes some of"),
+        (["--backends", "sequential:nhwc"], "--backends takes some of"),
         (["--rounds", "0"], "must be >= 1"),
     ],
 )
@@ -92,3 +93,25 @@ def test_quick_is_tiny_and_flags_win():
     assert vs_pfl.parse_args(["--quick", "--rounds", "5"]).rounds == 5
     full = vs_pfl.parse_args([])
     assert (full.clients, full.per_round, full.rounds, full.repeats) == (1000, 50, 6, 3)
+
+
+def test_a_side_may_run_with_channels_last_images(tmp_path):
+    """``backend:channels_last`` is that backend with ``[runtime] memory_format =
+    "channels_last"``; the floor then is measured in both layouts and the table shows both."""
+    vs_pfl = load_script()
+    args = vs_pfl.parse_args(["--quick", "--backends", "sequential,sequential:channels_last"])
+    assert [vs_pfl.side_parts(b) for b in args.backends] == [
+        ("sequential", "contiguous"),
+        ("sequential", "channels_last"),
+    ]
+    data = vs_pfl.write_data(tmp_path / "data", clients=4)
+    config = vs_pfl.radbo_config(data, "sequential", 4, 2, 2, "cpu", 2, "channels_last")
+    assert config["runtime"]["memory_format"] == "channels_last"
+    assert (
+        "memory_format" not in vs_pfl.radbo_config(data, "sequential", 4, 2, 2, "cpu", 2)["runtime"]
+    )
+    text = vs_pfl.table(
+        [2.0], {"sequential": [1.5], "sequential:channels_last": [1.2]}, [1.0], "cpu", 2, [0.8]
+    )
+    assert "| radbo sequential, channels-last | 1.20 | 0.60x | 1.20x |" in text
+    assert "| plain PyTorch floor, channels-last | 0.80 | | 0.80x |" in text

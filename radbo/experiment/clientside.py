@@ -194,5 +194,6 @@ def client_side(
         build_submodel=None if plan is None else plan.submodel,
         sampler=sampler,
         pads=pads_minibatches(problem, model.model),
+        channels_last=config.runtime.memory_format == "channels_last",
     )
     return ClientSide(model, algorithm, runtime)

@@ -212,7 +212,7 @@ def holder_sums(
         whole = [i for i, e in enumerate(entries) if e[d] is None]
         if whole:
             rows[whole] = 1.0
-        held = [(i, e[d]) for i, e in enumerate(entries) if e[d] is not None]
+        held = [(i, idx) for i, e in enumerate(entries) if (idx := e[d]) is not None]
         owners = torch.tensor([i for i, _ in held], dtype=torch.long)
         sizes = torch.tensor([int(idx.numel()) for _, idx in held], dtype=torch.long)
         at = torch.cat([idx for _, idx in held]).to(dtype=torch.long, device=rows.device)
