@@ -169,14 +169,16 @@ def test_integer_buffers_pass():
 def test_screen_reads_every_update_of_a_phase_at_once():
     """screen's verdicts are update_problem's, client by client, while the NaN / Inf tests of
     the whole phase are read in one go: no scalar read per tensor (on a GPU, one host
-    synchronisation per phase). A float32 update whose sum overflows but whose entries are
-    finite (3e38 + 3e38) is sound; a float64 one with an Inf is not."""
+    synchronisation per phase). A float64 update whose sum overflows but whose entries are
+    finite (1e308 + 1e308) is sound; a float64 one with an Inf is not. Sums are accumulated
+    in float64, so a float32 update's (3e38 + 3e38) does not overflow and needs no second
+    look."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from radbo.client import ClientResult
     from radbo.simulation.screening import screen
 
-    big = torch.tensor([3e38, 3e38])
+    big = torch.tensor([1e308, 1e308], dtype=torch.float64)
     updates = [
         {"w": torch.ones(2, 2), "b": torch.ones(2)},  # sound
         {"w": torch.ones(2, 2), "b": torch.tensor([0.0, float("nan")])},  # NaN
@@ -215,6 +217,12 @@ def test_screen_reads_every_update_of_a_phase_at_once():
         assert screen(results[:1] * 50, [KEEP] * 50, [False] * 50, [False] * 50, S).keep == list(
             range(50)
         )
+    assert reads == []
+    big32 = ClientResult(
+        client=1, update={"w": torch.ones(2, 2), "b": torch.tensor([3e38] * 2)}, cost=None
+    )
+    with Reads():
+        assert screen([big32], [KEEP], [False], [False], S).keep == [0]
     assert reads == []
     verdicts = [update_problem(u, KEEP, S) for u in updates[:5]]
     assert [v is None for v in verdicts] == [True, False, True, False, False]
