@@ -137,6 +137,8 @@ CASES = {
     "aggitd": {"algorithm": {"name": "aggitd"}, "estimator": None, **FULL},
     "fedsvrbgd_fo": {"algorithm": {"name": "fedsvrbgd_fo"}, "estimator": None, **FULL},
     "cnn": {"model": {"name": "cnn"}},
+    # the CNN's minibatches in NHWC layout on both devices (cuDNN's channels-last kernels)
+    "cnn-channels-last": {"model": {"name": "cnn"}, "runtime": {"memory_format": "channels_last"}},
 }
 
 
