@@ -26,8 +26,8 @@ What the script does:
    rounds and reports the median seconds of rounds 1.. (round 0 is the warm-up: radbo
    measures its FLOPs there, pfl evaluates the cohort there); no evaluation is timed;
 4. prints a table: each radbo backend, pfl, and the plain-PyTorch floor (the same local
-   step as a bare ``nn.Module`` + ``torch.optim.SGD`` loop, timed at the start of every
-   repetition: :func:`floor_seconds`; also with channels-last images when a side is), each
+   step as a bare ``nn.Module`` + ``torch.optim.SGD`` loop, timed before every side's run:
+   :func:`floor_seconds`; also with channels-last images when a side is), each
    with its seconds per round (median over the
    repetitions and the range), the ratio radbo / pfl, the ratio to the floor and the device.
 
@@ -512,21 +512,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     nhwc = any(side_parts(b)[1] == "channels_last" for b in args.backends)
     floor_nhwc: list[float] = []
     for rep in range(args.repeats):
-        floor.append(floor_seconds(args.per_round, args.device))
-        print(f"repeat {rep + 1}/{args.repeats}: floor: {floor[-1]:.3f} s/round", file=sys.stderr)
-        if nhwc:
-            cl = torch.channels_last
-            floor_nhwc.append(floor_seconds(args.per_round, args.device, memory_format=cl))
-            print(
-                f"repeat {rep + 1}/{args.repeats}: floor, channels-last: {floor_nhwc[-1]:.3f} "
-                "s/round",
-                file=sys.stderr,
-            )
         order = ["pfl", *args.backends] if rep % 2 == 0 else [*args.backends, "pfl"]
         for who in order:
+            if who == "pfl" and python is None:
+                continue
+            # the floor before every side: on a machine whose speed drifts, its samples spread
+            # over the whole repetition like the sides' rounds do
+            floor.append(floor_seconds(args.per_round, args.device))
+            line = f"repeat {rep + 1}/{args.repeats}: floor: {floor[-1]:.3f} s/round"
+            if nhwc:
+                cl = torch.channels_last
+                floor_nhwc.append(floor_seconds(args.per_round, args.device, memory_format=cl))
+                line += f", channels-last: {floor_nhwc[-1]:.3f} s/round"
+            print(line, file=sys.stderr)
             if who == "pfl":
-                if python is None:
-                    continue
+                assert python is not None
                 command = [str(python), str(PFL_SIDE), "--data", str(data), *size]
                 result = run_child(command, env, "the pfl side")
                 pfl.append(result["s_per_round"])
