@@ -305,7 +305,7 @@ class RuntimeConfig(Section):
     draws what a CPU run draws and differs from it only by floating-point rounding.
     ``memory_format``: ``"channels_last"`` hands client work its image minibatches in NHWC
     layout (``torch.channels_last``), which oneDNN's convolutions and max pooling run faster
-    on CPUs: a sequential round of pfl-research's CIFAR-10 FedAvg setup took 6-12 % less time
+    on CPUs: a sequential round of pfl-research's CIFAR-10 FedAvg setup took 6-19 % less time
     (``benchmarks/vs_pfl.py --backends sequential,sequential:channels_last``). Results differ
     from ``"contiguous"`` (NCHW, the default) by float rounding only; stacked cohorts
     (``backend = "batched"``) and inputs that are not images keep their layout.
