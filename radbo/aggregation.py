@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from radbo.masks.index import add_at, coverage_counts, holder_sums, integer_valued, kept_shape
+from radbo.masks.index import add_at, holder_sums, integer_valued, kept_shape
 from radbo.typing import IndexSet, Params
 
 
@@ -86,21 +86,23 @@ def coverage_weighted_mean(
         raise ValueError(f"aggregation weights must be non-negative, got {list(weights)}")
     if scales is not None and len(scales) != len(updates):
         raise ValueError(f"got {len(updates)} updates but {len(scales)} scales")
-    # integer weights (the default 1, sample counts): the summed weights come from the index
-    # sets in a few operations per tensor (holder_sums, exact for integers); others are summed
-    # client by client in client order
+    # the clients holding each coordinate are counted from the index sets (holder_sums); so
+    # are, in the same contraction, the summed weights when they are integers (the default 1,
+    # sample counts: exact); fractional ones are summed client by client in client order
     exact = integer_valued(weights)
+    holders = [1.0 if w > 0 else 0.0 for w in weights]  # a client of weight 0 holds nothing
     mean: Params = {}
     weight_sum: Params = {}
     scale: Params = {}
+    count: Params = {}
     for name, shape in shapes.items():
         device = updates[0][name].device if updates and name in updates[0] else None
         num = torch.zeros(shape, dtype=torch.float64, device=device)
         entries = [index_set.get(name, (None,) * len(shape)) for index_set in index_sets]
+        sums = holder_sums(entries, [holders, weights] if exact else [holders], shape)
+        count[name] = sums[0].to(torch.int64)
         den = (
-            holder_sums(entries, weights, shape, device)
-            if exact
-            else torch.zeros(shape, dtype=torch.float64, device=device)
+            sums[1].to(device) if exact else torch.zeros(shape, dtype=torch.float64, device=device)
         )
         sc = None if scales is None else torch.zeros(shape, dtype=torch.float64, device=device)
         client_scales = [0.0] * len(updates) if scales is None else scales
@@ -128,7 +130,6 @@ def coverage_weighted_mean(
         weight_sum[name] = den.to(dtype)
         if sc is not None:
             scale[name] = torch.where(held, sc / safe, 0.0).to(dtype)
-    count = coverage_counts(index_sets, shapes, weights)
     return CoverageMean(
         mean=mean, weight=weight_sum, count=count, scale=None if scales is None else scale
     )

@@ -264,42 +264,33 @@ def _random_index_sets(gen, shape, clients, *, whole=0.3):
     return sets
 
 
-def _dense(index, shape):
-    """The client's holding as a dense 0/1 float64 tensor (outer product of its dimensions)."""
-    out = torch.ones((), dtype=torch.float64)
-    for idx, n in zip(index, shape, strict=True):
-        axis = torch.ones(n, dtype=torch.float64)
-        if idx is not None:
-            axis = torch.zeros(n, dtype=torch.float64)
-            axis[idx] = 1.0
-        out = out.unsqueeze(-1) * axis
-    return out.reshape(shape)
-
-
 @pytest.mark.parametrize("shape", [(7,), (6, 5), (6, 5, 3, 2), (4, 1, 3)])
 def test_holder_sums_equal_the_sum_of_dense_holdings(shape):
     """holder_sums (one contraction of per-dimension indicator rows) equals, exactly, adding
-    every client's dense 0/1 holding times its integer coefficient; no clients gives zeros."""
-    from radbo.masks.index import holder_sums
+    every client's dense 0/1 holding (dense_mask) times its integer coefficient, for each of
+    two coefficient rows at once; no clients gives zeros."""
+    from radbo.masks.index import dense_mask, holder_sums
 
     gen = torch.Generator().manual_seed(len(shape))
     size = torch.Size(shape)
     for clients in (0, 1, 3, 40):
         sets = _random_index_sets(gen, shape, clients)
-        coefficients = [float(torch.randint(0, 50, (), generator=gen)) for _ in sets]
-        expected = torch.zeros(shape, dtype=torch.float64)
-        for index, c in zip(sets, coefficients, strict=True):
-            expected += c * _dense(index, shape)
-        got = holder_sums(sets, coefficients, size)
-        assert got.dtype == torch.float64 and got.shape == size
+        rows = [[float(torch.randint(0, 50, (), generator=gen)) for _ in sets] for _ in range(2)]
+        expected = torch.zeros((2, *shape), dtype=torch.float64)
+        for i, index in enumerate(sets):
+            held = dense_mask({"t": index}, {"t": size})["t"].to(torch.float64)
+            for r, row in enumerate(rows):
+                expected[r] += row[i] * held
+        got = holder_sums(sets, rows, size)
+        assert got.dtype == torch.float64 and got.shape == (2, *shape)
         assert torch.equal(got, expected)
 
 
 def test_holder_sums_reject_a_coefficient_count_that_does_not_match():
     from radbo.masks.index import holder_sums
 
-    with pytest.raises(ValueError, match="2 index entries but 1 coefficients"):
-        holder_sums([(None,), (None,)], [1.0], torch.Size([3]))
+    with pytest.raises(ValueError, match=r"2 index entries but coefficient rows of \[1\]"):
+        holder_sums([(None,), (None,)], [[1.0]], torch.Size([3]))
 
 
 def _client_by_client(updates, index_sets, shapes, weights):

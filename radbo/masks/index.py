@@ -177,55 +177,55 @@ def add_at(target: Tensor, index: tuple[Tensor | None, ...], value: Tensor | flo
 
 def holder_sums(
     entries: Sequence[tuple[Tensor | None, ...]],
-    coefficients: Sequence[float],
+    coefficients: Sequence[Sequence[float]],
     shape: torch.Size,
-    device: torch.device | str | None = None,
 ) -> Tensor:
-    """Per coordinate of a tensor of ``shape``, the sum of ``coefficients[i]`` over the clients
-    i whose index entry ``entries[i]`` holds it, as a float64 tensor on ``device``.
+    """For every row ``r`` of ``coefficients`` (one value per client) and every coordinate of a
+    tensor of ``shape``, the sum of ``r[i]`` over the clients i whose index entry
+    ``entries[i]`` holds the coordinate: a float64 CPU tensor ``len(coefficients) x shape``
+    (index sets live on the CPU).
 
     Written by hand because the index sets are radbo's own structured-mask format. A client
     holds the Cartesian product of its per-dimension entries, so its indicator is an outer
-    product of per-dimension indicator rows, and the sum over clients is one contraction
-    ``einsum("i,ia,ib->ab", c, A, B)`` over the dimensions some client prunes (the others are
-    broadcast): a few operations per tensor, however many clients there are, where a scatter
-    per client took four. **Exact only for integer coefficients** (client counts, integer
-    weights) whose total is below 2**53: every product is then 0 or an integer and every
-    partial sum an integer that float64 represents, so the order of the additions, which a
-    contraction leaves to the BLAS, cannot change a bit.
+    product of per-dimension indicator rows, and the sums over clients are one contraction
+    ``einsum("yz,za,zb->yab", C, A, B)`` over the dimensions some client prunes (the others are
+    broadcast): a few operations per tensor for all rows, however many clients there are,
+    where a scatter per client and row took four. **Exact only for integer coefficients**
+    (client counts, integer weights) whose totals are below 2**53: every product is then 0 or
+    an integer and every partial sum an integer that float64 represents, so the order of the
+    additions, which a contraction leaves to the BLAS, cannot change a bit.
 
     >>> import torch
     >>> entries = [(None, None), (torch.tensor([0]), None), (torch.tensor([1]), torch.tensor([2]))]
-    >>> holder_sums(entries, [1.0, 2.0, 4.0], torch.Size([2, 3])).tolist()
+    >>> holder_sums(entries, [[1.0, 2.0, 4.0]], torch.Size([2, 3]))[0].tolist()
     [[3.0, 3.0, 3.0], [1.0, 1.0, 5.0]]
     """
-    if len(entries) != len(coefficients):
-        raise ValueError(f"got {len(entries)} index entries but {len(coefficients)} coefficients")
     f64 = torch.float64
+    if any(len(row) != len(entries) for row in coefficients):
+        lengths = sorted({len(row) for row in coefficients})
+        raise ValueError(f"got {len(entries)} index entries but coefficient rows of {lengths}")
+    table = torch.tensor([[float(v) for v in row] for row in coefficients], dtype=f64)
+    table = table.reshape(len(coefficients), len(entries))
     dims = [d for d in range(len(shape)) if any(e[d] is not None for e in entries)]
-    if not dims:  # every client holds the whole tensor: integers, so the sum is exact
-        return torch.full(shape, float(sum(coefficients)), dtype=f64, device=device)
-    n = len(entries)
+    if not dims:  # every client holds the whole tensor: integers, so the sums are exact
+        totals = table.sum(dim=1).reshape(-1, *[1] * len(shape))
+        return totals.expand(len(coefficients), *shape).contiguous()
     factors = []
     for d in dims:
-        rows = torch.zeros(n, shape[d], dtype=f64, device=device)
+        rows = torch.zeros(len(entries), shape[d], dtype=f64)
         whole = [i for i, e in enumerate(entries) if e[d] is None]
         if whole:
             rows[whole] = 1.0
         held = [(i, idx) for i, e in enumerate(entries) if (idx := e[d]) is not None]
         owners = torch.tensor([i for i, _ in held], dtype=torch.long)
         sizes = torch.tensor([int(idx.numel()) for _, idx in held], dtype=torch.long)
-        at = torch.cat([idx for _, idx in held]).to(dtype=torch.long, device=rows.device)
-        rows.index_put_(
-            (owners.repeat_interleave(sizes).to(rows.device), at),
-            torch.ones((), dtype=f64, device=rows.device),
-        )
+        at = torch.cat([idx for _, idx in held]).to(dtype=torch.long, device="cpu")
+        rows.index_put_((owners.repeat_interleave(sizes), at), torch.ones((), dtype=f64))
         factors.append(rows)
-    c = torch.tensor([float(v) for v in coefficients], dtype=f64, device=factors[0].device)
-    letters = "abcdefghijklmnopqrstuvwxy"[: len(dims)]
-    core = torch.einsum(f"z,{','.join('z' + a for a in letters)}->{letters}", c, *factors)
+    letters = "abcdefghijklmnopqrstuvwx"[: len(dims)]
+    core = torch.einsum(f"yz,{','.join('z' + a for a in letters)}->y{letters}", table, *factors)
     view = [shape[d] if d in dims else 1 for d in range(len(shape))]
-    return core.reshape(view).expand(shape).contiguous()
+    return core.reshape(len(coefficients), *view).expand(len(coefficients), *shape).contiguous()
 
 
 def integer_valued(values: Sequence[float]) -> bool:
@@ -256,7 +256,7 @@ def coverage_counts(
     out: dict[str, Tensor] = {}
     for key, shape in shapes.items():
         entries = [s.get(key, (None,) * len(shape)) for s in holding]
-        out[key] = holder_sums(entries, [1.0] * len(entries), shape).to(torch.int64)
+        out[key] = holder_sums(entries, [[1.0] * len(entries)], shape)[0].to(torch.int64)
     return out
 
 
