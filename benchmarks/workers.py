@@ -4,6 +4,8 @@ against 1 worker (which runs the clients in this process, as the sequential back
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/workers.py [--rounds 7] [--workers 2]
     # issue 30's size: an MLP of about 1M parameters (64-1000-1000-10: 1,075,010)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/workers.py --hidden 1000 1000
+    # and the workers' tensors through the pipe as well, against shared memory (the default)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/workers.py --hidden 1000 1000 --wires shared pipe
 
 Both runs are built from the demo config (``examples/demo.toml``: RABO + CG, masks, the
 10-client device fleet) and warmed up with round 0 (it measures FLOPs and starts the pool).
@@ -12,7 +14,11 @@ even ones); each round is one ``Simulation.step`` (no evaluation). Reported: the
 time and the median CPU time of this process plus its worker processes, the speed-up of the
 medians, and the share of a 1-worker round spent in the client phases (the part workers run
 in parallel; the rest -- sampling, masks, broadcast, aggregation -- bounds the speed-up).
-Both runs compute the same states bitwise, which is checked. Run it on an otherwise idle
+With ``--wires shared pipe`` a third run, 2 workers whose tensors cross in the pipe
+(``ProcessBackend(shared_memory=False)``), joins the alternation. All runs compute the same
+states bitwise, which is checked. ``--profile K`` then runs K more rounds of the first
+multi-worker side under cProfile and prints where this (the simulating) process spent its
+time, waiting for workers included. Run it on an otherwise idle
 machine: the figure is only meaningful with two free cores; printed beside it is the share of
 the CPUs that other processes used during the measurement (from ``/proc/stat``, so it sees
 processes of other containers on the same machine too) and the load average.
@@ -21,8 +27,10 @@ processes of other containers on the same machine too) and the load average.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -87,23 +95,39 @@ def main() -> None:
     parser.add_argument(
         "--hidden", type=int, nargs="+", default=None, help="MLP hidden widths (default: demo's)"
     )
+    parser.add_argument(
+        "--wires",
+        nargs="+",
+        choices=("shared", "pipe"),
+        default=["shared"],
+        help="how the workers' tensors cross: shared memory (default) and/or the pipe",
+    )
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="K", help="K more rounds under cProfile"
+    )
     args = parser.parse_args()
     model = {} if args.hidden is None else {"model": {"name": "mlp", "hidden": args.hidden}}
     n = args.workers
     torch.set_num_threads(1)
+    # side name -> (workers, shared memory); the first side is the 1-worker reference
+    sides = {1: (1, True)} | {
+        (n if wire == "shared" else f"{n}-pipe"): (n, wire == "shared") for wire in args.wires
+    }
     runs = {}
-    for workers in (1, n):
+    for side, (workers, shared) in sides.items():
         runtime = {"backend": "processes", "workers": workers}
         exp = build(small_config(rounds=args.rounds + 1, runtime=runtime, **model))
         sim = exp.simulation
+        sim.backend = ProcessBackend(workers, shared_memory=shared)
         state, _ = sim.step(exp.initial_state, 0)  # warm-up: FLOP measurements, pool start
         r = {"sim": sim, "state": state, "wall": [], "cpu": [], "clients": [], "phases": [0.0]}
         sim.backend.run = timed(sim.backend.run, r["phases"])  # type: ignore[method-assign]
-        runs[workers] = r
+        runs[side] = r
     busy0, start = machine_busy_s(), time.perf_counter()
+    order = list(sides)
     for q in range(1, args.rounds + 1):
-        for workers in (n, 1) if q % 2 else (1, n):
-            r = runs[workers]
+        for side in order[::-1] if q % 2 else order:
+            r = runs[side]
             backend = r["sim"].backend
             cpu0, wall0 = cpu_seconds(backend), time.perf_counter()
             r["state"], record = r["sim"].step(r["state"], q)
@@ -113,7 +137,15 @@ def main() -> None:
             r["phases"].append(0.0)
     ours = sum(sum(r["cpu"]) for r in runs.values())
     others = (machine_busy_s() - busy0 - ours) / ((time.perf_counter() - start) * usable_cpus())
-    equal = same_state(runs[1]["state"], runs[n]["state"], runs[1]["sim"])
+    equal = all(same_state(runs[1]["state"], r["state"], runs[1]["sim"]) for r in runs.values())
+    profile = None
+    if args.profile > 0:
+        r = runs[order[1]]
+        profile = cProfile.Profile()
+        profile.enable()
+        for q in range(args.rounds + 1, args.rounds + 1 + args.profile):
+            r["state"], _ = r["sim"].step(r["state"], q)
+        profile.disable()
     for r in runs.values():
         r["sim"].backend.close()
     load = os.getloadavg()
@@ -128,9 +160,15 @@ def main() -> None:
     )
     wall = {w: statistics.median(r["wall"]) for w, r in runs.items()}
     cpu = {w: statistics.median(r["cpu"]) for w, r in runs.items()}
-    for w in (1, n):
-        print(f"  {w} worker(s): wall {1e3 * wall[w]:7.1f} ms, CPU {1e3 * cpu[w]:7.1f} ms")
-    print(f"  speed-up {n} vs 1 worker: wall {wall[1] / wall[n]:.2f}x, CPU {cpu[1] / cpu[n]:.2f}x")
+    for side in sides:
+        name = f"{side} worker(s)" if isinstance(side, int) else f"{n} workers, tensors in the pipe"
+        print(f"  {name}: wall {1e3 * wall[side]:7.1f} ms, CPU {1e3 * cpu[side]:7.1f} ms")
+    for side in order[1:]:
+        how = "" if isinstance(side, int) else " (tensors in the pipe)"
+        print(
+            f"  speed-up {n} vs 1 worker{how}: wall {wall[1] / wall[side]:.2f}x, "
+            f"CPU {cpu[1] / cpu[side]:.2f}x"
+        )
     # the rest of a round (sampling, masks, broadcast, aggregation) runs in this process
     shares = [p / w for p, w in zip(runs[1]["phases"], runs[1]["wall"], strict=False)]
     share = statistics.median(shares)
@@ -140,10 +178,16 @@ def main() -> None:
         f"{k} workers can reach at most {1 / (1 - share + share / k):.2f}x on {k} CPUs (Amdahl)"
     )
     print(f"  final states bitwise equal: {equal}")
-    print(f"  per round (clients: 1-worker / {n}-worker wall ms):")
+    print(f"  per round (clients: wall ms of {' / '.join(str(side) for side in order)} workers):")
     for q, clients in enumerate(runs[1]["clients"], start=1):
-        w1, w2 = 1e3 * runs[1]["wall"][q - 1], 1e3 * runs[n]["wall"][q - 1]
-        print(f"    round {q}: {clients} clients: {w1:6.1f} / {w2:6.1f} ({w1 / w2:.2f}x)")
+        walls = [1e3 * runs[side]["wall"][q - 1] for side in order]
+        ratios = ", ".join(f"{walls[0] / w:.2f}x" for w in walls[1:])
+        print(
+            f"    round {q}: {clients} clients: {' / '.join(f'{w:6.1f}' for w in walls)} ({ratios})"
+        )
+    if profile is not None:
+        print(f"  where this process spent {args.profile} rounds on {order[1]} workers (cProfile):")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,14 @@ bound methods pickles the algorithm's settings, a few hundred bytes -- when they
 runtime; a work that does not pickle, or a new runtime, restarts the pool so that new
 workers inherit it. Afterwards only each :class:`~radbo.client.ClientTask` (received tensors,
 index set, data indices, seed, budget) and the catalog entry's number travel to a worker, and
-its :class:`~radbo.client.ClientResult` comes back, both pickled with the standard pickler
-(tensor bytes copied exactly, with their shape and strides; no shared memory, no file
-descriptors). Tasks go out to whichever worker is free, biggest first (by received numbers x
+its :class:`~radbo.client.ClientResult` comes back. Their tensors' bytes are copied into
+shared memory that the worker inherited (:class:`_Arena`: two slots each way, written in turn),
+and only a pickled header -- the tensors' places, shapes, strides and dtypes, and the rest of
+the task or result -- crosses the pipe: a 4 MB tensor costs two copies in memory instead of
+some twenty trips through a pipe that holds a few hundred kB (``benchmarks/pipe_transfer.py``).
+Tensors that do not fit in a slot (:data:`_SLOT_BYTES`), and every message where shared memory
+could not be mapped, travel in the pipe, pickled with their exact bytes, shape and strides.
+Tasks go out to whichever worker is free, biggest first (by received numbers x
 local steps), so unequal clients balance across the workers; each worker holds the next task
 while it runs one, so it does not wait for this process in between.
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -76,6 +82,10 @@ Catalog = list[tuple[Work, ClientRuntime]]
 _STOP = b""  # the message that asks a worker to exit
 _GRACE_S = 5.0  # how long close() waits for idle workers before terminating them
 _QUEUE = 2  # tasks a worker holds at most: the one it runs and the next
+#: bytes of one shared-memory slot (:class:`_Arena`): a message's tensors beyond it go through
+#: the pipe. Pages are only committed where a message has written, so this is address space.
+_SLOT_BYTES = 64 << 20
+_ALIGN = 64  # each tensor's bytes start at a multiple of this in a slot
 
 
 def usable_cpus() -> int:
@@ -101,22 +111,37 @@ def _tensor(raw: Any, dtype: torch.dtype, size: tuple, stride: tuple, offset: in
     return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
 
 
+def _plain(t: Tensor) -> bool:
+    """Whether ``t`` crosses as its bytes (a dense CPU tensor without autograd, conjugate or
+    negative bits); anything else is pickled as torch pickles it."""
+    return (
+        t.layout == torch.strided
+        and t.device.type == "cpu"
+        and not t.requires_grad
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _span(t: Tensor) -> Tensor:
+    """The bytes (uint8) that ``t``'s elements span in its storage, from its first element: a
+    view sends its span, not its whole storage, and comes back with the same strides."""
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)
+    steps = zip(t.shape, t.stride(), strict=True)
+    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * k for n, k in steps)
+    start, size = t.storage_offset() * t.element_size(), span * t.element_size()
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())[start : start + size]
+
+
 def _reduce_tensor(t: Tensor) -> tuple[Any, ...]:
     """Pickles a plain CPU tensor as the bytes its elements span in its storage, with its
     size and stride (the same values, shape and strides back; several times faster than
     torch's own reduction, and a view sends its span, not its whole storage); anything else
     (a tensor that requires grad, a sparse or non-CPU one) as torch pickles it."""
-    plain = t.layout == torch.strided and t.device.type == "cpu" and not t.requires_grad
-    if not plain or t.is_conj() or t.is_neg():
+    if not _plain(t):
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    if t.is_contiguous():
-        raw = t.reshape(-1).view(torch.uint8)
-    else:
-        steps = zip(t.shape, t.stride(), strict=True)
-        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * k for n, k in steps)
-        start, size = t.storage_offset() * t.element_size(), span * t.element_size()
-        raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())[start : start + size]
-    return _tensor, (raw.numpy(), t.dtype, tuple(t.shape), t.stride(), 0)
+    return _tensor, (_span(t).numpy(), t.dtype, tuple(t.shape), t.stride(), 0)
 
 
 _DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
@@ -131,10 +156,120 @@ def _dumps(value: object) -> bytes:
     return out.getvalue()
 
 
+class _Arena:
+    """Shared memory for the tensors of one direction of one worker's pipe: :data:`_QUEUE`
+    slots of ``slot_bytes``, message ``n`` written into slot ``n % _QUEUE``.
+
+    Mapped anonymously and shared before the worker is forked, so both processes see the same
+    pages. Written by hand because the standard library's shared memory needs named segments
+    (``/dev/shm``, often 64 MB in containers, and left behind by a killed process) and torch's
+    ``share_memory_`` a file descriptor per tensor; here one mapping serves every message.
+
+    **Why a slot is free when it is written.** A worker holds at most :data:`_QUEUE` tasks
+    (:meth:`_Pool.run`), and answers them in order. When the parent sends task ``n``, at most
+    one earlier task is unanswered, so task ``n - 2``'s result has come back -- and the worker
+    read task ``n - 2`` out of its slot before running it. Task ``n`` is sent only after the
+    parent has read (copied out) the result of task ``n - 2``, so when the worker writes result
+    ``n`` into that result's slot, nobody reads it any more. Every reader copies a message's
+    tensors out of the slot before it goes on (:class:`_Unpickler`).
+    """
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.buffer = mmap.mmap(-1, _QUEUE * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS
+        self.written = 0  # messages written (by the one process that writes this arena)
+
+    @classmethod
+    def pair(cls, slot_bytes: int) -> tuple[_Arena, _Arena] | None:
+        """An arena for each direction, or ``None`` (pipe only) where none can be mapped."""
+        if slot_bytes <= 0:
+            return None
+        try:
+            return cls(slot_bytes), cls(slot_bytes)
+        except (OSError, ValueError, OverflowError):  # no shared mapping of this size here
+            return None
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a message, its plain tensors' bytes into slot ``arena.written % _QUEUE`` while
+    they fit (as persistent ids: place, dtype, shape, strides), the rest with
+    :func:`_reduce_tensor`. A tensor met twice is placed once and comes back as one object,
+    as the pickler's memo does for the rest."""
+
+    def __init__(self, out: io.BytesIO, arena: _Arena) -> None:
+        super().__init__(out, pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = _DISPATCH
+        self.arena = arena
+        self.start = (arena.written % _QUEUE) * arena.slot_bytes
+        self.used = 0
+        self.placed: dict[int, tuple[Tensor, tuple[Any, ...]]] = {}  # id -> (tensor, its id)
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is not Tensor or not _plain(obj):  # a Parameter pickles as one
+            return None
+        if id(obj) in self.placed:
+            return self.placed[id(obj)][1]
+        raw = _span(obj)
+        at = -(-self.used // _ALIGN) * _ALIGN
+        if raw.numel() == 0 or at + raw.numel() > self.arena.slot_bytes:
+            return None  # nothing to place, or no room left: in the pipe
+        offset = self.start + at
+        place = torch.frombuffer(
+            self.arena.buffer, dtype=torch.uint8, count=raw.numel(), offset=offset
+        )
+        place.copy_(raw)
+        self.used = at + raw.numel()
+        pid = (offset, raw.numel(), obj.dtype, tuple(obj.shape), obj.stride())
+        self.placed[id(obj)] = (obj, pid)  # holding obj keeps its id from being reused
+        return pid
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads a message written by :class:`_Pickler`, copying each tensor out of the arena."""
+
+    def __init__(self, message: bytes, arena: _Arena | None) -> None:
+        super().__init__(io.BytesIO(message))
+        self.arena = arena
+        self.loaded: dict[int, Tensor] = {}  # offset -> the tensor read from there
+
+    def persistent_load(self, pid: Any) -> Tensor:
+        if self.arena is None:
+            raise pickle.UnpicklingError("a message refers to shared memory this pipe lacks")
+        offset, count, dtype, size, stride = pid
+        if offset not in self.loaded:
+            raw = torch.frombuffer(self.arena.buffer, dtype=torch.uint8, count=count, offset=offset)
+            storage = raw.clone().untyped_storage()
+            self.loaded[offset] = torch.empty(0, dtype=dtype).set_(storage, 0, size, stride)
+        return self.loaded[offset]
+
+
+def _pack(value: object, arena: _Arena | None) -> bytes:
+    """``value`` pickled, its tensors in ``arena``'s next slot where they fit (:class:`_Pickler`),
+    or all in the message without an arena (:func:`_dumps`)."""
+    if arena is None:
+        return _dumps(value)
+    out = io.BytesIO()
+    _Pickler(out, arena).dump(value)
+    arena.written += 1
+    return out.getvalue()
+
+
+def _unpack(message: bytes, arena: _Arena | None) -> Any:
+    """What :func:`_pack` packed, with ``arena`` the sender's."""
+    return _Unpickler(message, arena).load()
+
+
 # ---------------------------------------------------------------------------- the worker
-def _serve(conn: Connection, catalog: Catalog, inherited: Sequence[Connection]) -> None:
+def _serve(
+    conn: Connection,
+    catalog: Catalog,
+    inherited: Sequence[Connection],
+    arenas: tuple[_Arena, _Arena] | None,
+) -> None:
     """A worker's loop: run ``catalog[entry]`` on each task received and send back the result;
-    learn new catalog entries (a pickled work over an inherited runtime) on the way."""
+    learn new catalog entries (a pickled work over an inherited runtime) on the way. Tasks'
+    tensors come through ``arenas[0]``, results' go through ``arenas[1]`` (:class:`_Arena`)."""
+    tasks_in, results_out = arenas if arenas is not None else (None, None)
     known = dict(enumerate(catalog))
     for other in inherited:  # this process's copies of the pool's ends of the pipes
         other.close()
@@ -146,13 +281,13 @@ def _serve(conn: Connection, catalog: Catalog, inherited: Sequence[Connection]) 
         message = inbox.get()
         if message == _STOP:
             return
-        kind, entry, *payload = pickle.loads(message)
+        kind, entry, *payload = _unpack(message, tasks_in)
         if kind == "work":  # (work, the entry whose runtime it runs on); no answer
             known[entry] = (payload[0], known[payload[1]][1])
             continue
         work, runtime = known[entry]
         try:
-            answer = _dumps((True, work(runtime, payload[0])))
+            answer = _pack((True, work(runtime, payload[0])), results_out)
         except Exception as err:  # noqa: BLE001 - every failure goes back to the parent
             answer = _failure(err, traceback.format_exc())
         conn.send_bytes(answer)
@@ -214,20 +349,24 @@ def _stop(processes: list[BaseProcess], conns: list[Connection], grace_s: float)
 
 
 class _Pool:
-    """``size`` forked workers that inherited ``catalog``, each behind its own pipe."""
+    """``size`` forked workers that inherited ``catalog``, each behind its own pipe and, where
+    shared memory can be mapped, a pair of :class:`_Arena` of ``slot_bytes`` slots (tasks out,
+    results back; 0: none, every message in the pipe)."""
 
-    def __init__(self, size: int, catalog: Catalog) -> None:
+    def __init__(self, size: int, catalog: Catalog, slot_bytes: int = _SLOT_BYTES) -> None:
         context = multiprocessing.get_context("fork")
         self.catalog = catalog
         self.processes: list[BaseProcess] = []
         self.conns: list[Connection] = []
+        self.arenas: list[tuple[_Arena, _Arena] | None] = []
         # stops the workers if the backend is dropped without close() (and at exit)
         self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, 0.0)
         for k in range(size):
             mine, theirs = context.Pipe(duplex=True)
+            arenas = _Arena.pair(slot_bytes)
             proc = context.Process(
                 target=_serve,
-                args=(theirs, catalog, [*self.conns, mine]),
+                args=(theirs, catalog, [*self.conns, mine], arenas),
                 name=f"radbo-client-worker-{k}",
                 daemon=True,
             )
@@ -235,6 +374,7 @@ class _Pool:
             theirs.close()
             self.processes.append(proc)
             self.conns.append(mine)
+            self.arenas.append(arenas)
         # what run() waits for: an answer on a pipe, or a worker's end (its sentinel)
         self.events = selectors.DefaultSelector()
         for k, (worker, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
@@ -285,7 +425,9 @@ class _Pool:
             ):
                 i = pending.pop(0)
                 try:
-                    self.conns[k].send_bytes(_dumps(("task", entry, tasks[i])))
+                    arenas = self.arenas[k]
+                    tasks_out = None if arenas is None else arenas[0]
+                    self.conns[k].send_bytes(_pack(("task", entry, tasks[i]), tasks_out))
                 except OSError:  # the worker is gone
                     raise self._died(k, tasks, i) from None
                 queued[k].append(i)
@@ -303,8 +445,10 @@ class _Pool:
                 if not queued[k]:  # a worker spoke out of turn
                     raise self._died(k, tasks, None)
                 i = queued[k][0]
+                arenas = self.arenas[k]
+                results_in = None if arenas is None else arenas[1]
                 try:
-                    answer = pickle.loads(ready.recv_bytes())
+                    answer = _unpack(ready.recv_bytes(), results_in)
                 except (EOFError, OSError):
                     raise self._died(k, tasks, i) from None
                 queued[k].popleft()
@@ -350,6 +494,9 @@ class ProcessBackend:
     Args:
         workers: worker processes (default: :func:`usable_cpus`). With 1, clients run in this
             process, as the sequential backend runs them.
+        shared_memory: whether tasks' and results' tensors cross in shared memory (the
+            default, where it can be mapped) or, with ``False``, in the pipe with the rest of
+            each message (as ``benchmarks/workers.py --wires`` compares). Results are the same.
 
     Use it as a context manager, or call :meth:`close`, to stop the workers::
 
@@ -361,7 +508,7 @@ class ProcessBackend:
     #: why ``[runtime] device = "cuda"`` refuses this backend (:func:`radbo.simulation.gpu_refusal`)
     gpu_refusal: ClassVar[str] = "forked worker processes cannot share a GPU context"
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, *, shared_memory: bool = True) -> None:
         if workers is None:
             workers = usable_cpus()
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -372,6 +519,7 @@ class ProcessBackend:
                 "use [runtime] backend = 'sequential' or workers = 1"
             )
         self.workers = workers
+        self.shared_memory = bool(shared_memory)
         self._catalog: Catalog = []
         self._pool: _Pool | None = None
 
@@ -405,7 +553,8 @@ class ProcessBackend:
             return [run_measured(work, runtime, meter, task) for task in tasks]
         entry = self._entry(work, runtime)
         if self._pool is None:
-            self._pool = _Pool(self.workers, list(self._catalog))
+            slot_bytes = _SLOT_BYTES if self.shared_memory else 0
+            self._pool = _Pool(self.workers, list(self._catalog), slot_bytes)
         try:
             results = self._pool.run(entry, tasks)
         except BaseException:

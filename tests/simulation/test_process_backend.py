@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 
 import psutil
 import pytest
@@ -253,8 +254,16 @@ def identity(runtime, task: ClientTask) -> ClientResult:
     return ClientResult(task.client, dict(task.params), CostRecord())
 
 
-def test_tensors_cross_exactly_with_their_shapes_and_strides():
+@pytest.mark.parametrize(
+    "wire", ["shared memory", "pipe", "shared memory, small slots"], ids=lambda w: w
+)
+def test_tensors_cross_exactly_with_their_shapes_and_strides(wire, monkeypatch):
+    """Both ways, on each wire: shared memory (the default), the pipe, and shared memory with
+    slots of 256 bytes, where the bigger tensors of a message go in the pipe beside it."""
+    if wire.endswith("small slots"):
+        monkeypatch.setattr(processes, "_SLOT_BYTES", 256)
     base = torch.randn(40, 30, dtype=torch.float64)
+    shared = torch.randn(3, 3)
     sent = {
         "block": base[3:7, 5:9],
         "transposed": base.t()[2:5],
@@ -265,14 +274,57 @@ def test_tensors_cross_exactly_with_their_shapes_and_strides():
         "flags": torch.tensor([True, False, True]),
         "indices": torch.arange(1000)[500:510],
         "half": torch.randn(5).half(),
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "twice": shared,
+        "again": shared,
     }
     task = dataclasses.replace(tasks([0])[0], params=sent)
-    with ProcessBackend(2) as backend:
+    with ProcessBackend(2, shared_memory=wire != "pipe") as backend:
         (result,) = backend.run(identity, None, None, [task])  # type: ignore[arg-type]
+        arenas = backend._pool.arenas  # type: ignore[union-attr]
+    assert all((a is None) == (wire == "pipe") for a in arenas)
     for name, t in sent.items():
         got = result.update[name]
         assert (got.dtype, got.shape, got.stride()) == (t.dtype, t.shape, t.stride()), name
         assert torch.equal(got, t), name
+    assert result.update["twice"] is result.update["again"]  # one tensor sent twice is one back
+
+
+def test_a_message_puts_its_tensors_in_the_next_slot_and_the_rest_in_the_pipe():
+    """Messages take the arena's slots in turn; what does not fit in a slot goes in the pipe;
+    a reader copies each tensor out, so a later message in the same slot leaves it intact."""
+    arena = processes._Arena(slot_bytes=1024)
+    small, big = torch.arange(10.0), torch.arange(300.0)  # 40 bytes, 1200 bytes: too big
+    first = processes._pack({"small": small, "big": big}, arena)
+    second = processes._pack({"small": -small}, arena)
+    assert arena.written == 2
+    assert len(first) > big.numel() * 4 > len(second)  # big travelled in the message itself
+    read = processes._unpack(first, arena)
+    assert torch.equal(read["small"], small) and torch.equal(read["big"], big)
+    assert torch.equal(processes._unpack(second, arena)["small"], -small)  # the other slot
+    third = processes._pack({"small": small + 100}, arena)  # slot 0 again: first's place
+    assert torch.equal(read["small"], small)  # a copy: untouched by the slot's reuse
+    assert torch.equal(processes._unpack(third, arena)["small"], small + 100)
+    with pytest.raises(pickle.UnpicklingError, match="shared memory this pipe lacks"):
+        processes._unpack(third, None)
+
+
+def test_without_shared_memory_every_message_goes_in_the_pipe(monkeypatch):
+    """Where no shared mapping can be made (an OSError from mmap), the pool runs on pipes."""
+
+    def refuse(*args, **kwargs):
+        raise OSError("no shared memory here")
+
+    monkeypatch.setattr(processes.mmap, "mmap", refuse)
+    assert processes._Arena.pair(1 << 20) is None
+    with ProcessBackend(2) as backend:
+        results = backend.run(echo, None, None, tasks([4, 0, 2]))  # type: ignore[arg-type]
+        assert backend._pool.arenas == [None, None]  # type: ignore[union-attr]
+    assert [r.client for r in results] == [4, 0, 2]
+    assert all(
+        torch.equal(r.update["w"], 2 * torch.full((r.client + 1,), float(r.client)))
+        for r in results
+    )
 
 
 def test_workers_run_with_one_intra_op_thread():
@@ -366,6 +418,25 @@ def test_tasks_and_results_larger_than_a_pipe_holds_cross_both_ways():
         results = backend.run(grow, None, None, big)  # type: ignore[arg-type]
     assert [r.client for r in results] == [0, 1, 2, 4, 6, 7]
     for task, r in zip(big, results, strict=True):
+        w = task.params["w"]
+        assert torch.equal(r.update["w"], w) and torch.equal(r.update["more"], torch.cat([w, -w]))
+    assert children() == []
+
+
+def test_slots_are_reused_only_once_read_many_tasks_in_flight():
+    """Forty tasks of different sizes on two workers that each hold a second task: every
+    slot of both arenas is written many times, while the other is being read; each result
+    must still be its own task's (a slot overwritten too early would mix them up)."""
+    g = torch.Generator().manual_seed(1)
+    many = [
+        dataclasses.replace(t, params={"w": torch.randn(1000 * (1 + t.client % 7), generator=g)})
+        for t in tasks(list(range(40)))
+    ]
+    with deadline(60), ProcessBackend(2) as backend:
+        results = backend.run(grow, None, None, many)  # type: ignore[arg-type]
+        written = [a[0].written for a in backend._pool.arenas]  # type: ignore[union-attr, index]
+    assert sum(written) == 40 and min(written) > 2
+    for task, r in zip(many, results, strict=True):
         w = task.params["w"]
         assert torch.equal(r.update["w"], w) and torch.equal(r.update["more"], torch.cat([w, -w]))
     assert children() == []
