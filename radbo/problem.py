@@ -10,7 +10,7 @@ physically smaller submodel: only tensor shapes must match.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -65,6 +65,40 @@ def draw_indices(indices: Tensor, batch_size: int, generator: torch.Generator) -
     return indices.index_select(0, pick.to(indices.device))
 
 
+def draw_steps(
+    sources: Sequence[tuple[Tensor, int]], steps: int, generator: torch.Generator
+) -> list[Tensor]:
+    """What ``steps`` rounds of :func:`draw_indices` over ``sources`` draw -- in each step, for
+    each ``(indices, batch_size)`` in turn, ``min(batch_size, len(indices))`` of ``indices``
+    without replacement -- from the same generator in the same order, as one
+    ``[steps, min(batch_size, len(indices))]`` tensor per source.
+
+    The permutations are drawn one by one (they are the generator's stream), then stacked and
+    gathered once per source: a client's minibatches for T steps take T + 2 operations and one
+    view per source instead of 2T operations and T views (and, with the data on a GPU, one
+    copy of the picks instead of T).
+
+    >>> g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    >>> data = torch.arange(10, 20)
+    >>> (many,) = draw_steps([(data, 4)], 3, g1)
+    >>> torch.equal(many, torch.stack([draw_indices(data, 4, g2) for _ in range(3)]))
+    True
+    """
+    perms: list[list[Tensor]] = [[] for _ in sources]
+    for _ in range(steps):
+        for drawn, (indices, _) in zip(perms, sources, strict=True):
+            drawn.append(torch.randperm(indices.numel(), generator=generator))
+    out = []
+    for drawn, (indices, size) in zip(perms, sources, strict=True):
+        k = min(size, indices.numel())
+        if not drawn:  # no steps
+            out.append(indices.new_empty((0, k)))
+            continue
+        picks = torch.stack(drawn)[:, :k].to(indices.device)  # [steps, k]: each step's first k
+        out.append(torch.take(indices, picks))  # indices[picks], of the picks' shape
+    return out
+
+
 class Sampler(Protocol):
     """Which examples a client's minibatches hold. Client work draws every minibatch through
     the runtime's sampler with the task's generator, so that a task can change what a batch is
@@ -73,7 +107,11 @@ class Sampler(Protocol):
     * ``inner(data, size, generator)`` -- a minibatch for the inner loss g;
     * ``outer(data, size, generator)`` -- a minibatch for the outer loss f;
     * ``pair(data, inner_size, outer_size, generator)`` -- an inner and an outer minibatch that
-      belong together (one episode's support and query sets).
+      belong together (one episode's support and query sets);
+    * ``inner_steps`` / ``outer_steps`` / ``pair_steps`` (the same arguments and ``steps``) --
+      the minibatches of ``steps`` local steps at once, stacked on a leading dimension: exactly
+      what ``steps`` calls of ``inner`` / ``outer`` / ``pair`` return, drawn from the generator
+      in the same order, in fewer operations where the sampler can (:func:`draw_steps`).
     """
 
     def inner(self, data: ClientData, size: int, generator: torch.Generator) -> Tensor: ...
@@ -82,6 +120,23 @@ class Sampler(Protocol):
 
     def pair(
         self, data: ClientData, inner_size: int, outer_size: int, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def inner_steps(
+        self, data: ClientData, size: int, steps: int, generator: torch.Generator
+    ) -> Tensor: ...
+
+    def outer_steps(
+        self, data: ClientData, size: int, steps: int, generator: torch.Generator
+    ) -> Tensor: ...
+
+    def pair_steps(
+        self,
+        data: ClientData,
+        inner_size: int,
+        outer_size: int,
+        steps: int,
+        generator: torch.Generator,
     ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -101,6 +156,28 @@ class MinibatchSampler:
     ) -> tuple[Tensor, Tensor]:
         first = draw_indices(data.inner, inner_size, generator)
         return first, draw_indices(data.outer, outer_size, generator)
+
+    def inner_steps(
+        self, data: ClientData, size: int, steps: int, generator: torch.Generator
+    ) -> Tensor:
+        return draw_steps([(data.inner, size)], steps, generator)[0]
+
+    def outer_steps(
+        self, data: ClientData, size: int, steps: int, generator: torch.Generator
+    ) -> Tensor:
+        return draw_steps([(data.outer, size)], steps, generator)[0]
+
+    def pair_steps(
+        self,
+        data: ClientData,
+        inner_size: int,
+        outer_size: int,
+        steps: int,
+        generator: torch.Generator,
+    ) -> tuple[Tensor, Tensor]:
+        sources = [(data.inner, inner_size), (data.outer, outer_size)]
+        inner, outer = draw_steps(sources, steps, generator)
+        return inner, outer
 
 
 def sample_batch(

@@ -314,10 +314,8 @@ class AggITD(AggITDConfig, AlgorithmBase):
         """One inner minibatch for each of the client's tau_i local steps."""
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.local_steps
-        batches = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
-        return Prepared(
-            steps={"inner": torch.stack(batches)}, num_steps=steps, ragged=frozenset({"inner"})
-        )
+        batches = runtime.sampler.inner_steps(task.data, self.batch_size, steps, gen)
+        return Prepared(steps={"inner": batches}, num_steps=steps, ragged=frozenset({"inner"}))
 
     def run_local(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """tau_i local SGD steps on g_i from y^r; returns the summed gradients

@@ -150,12 +150,10 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         """An inner and an outer minibatch (one episode on a few-shot task) per local step."""
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.local_steps
-        inner, outer = [], []
-        for _ in range(steps):
-            pair = runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
-            inner.append(pair[0])
-            outer.append(pair[1])
-        batches = torch.cat([torch.stack(inner), torch.stack(outer)], dim=1)
+        inner, outer = runtime.sampler.pair_steps(
+            task.data, self.batch_size, self.outer_batch_size, steps, gen
+        )
+        batches = torch.cat([inner, outer], dim=1)
         return Prepared(steps={"batch": batches}, num_steps=steps, ragged=frozenset({"batch"}))
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:

@@ -415,10 +415,8 @@ class FedNest(FedNestConfig, AlgorithmBase):
         """An inner minibatch for each of the client's τ_i local steps."""
         gen = task.generator()
         steps = task.budget.local_steps
-        draws = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
-        return Prepared(
-            steps={"inner": torch.stack(draws)}, num_steps=steps, ragged=frozenset({"inner"})
-        )
+        draws = runtime.sampler.inner_steps(task.data, self.batch_size, steps, gen)
+        return Prepared(steps={"inner": draws}, num_steps=steps, ragged=frozenset({"inner"}))
 
     def run_local_y(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """τ_i local steps on y: SVRG-corrected by the server's q when it sent one (FedInn),
@@ -598,10 +596,8 @@ class FedNest(FedNestConfig, AlgorithmBase):
         """An outer minibatch ξ for each of the ``outer_local_steps`` local steps."""
         gen = task.generator()
         steps = self.outer_local_steps
-        draws = [runtime.sampler.outer(task.data, self.outer_batch_size, gen) for _ in range(steps)]
-        return Prepared(
-            steps={"outer": torch.stack(draws)}, num_steps=steps, ragged=frozenset({"outer"})
-        )
+        draws = runtime.sampler.outer_steps(task.data, self.outer_batch_size, steps, gen)
+        return Prepared(steps={"outer": draws}, num_steps=steps, ragged=frozenset({"outer"}))
 
     def run_local_x(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """SVRG-corrected local steps on x with the server's h; returns the summed directions
@@ -678,16 +674,11 @@ class LFedNest(LFedNestConfig, FedNest):
         gen = task.generator()
         steps = self.outer_local_steps
         terms = torch.randint(0, self.neumann_terms, (steps,), generator=gen, dtype=torch.int64)
-        pairs = [
-            runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
-            for _ in range(steps)
-        ]
+        inner, outer = runtime.sampler.pair_steps(
+            task.data, self.batch_size, self.outer_batch_size, steps, gen
+        )
         return Prepared(
-            steps={
-                "terms": terms,
-                "inner": torch.stack([i for i, _ in pairs]),
-                "outer": torch.stack([o for _, o in pairs]),
-            },
+            steps={"terms": terms, "inner": inner, "outer": outer},
             num_steps=steps,
             ragged=frozenset({"inner", "outer"}),
         )

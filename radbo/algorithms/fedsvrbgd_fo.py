@@ -322,12 +322,10 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
             outer_b = self.init_batch_size or self.outer_batch_size
             pair = runtime.sampler.pair(task.data, inner_b, outer_b, gen)
             data = {"init_inner": pair[0], "init_outer": pair[1]}
-        inner, outer = [], []
-        for _ in range(task.budget.local_steps):
-            pair = runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
-            inner.append(pair[0])
-            outer.append(pair[1])
-        steps = {"inner": torch.stack(inner), "outer": torch.stack(outer)}
+        inner, outer = runtime.sampler.pair_steps(
+            task.data, self.batch_size, self.outer_batch_size, task.budget.local_steps, gen
+        )
+        steps = {"inner": inner, "outer": outer}
         ragged = frozenset({*data, *steps})  # every draw is a minibatch
         return Prepared(data=data, steps=steps, num_steps=task.budget.local_steps, ragged=ragged)
 

@@ -90,12 +90,9 @@ class MAML(MAMLConfig, FedAvg):
         """One episode per local step: its support set and its query set."""
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.local_steps
-        pairs = [
-            runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
-            for _ in range(steps)
-        ]
-        support = torch.stack([s for s, _ in pairs])
-        query = torch.stack([q for _, q in pairs])
+        support, query = runtime.sampler.pair_steps(
+            task.data, self.batch_size, self.outer_batch_size, steps, gen
+        )
         return Prepared(steps={"support": support, "query": query}, num_steps=steps)
 
     def adapt(

@@ -202,10 +202,8 @@ class RABO(RABOConfig, AlgorithmBase):
         """The minibatch of each of the client's T local steps."""
         gen = task.generator()
         steps = task.budget.local_steps if self.use_budget_steps else self.inner_steps
-        batches = [runtime.sampler.inner(task.data, self.batch_size, gen) for _ in range(steps)]
-        return Prepared(
-            steps={"inner": torch.stack(batches)}, num_steps=steps, ragged=frozenset({"inner"})
-        )
+        batches = runtime.sampler.inner_steps(task.data, self.batch_size, steps, gen)
+        return Prepared(steps={"inner": batches}, num_steps=steps, ragged=frozenset({"inner"}))
 
     def run_inner(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers."""

@@ -236,12 +236,10 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
     def prepare_client(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """An inner and an outer minibatch for each of the client's tau_i local steps."""
         gen = task.generator()
-        inner, outer = [], []
-        for _ in range(task.budget.local_steps):
-            pair = runtime.sampler.pair(task.data, self.batch_size, self.outer_batch_size, gen)
-            inner.append(pair[0])
-            outer.append(pair[1])
-        steps = {"inner": torch.stack(inner), "outer": torch.stack(outer)}
+        inner, outer = runtime.sampler.pair_steps(
+            task.data, self.batch_size, self.outer_batch_size, task.budget.local_steps, gen
+        )
+        steps = {"inner": inner, "outer": outer}
         return Prepared(
             steps=steps, num_steps=task.budget.local_steps, ragged=frozenset({"inner", "outer"})
         )

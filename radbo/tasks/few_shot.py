@@ -215,6 +215,22 @@ class EpisodeSampler:
     def outer(self, data: ClientData, size: int, gen: torch.Generator) -> Tensor:
         return self.pair(data, size, size, gen)[1]
 
+    def inner_steps(self, data: ClientData, size: int, steps: int, gen: torch.Generator) -> Tensor:
+        return self.pair_steps(data, size, size, steps, gen)[0]
+
+    def outer_steps(self, data: ClientData, size: int, steps: int, gen: torch.Generator) -> Tensor:
+        return self.pair_steps(data, size, size, steps, gen)[1]
+
+    def pair_steps(
+        self, data: ClientData, inner_size: int, outer_size: int, steps: int, gen: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        """``steps`` episodes, one after the other, stacked."""
+        pairs = [self.pair(data, inner_size, outer_size, gen) for _ in range(steps)]
+        if not pairs:  # no steps: no episodes, of the episodes' sizes
+            empty = data.inner.new_empty
+            return empty((0, self.ways * self.shots)), empty((0, self.ways * self.queries))
+        return torch.stack([s for s, _ in pairs]), torch.stack([q for _, q in pairs])
+
 
 @TASKS.register
 class FewShot(TaskConfig):

@@ -71,6 +71,11 @@ class RecordingSampler(MinibatchSampler):
         self.draws.append(pair)
         return pair
 
+    def pair_steps(self, data, inner_size, outer_size, steps, generator):
+        inner, outer = super().pair_steps(data, inner_size, outer_size, steps, generator)
+        self.draws.extend(zip(inner, outer, strict=True))
+        return inner, outer
+
 
 FEATURES = torch.tensor(
     [[1.0, -2.0], [0.5, 3.0], [-1.5, 0.25], [2.0, 1.0], [0.0, -1.0], [3.0, 0.5], [-2.0, 2.0]]

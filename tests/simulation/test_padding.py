@@ -173,3 +173,25 @@ def test_the_device_script_parses_and_names_scripts_that_exist():
     called = re.findall(r"\$PY (\S+\.py)", path.read_text())
     assert "benchmarks/gpu.py" in called and "benchmarks/vs_pfl.py" in called
     assert all((ROOT / script).is_file() for script in called)
+
+
+def test_the_operation_map_sums_to_the_round_and_names_radbo_functions():
+    """``benchmarks/op_sites.py`` at 10 demo clients: every operation of the round is counted
+    once, as a view or not (the totals equal ``benchmarks/padding.py``'s count of the same
+    round), and the minibatch draws are attributed to the function that makes them."""
+    sites = load_script(ROOT / "benchmarks" / "op_sites.py", "bench_op_sites")
+    counter = sites.count_round(10, "rabo")
+    padding = load_script(ROOT / "benchmarks" / "padding.py", "bench_padding")
+    side = padding.make_side(10, "rabo", "batched, padded")
+    side.step()
+    side.step()
+    ops, _ = padding.counted_round(side)
+    assert sum(counter.sites.values()) + sum(counter.site_views.values()) == ops
+    assert sum(counter.ops.values()) == sum(counter.sites.values())
+    # RABO's inner phase draws T minibatches per client: T permutations, a stack and a take
+    drawn = counter.sites["radbo/problem.py:draw_steps"]
+    assert (
+        0 < counter.ops["take"] < drawn
+        and counter.ops["randperm"] >= drawn - 2 * counter.ops["take"]
+    )
+    assert all(s.startswith("radbo/") or s == "(outside radbo)" for s in counter.sites)
