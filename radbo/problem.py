@@ -123,20 +123,15 @@ class Sampler(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
     def inner_steps(
-        self, data: ClientData, size: int, steps: int, generator: torch.Generator
+        self, data: ClientData, size: int, steps: int, gen: torch.Generator
     ) -> Tensor: ...
 
     def outer_steps(
-        self, data: ClientData, size: int, steps: int, generator: torch.Generator
+        self, data: ClientData, size: int, steps: int, gen: torch.Generator
     ) -> Tensor: ...
 
     def pair_steps(
-        self,
-        data: ClientData,
-        inner_size: int,
-        outer_size: int,
-        steps: int,
-        generator: torch.Generator,
+        self, data: ClientData, inner_size: int, outer_size: int, steps: int, gen: torch.Generator
     ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -157,26 +152,16 @@ class MinibatchSampler:
         first = draw_indices(data.inner, inner_size, generator)
         return first, draw_indices(data.outer, outer_size, generator)
 
-    def inner_steps(
-        self, data: ClientData, size: int, steps: int, generator: torch.Generator
-    ) -> Tensor:
-        return draw_steps([(data.inner, size)], steps, generator)[0]
+    def inner_steps(self, data: ClientData, size: int, steps: int, gen: torch.Generator) -> Tensor:
+        return draw_steps([(data.inner, size)], steps, gen)[0]
 
-    def outer_steps(
-        self, data: ClientData, size: int, steps: int, generator: torch.Generator
-    ) -> Tensor:
-        return draw_steps([(data.outer, size)], steps, generator)[0]
+    def outer_steps(self, data: ClientData, size: int, steps: int, gen: torch.Generator) -> Tensor:
+        return draw_steps([(data.outer, size)], steps, gen)[0]
 
     def pair_steps(
-        self,
-        data: ClientData,
-        inner_size: int,
-        outer_size: int,
-        steps: int,
-        generator: torch.Generator,
+        self, data: ClientData, inner_size: int, outer_size: int, steps: int, gen: torch.Generator
     ) -> tuple[Tensor, Tensor]:
-        sources = [(data.inner, inner_size), (data.outer, outer_size)]
-        inner, outer = draw_steps(sources, steps, generator)
+        inner, outer = draw_steps([(data.inner, inner_size), (data.outer, outer_size)], steps, gen)
         return inner, outer
 
 
