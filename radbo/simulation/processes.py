@@ -238,8 +238,7 @@ class _Unpickler(pickle.Unpickler):
         offset, count, dtype, size, stride = pid
         if offset not in self.loaded:
             raw = torch.frombuffer(self.arena.buffer, dtype=torch.uint8, count=count, offset=offset)
-            storage = raw.clone().untyped_storage()
-            self.loaded[offset] = torch.empty(0, dtype=dtype).set_(storage, 0, size, stride)
+            self.loaded[offset] = _tensor(raw.clone().numpy(), dtype, size, stride, 0)
         return self.loaded[offset]
 
 
