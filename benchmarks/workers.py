@@ -109,12 +109,14 @@ def main() -> None:
     model = {} if args.hidden is None else {"model": {"name": "mlp", "hidden": args.hidden}}
     n = args.workers
     torch.set_num_threads(1)
-    # side name -> (workers, shared memory); the first side is the 1-worker reference
-    sides = {1: (1, True)} | {
-        (n if wire == "shared" else f"{n}-pipe"): (n, wire == "shared") for wire in args.wires
-    }
+    # label -> (workers, shared memory, what it is); the first side is the 1-worker reference
+    sides = {"1": (1, True, "1 worker")}
+    for wire in args.wires:
+        shared = wire == "shared"
+        label = str(n) if shared else f"{n}-pipe"
+        sides[label] = (n, shared, f"{n} workers" + ("" if shared else ", tensors in the pipe"))
     runs = {}
-    for side, (workers, shared) in sides.items():
+    for side, (workers, shared, _) in sides.items():
         runtime = {"backend": "processes", "workers": workers}
         exp = build(small_config(rounds=args.rounds + 1, runtime=runtime, **model))
         sim = exp.simulation
@@ -137,7 +139,8 @@ def main() -> None:
             r["phases"].append(0.0)
     ours = sum(sum(r["cpu"]) for r in runs.values())
     others = (machine_busy_s() - busy0 - ours) / ((time.perf_counter() - start) * usable_cpus())
-    equal = all(same_state(runs[1]["state"], r["state"], runs[1]["sim"]) for r in runs.values())
+    ref = runs["1"]
+    equal = all(same_state(ref["state"], r["state"], ref["sim"]) for r in runs.values())
     profile = None
     if args.profile > 0:
         r = runs[order[1]]
@@ -149,8 +152,8 @@ def main() -> None:
     for r in runs.values():
         r["sim"].backend.close()
     load = os.getloadavg()
-    size = sum(math.prod(s) for s in runs[1]["sim"].shapes.values())
-    clients = statistics.mean(runs[1]["clients"])
+    size = sum(math.prod(s) for s in ref["sim"].shapes.values())
+    clients = statistics.mean(ref["clients"])
     print(
         f"demo round ({size:,} model numbers; 10-client fleet, {clients:.1f} clients per "
         f"round on average), median of {args.rounds} alternated steady rounds, "
@@ -160,17 +163,15 @@ def main() -> None:
     )
     wall = {w: statistics.median(r["wall"]) for w, r in runs.items()}
     cpu = {w: statistics.median(r["cpu"]) for w, r in runs.items()}
-    for side in sides:
-        name = f"{side} worker(s)" if isinstance(side, int) else f"{n} workers, tensors in the pipe"
+    for side, (_, _, name) in sides.items():
         print(f"  {name}: wall {1e3 * wall[side]:7.1f} ms, CPU {1e3 * cpu[side]:7.1f} ms")
     for side in order[1:]:
-        how = "" if isinstance(side, int) else " (tensors in the pipe)"
         print(
-            f"  speed-up {n} vs 1 worker{how}: wall {wall[1] / wall[side]:.2f}x, "
-            f"CPU {cpu[1] / cpu[side]:.2f}x"
+            f"  speed-up, {sides[side][2]} vs 1 worker: wall {wall['1'] / wall[side]:.2f}x, "
+            f"CPU {cpu['1'] / cpu[side]:.2f}x"
         )
     # the rest of a round (sampling, masks, broadcast, aggregation) runs in this process
-    shares = [p / w for p, w in zip(runs[1]["phases"], runs[1]["wall"], strict=False)]
+    shares = [p / w for p, w in zip(ref["phases"], ref["wall"], strict=False)]
     share = statistics.median(shares)
     k = min(n, usable_cpus())
     print(
@@ -179,7 +180,7 @@ def main() -> None:
     )
     print(f"  final states bitwise equal: {equal}")
     print(f"  per round (clients: wall ms of {' / '.join(str(side) for side in order)} workers):")
-    for q, clients in enumerate(runs[1]["clients"], start=1):
+    for q, clients in enumerate(ref["clients"], start=1):
         walls = [1e3 * runs[side]["wall"][q - 1] for side in order]
         ratios = ", ".join(f"{walls[0] / w:.2f}x" for w in walls[1:])
         print(
