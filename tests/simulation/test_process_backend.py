@@ -9,6 +9,10 @@ import dataclasses
 import json
 import os
 import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -469,3 +473,25 @@ def test_a_model_of_a_million_parameters_runs_and_equals_sequential():
     assert seq.ledger == par.ledger
     assert_same_state(seq.state, par.state, tensors_only=True)
     assert children() == []
+
+
+# ------------------------------------------------------------------- the benchmark scripts
+def run_script(*args: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_transfer_and_worker_benchmarks_run_both_wires():
+    """``benchmarks/pipe_transfer.py`` and ``benchmarks/workers.py --wires shared pipe`` at
+    their smallest: both wires measured, the runs' states bitwise equal."""
+    out = run_script("benchmarks/pipe_transfer.py", "--floats", "1000", "--repeats", "1")
+    assert re.search(r"pipe *: +[\d.]+ ms", out) and re.search(r"shared: +[\d.]+ ms", out)
+    out = run_script("benchmarks/workers.py", "--rounds", "1", "--wires", "shared", "pipe")
+    assert "speed-up, 2 workers vs 1 worker" in out
+    assert "speed-up, 2 workers, tensors in the pipe vs 1 worker" in out
+    assert "final states bitwise equal: True" in out
