@@ -15,10 +15,11 @@ time and the median CPU time of this process plus its worker processes, the spee
 medians, and the share of a 1-worker round spent in the client phases (the part workers run
 in parallel; the rest -- sampling, masks, broadcast, aggregation -- bounds the speed-up).
 With ``--wires shared pipe`` a third run, 2 workers whose tensors cross in the pipe
-(``ProcessBackend(shared_memory=False)``), joins the alternation. All runs compute the same
-states bitwise, which is checked. ``--profile K`` then runs K more rounds of the first
-multi-worker side under cProfile and prints where this (the simulating) process spent its
-time, waiting for workers included. Run it on an otherwise idle
+(``ProcessBackend(shared_memory=False)``), joins the alternation; with
+``--one-thread-server``, one of 2 workers whose server aggregates on one thread. All runs
+compute the same states bitwise, which is checked. ``--profile K`` then runs K more rounds
+of the first multi-worker side under cProfile and prints where this (the simulating) process
+spent its time, waiting for workers included. Run it on an otherwise idle
 machine: the figure is only meaningful with two free cores; printed beside it is the share of
 the CPUs that other processes used during the measurement (from ``/proc/stat``, so it sees
 processes of other containers on the same machine too) and the load average.
@@ -44,10 +45,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import radbo.aggregation as aggregation  # noqa: E402
 from radbo.experiment import build  # noqa: E402
 from radbo.simulation import ProcessBackend  # noqa: E402
 from radbo.simulation.processes import usable_cpus  # noqa: E402
 from tests.configs import small_config  # noqa: E402
+
+
+class ServerThreads(ProcessBackend):
+    """A process backend whose server aggregates on ``server_threads`` threads (by default
+    as many as there are workers; 1 for the ``--one-thread-server`` side)."""
+
+    def __init__(self, workers: int, *, shared_memory: bool, server_threads: int) -> None:
+        super().__init__(workers, shared_memory=shared_memory)
+        self._server_threads = server_threads
+
+    @property
+    def server_threads(self) -> int:
+        return self._server_threads
 
 
 def cpu_seconds(backend: ProcessBackend) -> float:
@@ -70,6 +85,23 @@ def timed(run: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
             spent[-1] += time.perf_counter() - start
 
     return wrapper
+
+
+#: where the aggregation's wall time goes: ``AGGREGATING[0][-1]``, the current side's round
+AGGREGATING: list[list[float]] = [[0.0]]
+
+
+def _timed_mean(*args: Any) -> Any:
+    """:func:`radbo.aggregation._weighted_mean` (the arithmetic of every coverage-weighted
+    mean), its wall time added to the current side's round (:data:`AGGREGATING`)."""
+    start = time.perf_counter()
+    try:
+        return _WEIGHTED_MEAN(*args)
+    finally:
+        AGGREGATING[0][-1] += time.perf_counter() - start
+
+
+_WEIGHTED_MEAN = aggregation._weighted_mean
 
 
 def machine_busy_s() -> float:
@@ -103,26 +135,37 @@ def main() -> None:
         help="how the workers' tensors cross: shared memory (default) and/or the pipe",
     )
     parser.add_argument(
+        "--one-thread-server",
+        action="store_true",
+        help="also 2 workers whose server aggregates on one thread (as before server_threads)",
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, metavar="K", help="K more rounds under cProfile"
     )
     args = parser.parse_args()
     model = {} if args.hidden is None else {"model": {"name": "mlp", "hidden": args.hidden}}
     n = args.workers
     torch.set_num_threads(1)
-    # label -> (workers, shared memory, what it is); the first side is the 1-worker reference
-    sides = {"1": (1, True, "1 worker")}
+    aggregation._weighted_mean = _timed_mean  # type: ignore[assignment]
+    # label -> (workers, shared memory, server threads, what it is); the first side is the
+    # 1-worker reference
+    sides = {"1": (1, True, 1, "1 worker")}
     for wire in args.wires:
         shared = wire == "shared"
         label = str(n) if shared else f"{n}-pipe"
-        sides[label] = (n, shared, f"{n} workers" + ("" if shared else ", tensors in the pipe"))
+        sides[label] = (n, shared, n, f"{n} workers" + ("" if shared else ", tensors in the pipe"))
+    if args.one_thread_server:
+        sides[f"{n}-1t"] = (n, True, 1, f"{n} workers, aggregation on 1 thread")
     runs = {}
-    for side, (workers, shared, _) in sides.items():
+    for side, (workers, shared, threads, _) in sides.items():
         runtime = {"backend": "processes", "workers": workers}
         exp = build(small_config(rounds=args.rounds + 1, runtime=runtime, **model))
         sim = exp.simulation
-        sim.backend = ProcessBackend(workers, shared_memory=shared)
+        sim.backend = ServerThreads(workers, shared_memory=shared, server_threads=threads)
+        AGGREGATING[0] = [0.0]  # not counted
         state, _ = sim.step(exp.initial_state, 0)  # warm-up: FLOP measurements, pool start
         r = {"sim": sim, "state": state, "wall": [], "cpu": [], "clients": [], "phases": [0.0]}
+        r["aggregation"] = AGGREGATING[0] = [0.0]
         sim.backend.run = timed(sim.backend.run, r["phases"])  # type: ignore[method-assign]
         runs[side] = r
     busy0, start = machine_busy_s(), time.perf_counter()
@@ -131,12 +174,14 @@ def main() -> None:
         for side in order[::-1] if q % 2 else order:
             r = runs[side]
             backend = r["sim"].backend
+            AGGREGATING[0] = r["aggregation"]
             cpu0, wall0 = cpu_seconds(backend), time.perf_counter()
             r["state"], record = r["sim"].step(r["state"], q)
             r["wall"].append(time.perf_counter() - wall0)
             r["cpu"].append(cpu_seconds(backend) - cpu0)
             r["clients"].append(len(record.clients))
             r["phases"].append(0.0)
+            r["aggregation"].append(0.0)
     ours = sum(sum(r["cpu"]) for r in runs.values())
     others = (machine_busy_s() - busy0 - ours) / ((time.perf_counter() - start) * usable_cpus())
     ref = runs["1"]
@@ -144,6 +189,7 @@ def main() -> None:
     profile = None
     if args.profile > 0:
         r = runs[order[1]]
+        AGGREGATING[0] = [0.0]  # not counted
         profile = cProfile.Profile()
         profile.enable()
         for q in range(args.rounds + 1, args.rounds + 1 + args.profile):
@@ -163,21 +209,29 @@ def main() -> None:
     )
     wall = {w: statistics.median(r["wall"]) for w, r in runs.items()}
     cpu = {w: statistics.median(r["cpu"]) for w, r in runs.items()}
-    for side, (_, _, name) in sides.items():
+    for side, (*_, name) in sides.items():
         print(f"  {name}: wall {1e3 * wall[side]:7.1f} ms, CPU {1e3 * cpu[side]:7.1f} ms")
     for side in order[1:]:
         print(
-            f"  speed-up, {sides[side][2]} vs 1 worker: wall {wall['1'] / wall[side]:.2f}x, "
+            f"  speed-up, {sides[side][3]} vs 1 worker: wall {wall['1'] / wall[side]:.2f}x, "
             f"CPU {cpu['1'] / cpu[side]:.2f}x"
         )
-    # the rest of a round (sampling, masks, broadcast, aggregation) runs in this process
-    shares = [p / w for p, w in zip(ref["phases"], ref["wall"], strict=False)]
-    share = statistics.median(shares)
+    # the rest of a round (sampling, masks, broadcast, screening, the server's step) runs in
+    # this process alone; with n workers the aggregation runs on n threads (server_threads)
+    share = statistics.median(p / w for p, w in zip(ref["phases"], ref["wall"], strict=False))
+    agg = statistics.median(a / w for a, w in zip(ref["aggregation"], ref["wall"], strict=False))
     k = min(n, usable_cpus())
+    bound = 1 / (1 - share - agg + (share + agg) / k)
     print(
-        f"  client phases: {100 * share:.0f} % of a 1-worker round; the rest is serial, so "
-        f"{k} workers can reach at most {1 / (1 - share + share / k):.2f}x on {k} CPUs (Amdahl)"
+        f"  client phases {100 * share:.0f} % and aggregation {100 * agg:.0f} % of a 1-worker "
+        f"round; the rest is serial, so {k} workers (the aggregation on {k} threads) can "
+        f"reach at most {bound:.2f}x on {k} CPUs (Amdahl)"
     )
+    for side in order:
+        print(
+            f"  aggregation, {sides[side][3]}: "
+            f"{1e3 * statistics.median(runs[side]['aggregation'][:-1]):.1f} ms per round"
+        )
     print(f"  final states bitwise equal: {equal}")
     print(f"  per round (clients: wall ms of {' / '.join(str(side) for side in order)} workers):")
     for q, clients in enumerate(ref["clients"], start=1):

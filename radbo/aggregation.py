@@ -11,7 +11,9 @@ mean; :func:`apply_step` leaves them unchanged (Alg. 1, lines 15-16 and 28-29).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,51 @@ from torch import Tensor
 
 from radbo.masks.index import add_at, holder_sums, integer_valued, kept_shape
 from radbo.typing import IndexSet, Params
+
+#: intra-op threads :func:`coverage_weighted_mean` may use (:func:`aggregation_threads`)
+_THREADS: ContextVar[int] = ContextVar("radbo_aggregation_threads", default=1)
+
+
+@contextmanager
+def aggregation_threads(threads: int) -> Iterator[None]:
+    """Within the block, :func:`coverage_weighted_mean` runs on up to ``threads`` intra-op
+    threads (never fewer than the process has: ``torch.get_num_threads()``).
+
+    Its results do not depend on the thread count: its arithmetic is elementwise (every
+    coordinate's sum is added in client order, one addition per client, whichever thread
+    makes it; each ``index_add_`` meets every coordinate at most once) and its contractions
+    (:func:`~radbo.masks.index.holder_sums`) sum integers, exactly, in any order. The engine
+    opens it around the server's phase with the CPUs its backend owns and leaves idle while
+    the server works (:attr:`radbo.simulation.ProcessBackend.server_threads`): the workers'
+    cores, otherwise idle while the server aggregates.
+
+    >>> import torch
+    >>> u = [{"w": torch.ones(3)}, {"w": torch.full((3,), 2.0)}]
+    >>> with aggregation_threads(2):
+    ...     coverage_weighted_mean(u, [{}, {}], {"w": torch.Size([3])}).mean["w"].tolist()
+    [1.5, 1.5, 1.5]
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"aggregation_threads needs an integer >= 1, got {threads!r}")
+    token = _THREADS.set(threads)
+    try:
+        yield
+    finally:
+        _THREADS.reset(token)
+
+
+@contextmanager
+def _at_least(threads: int) -> Iterator[None]:
+    """``torch.get_num_threads()`` raised to ``threads`` within the block, then restored."""
+    before = torch.get_num_threads()
+    if threads <= before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -86,6 +133,18 @@ def coverage_weighted_mean(
         raise ValueError(f"aggregation weights must be non-negative, got {list(weights)}")
     if scales is not None and len(scales) != len(updates):
         raise ValueError(f"got {len(updates)} updates but {len(scales)} scales")
+    with _at_least(_THREADS.get()):  # the same bits on any number of threads
+        return _weighted_mean(updates, index_sets, shapes, weights, scales)
+
+
+def _weighted_mean(
+    updates: Sequence[Params],
+    index_sets: Sequence[IndexSet],
+    shapes: Mapping[str, torch.Size],
+    weights: Sequence[float],
+    scales: Sequence[float] | None,
+) -> CoverageMean:
+    """:func:`coverage_weighted_mean` after its checks."""
     # the clients holding each coordinate are counted from the index sets (holder_sums); so
     # are, in the same contraction, the summed weights when they are integers (the default 1,
     # sample counts: exact); fractional ones are summed client by client in client order

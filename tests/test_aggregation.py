@@ -349,3 +349,80 @@ def test_coverage_weighted_mean_is_bitwise_the_client_by_client_sum(weights):
         assert torch.equal(agg.mean[name], mean[name]), name
         assert torch.equal(agg.weight[name], den[name]), name
         assert torch.equal(agg.count[name], count[name]), name
+
+
+@pytest.mark.parametrize(
+    "weights", ["ones", "integers", "fractions"], ids=["unit", "integer", "fractional"]
+)
+def test_coverage_weighted_mean_is_bitwise_the_same_on_more_threads(weights):
+    """aggregation_threads(n) runs the aggregation on n intra-op threads; mean, summed weights,
+    counts and scale are bitwise those of one thread (elementwise arithmetic in client order,
+    exact integer contractions), on tensors big enough to be split between threads (PyTorch
+    splits elementwise work above 32,768 elements), masked and whole; the process's thread
+    count is back afterwards, also after an error."""
+    from radbo.aggregation import aggregation_threads
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"big": torch.Size([300, 400]), "conv": torch.Size([64, 32, 3, 3])}
+    clients = 7
+    per_tensor = {n: _random_index_sets(gen, s, clients) for n, s in shapes.items()}
+    index_sets = [{n: per_tensor[n][i] for n in shapes} for i in range(clients)]
+    updates = [
+        {
+            n: torch.randn(
+                tuple(s[d] if idx is None else idx.numel() for d, idx in enumerate(sets[n])),
+                generator=gen,
+            )
+            for n, s in shapes.items()
+        }
+        for sets in index_sets
+    ]
+    w = {
+        "ones": [1.0] * clients,
+        "integers": [float(torch.randint(0, 30, (), generator=gen)) for _ in range(clients)],
+        "fractions": [float(torch.rand((), generator=gen)) for _ in range(clients)],
+    }[weights]
+    scales = [float(torch.rand((), generator=gen)) for _ in range(clients)]
+    before = torch.get_num_threads()
+    one = coverage_weighted_mean(updates, index_sets, shapes, w, scales)
+    for threads in (2, 3):
+        seen = []
+        with aggregation_threads(threads):
+            many = coverage_weighted_mean(updates, index_sets, shapes, w, scales)
+            seen.append(torch.get_num_threads())
+        assert seen == [before] and torch.get_num_threads() == before
+        for name in shapes:
+            for part in ("mean", "weight", "count", "scale"):
+                assert torch.equal(getattr(many, part)[name], getattr(one, part)[name]), part
+    with aggregation_threads(2), pytest.raises(ValueError, match="missing tensor"):
+        coverage_weighted_mean([{}], [{}], shapes)
+    assert torch.get_num_threads() == before
+
+
+def test_aggregation_threads_are_used_inside_and_checked():
+    """Inside coverage_weighted_mean the process runs on at least the threads asked for
+    (never fewer than it has); a count that is not an integer >= 1 is refused."""
+    from unittest import mock
+
+    import radbo.aggregation as aggregation
+
+    seen = []
+    real = aggregation._weighted_mean
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    u = [{"w": torch.ones(3)}]
+    before = torch.get_num_threads()
+    with mock.patch.object(aggregation, "_weighted_mean", spy):
+        coverage_weighted_mean(u, [{}], {"w": torch.Size([3])})
+        with aggregation.aggregation_threads(before + 1):
+            coverage_weighted_mean(u, [{}], {"w": torch.Size([3])})
+        with aggregation.aggregation_threads(1):  # never fewer than the process has
+            coverage_weighted_mean(u, [{}], {"w": torch.Size([3])})
+    assert seen == [before, before + 1, before]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="aggregation_threads needs an integer >= 1"):
+            with aggregation.aggregation_threads(bad):
+                pass

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from radbo.client import Backend
 from radbo.registry import Named
 
-__all__ = ["BACKENDS", "BackendKind", "StatefulBackend", "gpu_refusal"]
+__all__ = ["BACKENDS", "BackendKind", "ParallelBackend", "StatefulBackend", "gpu_refusal"]
 
 
 class BackendKind(Protocol):
@@ -49,6 +49,19 @@ class StatefulBackend(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ``ValueError``, changing nothing, when it is
         not one."""
+        ...
+
+
+@runtime_checkable
+class ParallelBackend(Protocol):
+    """A backend that computes on several CPUs of this machine (the process backend's
+    workers), idle while the server works: the engine lets the server's aggregation use
+    ``server_threads`` intra-op threads (:func:`radbo.aggregation.aggregation_threads`, whose
+    results do not depend on the count)."""
+
+    @property
+    def server_threads(self) -> int:
+        """Threads the server's aggregation may use (>= 1)."""
         ...
 
 

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
+from radbo.aggregation import aggregation_threads
 from radbo.client import (
     Algorithm,
     Backend,
@@ -37,7 +38,7 @@ from radbo.client import (
 from radbo.cost import DeviceLike, FlopMeter, LedgerEntry, index_metadata_bytes
 from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seed, task_seed
-from radbo.simulation.backends import BACKENDS, StatefulBackend
+from radbo.simulation.backends import BACKENDS, ParallelBackend, StatefulBackend
 from radbo.simulation.coverage import CoverageBlocks
 from radbo.simulation.divergence import BoxedProblem, project_outer
 from radbo.simulation.ledger import check_round_costs, ledger_entry
@@ -531,12 +532,15 @@ class Simulation(Generic[State]):
         screened = screen(results, index_sets, lost, slow, self.shapes)
         tally.add_phase(phase.name, results, screened, duration)
         keep = screened.keep
-        state, metrics = phase.server(
-            state,
-            [results[j] for j in keep],
-            [index_sets[j] for j in keep],
-            [plan.weights[at[j]] for j in keep],
-        )
+        # the backend's idle CPUs aggregate too (the same bits on any number of threads)
+        threads = self.backend.server_threads if isinstance(self.backend, ParallelBackend) else 1
+        with aggregation_threads(threads):
+            state, metrics = phase.server(
+                state,
+                [results[j] for j in keep],
+                [index_sets[j] for j in keep],
+                [plan.weights[at[j]] for j in keep],
+            )
         tally.metrics.update(metrics)
         return state, {*screened.dropped, *screened.late}
 

@@ -531,6 +531,13 @@ class ProcessBackend:
         return f"ProcessBackend(workers={self.workers})"
 
     @property
+    def server_threads(self) -> int:
+        """Intra-op threads the server's aggregation may use (:class:`~radbo.simulation.
+        backends.ParallelBackend`): the workers' CPUs, idle while the server works (no more
+        than :func:`usable_cpus`)."""
+        return max(1, min(self.workers, usable_cpus()))
+
+    @property
     def running(self) -> bool:
         """Whether worker processes are up."""
         return self._pool is not None

@@ -126,6 +126,37 @@ def test_simulation_driven_directly_equals_sequential_in_float64():
         assert json.dumps(ra.metrics) == json.dumps(rb.metrics)
 
 
+def test_the_server_aggregates_on_the_workers_cpus(monkeypatch):
+    """While the server aggregates, the workers are idle: the engine lets
+    coverage_weighted_mean use their CPUs (ProcessBackend.server_threads; results do not depend
+    on the count, tests/test_aggregation.py), and the sequential backend's server keeps the
+    process's own count; the count is back after every phase."""
+    import radbo.aggregation as aggregation
+
+    seen: list[int] = []
+    real = aggregation._weighted_mean
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(aggregation, "_weighted_mean", spy)
+    before = torch.get_num_threads()
+    cfg = small_config(rounds=1, baseline=NO_BASELINE)
+    exp = build(cfg)
+    list(exp.simulation.iterate(exp.initial_state, 1))
+    assert seen and set(seen) == {before}
+    seen.clear()
+    exp = build(cfg)
+    with ProcessBackend(2) as backend:
+        assert backend.server_threads == min(2, usable_cpus())
+        exp.simulation.backend = backend
+        list(exp.simulation.iterate(exp.initial_state, 1))
+    assert seen and set(seen) == {max(backend.server_threads, before)}
+    assert torch.get_num_threads() == before and ProcessBackend(1).server_threads == 1
+    assert ProcessBackend(64).server_threads == usable_cpus()  # no more than the CPUs
+
+
 # ------------------------------------------------------------------- the pool's lifetime
 def test_one_worker_runs_in_process():
     cfg = small_config(rounds=1, baseline=NO_BASELINE)
@@ -487,11 +518,16 @@ def run_script(*args: str) -> str:
 
 
 def test_the_transfer_and_worker_benchmarks_run_both_wires():
-    """``benchmarks/pipe_transfer.py`` and ``benchmarks/workers.py --wires shared pipe`` at
-    their smallest: both wires measured, the runs' states bitwise equal."""
+    """``benchmarks/pipe_transfer.py`` and ``benchmarks/workers.py --wires shared pipe
+    --one-thread-server`` at their smallest: both wires and both server thread counts
+    measured, with the aggregation's time per round, the runs' states bitwise equal."""
     out = run_script("benchmarks/pipe_transfer.py", "--floats", "1000", "--repeats", "1")
     assert re.search(r"pipe *: +[\d.]+ ms", out) and re.search(r"shared: +[\d.]+ ms", out)
-    out = run_script("benchmarks/workers.py", "--rounds", "1", "--wires", "shared", "pipe")
+    out = run_script(
+        "benchmarks/workers.py", "--rounds", "1", "--wires", "shared", "pipe", "--one-thread-server"
+    )
     assert "speed-up, 2 workers vs 1 worker" in out
     assert "speed-up, 2 workers, tensors in the pipe vs 1 worker" in out
+    assert "speed-up, 2 workers, aggregation on 1 thread vs 1 worker" in out
+    assert re.search(r"aggregation, 2 workers: [\d.]+ ms per round", out)
     assert "final states bitwise equal: True" in out
