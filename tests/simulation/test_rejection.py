@@ -226,3 +226,60 @@ def test_screen_reads_every_update_of_a_phase_at_once():
     assert reads == []
     verdicts = [update_problem(u, KEEP, S) for u in updates[:5]]
     assert [v is None for v in verdicts] == [True, False, True, False, False]
+
+
+def test_a_stacked_cohorts_slices_are_screened_in_one_reduction_per_tensor():
+    """A stacked cohort's updates are per-client slices of one tensor per name: the screen
+    sums each such set of equally spaced windows in one reduction (rows of an as_strided
+    view), and its verdicts are still every tensor's own (isfinite(t).all()), whatever else
+    is in the phase: slices in another order, unequally spaced ones, 0-d and empty slices,
+    transposed views, repeated tensors, overflowing float64 sums of finite entries."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.simulation.screening import _finite, _windows
+
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 3, 4, generator=gen)
+    base[2, 1, 3] = float("nan")
+    base[5, 0, 0] = float("inf")
+    scalars = torch.randn(6, generator=gen)
+    scalars[4] = float("nan")
+    huge = torch.full((4, 2), 1e308, dtype=torch.float64)
+    huge[3, 1] = float("inf")
+    other = torch.randn(5, 7, generator=gen)
+    other[1, 6] = float("nan")
+    tensors = [
+        *[base[c] for c in (3, 0, 5, 1, 2, 4)],  # one storage, equally spaced, out of order
+        *[scalars[c] for c in range(6)],  # 0-d slices
+        *[huge[c] for c in range(4)],  # sums overflow, entries finite but in row 3
+        other[0],  # unequally spaced rows of another storage
+        other[1],
+        other[3],
+        other.t(),  # a transposed view of it
+        torch.empty(0, 3),
+        base[0],  # a repeat
+    ]
+    expected = [bool(torch.isfinite(t).all()) for t in tensors]
+    assert _finite(tensors) == expected
+    assert expected.count(False) == 6
+    groups = _windows(tensors)
+    # base's 6 slices (the repeat of base[0] on its own), the scalars' 6, huge's 4, the rest
+    # one by one
+    assert sorted(len(members) for members, _ in groups) == [1] * 6 + [4, 6, 6]
+    for members, view in groups:
+        for row, i in enumerate(members):
+            torch.testing.assert_close(view[row], tensors[i], rtol=0, atol=0, equal_nan=True)
+
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    stacked = torch.randn(6, 3, 4, generator=gen)
+    cohort = [stacked[c] for c in range(6)]  # a sound stacked cohort's slices of one tensor
+    with Ops():
+        assert _finite(cohort) == [True] * 6
+    # one sum and one cat (and a view, which launches nothing): not one sum per client
+    assert ops == ["aten::as_strided", "aten::sum.dim_IntList", "aten::cat"], ops
