@@ -11,6 +11,7 @@ mean; :func:`apply_step` leaves them unchanged (Alg. 1, lines 15-16 and 28-29).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +23,10 @@ from torch import Tensor
 from radbo.masks.index import add_at, holder_sums, integer_valued, kept_shape
 from radbo.typing import IndexSet, Params
 
+#: elements below which PyTorch runs an elementwise operation on one thread
+#: (``at::internal::GRAIN_SIZE``): an aggregation of smaller tensors stays on one
+_GRAIN_SIZE = 32768
+
 #: intra-op threads :func:`coverage_weighted_mean` may use (:func:`aggregation_threads`)
 _THREADS: ContextVar[int] = ContextVar("radbo_aggregation_threads", default=1)
 
@@ -29,7 +34,8 @@ _THREADS: ContextVar[int] = ContextVar("radbo_aggregation_threads", default=1)
 @contextmanager
 def aggregation_threads(threads: int) -> Iterator[None]:
     """Within the block, :func:`coverage_weighted_mean` runs on up to ``threads`` intra-op
-    threads (never fewer than the process has: ``torch.get_num_threads()``).
+    threads (never fewer than the process has: ``torch.get_num_threads()``) where a tensor it
+    aggregates is big enough for PyTorch to split (32,768 elements or more).
 
     Its results do not depend on the thread count: its arithmetic is elementwise (every
     coordinate's sum is added in client order, one addition per client, whichever thread
@@ -133,7 +139,10 @@ def coverage_weighted_mean(
         raise ValueError(f"aggregation weights must be non-negative, got {list(weights)}")
     if scales is not None and len(scales) != len(updates):
         raise ValueError(f"got {len(updates)} updates but {len(scales)} scales")
-    with _at_least(_THREADS.get()):  # the same bits on any number of threads
+    # the same bits on any number of threads; below PyTorch's grain size no elementwise
+    # operation is split, and more threads would only wake the BLAS's for small contractions
+    big = any(math.prod(shape) >= _GRAIN_SIZE for shape in shapes.values())
+    with _at_least(_THREADS.get() if big else 1):
         return _weighted_mean(updates, index_sets, shapes, weights, scales)
 
 

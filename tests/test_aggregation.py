@@ -401,7 +401,8 @@ def test_coverage_weighted_mean_is_bitwise_the_same_on_more_threads(weights):
 
 def test_aggregation_threads_are_used_inside_and_checked():
     """Inside coverage_weighted_mean the process runs on at least the threads asked for
-    (never fewer than it has); a count that is not an integer >= 1 is refused."""
+    (never fewer than it has) where a tensor reaches PyTorch's grain size; a count that is
+    not an integer >= 1 is refused."""
     from unittest import mock
 
     import radbo.aggregation as aggregation
@@ -413,15 +414,18 @@ def test_aggregation_threads_are_used_inside_and_checked():
         seen.append(torch.get_num_threads())
         return real(*args)
 
-    u = [{"w": torch.ones(3)}]
+    big = {"w": torch.Size([2, 16384])}  # PyTorch's grain size, 32,768 elements
+    small = {"w": torch.Size([2, 16383])}
     before = torch.get_num_threads()
     with mock.patch.object(aggregation, "_weighted_mean", spy):
-        coverage_weighted_mean(u, [{}], {"w": torch.Size([3])})
+        coverage_weighted_mean([{"w": torch.ones(big["w"])}], [{}], big)
         with aggregation.aggregation_threads(before + 1):
-            coverage_weighted_mean(u, [{}], {"w": torch.Size([3])})
+            coverage_weighted_mean([{"w": torch.ones(big["w"])}], [{}], big)
+            # tensors too small to be split: one thread's work, left to one
+            coverage_weighted_mean([{"w": torch.ones(small["w"])}], [{}], small)
         with aggregation.aggregation_threads(1):  # never fewer than the process has
-            coverage_weighted_mean(u, [{}], {"w": torch.Size([3])})
-    assert seen == [before, before + 1, before]
+            coverage_weighted_mean([{"w": torch.ones(big["w"])}], [{}], big)
+    assert seen == [before, before + 1, before, before]
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="aggregation_threads needs an integer >= 1"):
             with aggregation.aggregation_threads(bad):

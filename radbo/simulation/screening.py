@@ -108,7 +108,7 @@ def _windows(tensors: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
         at: dict[int, int] = {}  # storage offset -> the first member there
         repeats = []  # the same window again: on its own
         for i in sorted(same, key=lambda i: tensors[i].storage_offset()):
-            if at.setdefault(tensors[i].storage_offset(), i) != i:
+            if at.setdefault(int(tensors[i].storage_offset()), i) != i:
                 repeats.append(i)
         members, offsets = list(at.values()), list(at)
         step = offsets[1] - offsets[0] if len(members) > 1 else 0

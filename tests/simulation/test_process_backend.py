@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
 import re
@@ -129,31 +130,42 @@ def test_simulation_driven_directly_equals_sequential_in_float64():
 def test_the_server_aggregates_on_the_workers_cpus(monkeypatch):
     """While the server aggregates, the workers are idle: the engine lets
     coverage_weighted_mean use their CPUs (ProcessBackend.server_threads; results do not depend
-    on the count, tests/test_aggregation.py), and the sequential backend's server keeps the
-    process's own count; the count is back after every phase."""
+    on the count, tests/test_aggregation.py) where a tensor is big enough to be split (an MLP
+    64-600-10: 38,400 weights in its first layer), and the sequential backend's server keeps
+    the process's own count, as does the demo's MLP (no tensor of 32,768 elements); the count
+    is back after every phase."""
     import radbo.aggregation as aggregation
 
     seen: list[int] = []
     real = aggregation._weighted_mean
 
     def spy(*args):
-        seen.append(torch.get_num_threads())
+        shapes = args[2]
+        big = any(math.prod(shape) >= 32768 for shape in shapes.values())
+        seen.append(torch.get_num_threads() if big else -torch.get_num_threads())
         return real(*args)
 
     monkeypatch.setattr(aggregation, "_weighted_mean", spy)
     before = torch.get_num_threads()
-    cfg = small_config(rounds=1, baseline=NO_BASELINE)
-    exp = build(cfg)
-    list(exp.simulation.iterate(exp.initial_state, 1))
-    assert seen and set(seen) == {before}
-    seen.clear()
-    exp = build(cfg)
-    with ProcessBackend(2) as backend:
-        assert backend.server_threads == min(2, usable_cpus())
+    wide = {"name": "mlp", "hidden": [600]}
+    # the thread counts seen, negative for aggregations of small tensors only
+    for backend, model, threads in [
+        (SequentialBackend(), wide, {before, -before}),
+        (ProcessBackend(2), wide, {max(min(2, usable_cpus()), before), -before}),
+        (ProcessBackend(2), None, {-before}),
+    ]:
+        seen.clear()
+        exp = build(
+            small_config(rounds=1, baseline=NO_BASELINE, **({"model": model} if model else {}))
+        )
         exp.simulation.backend = backend
         list(exp.simulation.iterate(exp.initial_state, 1))
-    assert seen and set(seen) == {max(backend.server_threads, before)}
-    assert torch.get_num_threads() == before and ProcessBackend(1).server_threads == 1
+        if isinstance(backend, ProcessBackend):
+            assert backend.server_threads == min(2, usable_cpus())
+            backend.close()
+        assert set(seen) == threads
+        assert torch.get_num_threads() == before
+    assert ProcessBackend(1).server_threads == 1
     assert ProcessBackend(64).server_threads == usable_cpus()  # no more than the CPUs
 
 
