@@ -229,7 +229,8 @@ def main() -> None:
     )
     for side in order:
         print(
-            f"  aggregation, {sides[side][3]}: "
+            f"  {sides[side][3]}: client phases "
+            f"{1e3 * statistics.median(runs[side]['phases'][:-1]):.1f} ms, aggregation "
             f"{1e3 * statistics.median(runs[side]['aggregation'][:-1]):.1f} ms per round"
         )
     print(f"  final states bitwise equal: {equal}")

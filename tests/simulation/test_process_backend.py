@@ -541,5 +541,5 @@ def test_the_transfer_and_worker_benchmarks_run_both_wires():
     assert "speed-up, 2 workers vs 1 worker" in out
     assert "speed-up, 2 workers, tensors in the pipe vs 1 worker" in out
     assert "speed-up, 2 workers, aggregation on 1 thread vs 1 worker" in out
-    assert re.search(r"aggregation, 2 workers: [\d.]+ ms per round", out)
+    assert re.search(r"2 workers: client phases [\d.]+ ms, aggregation [\d.]+ ms per round", out)
     assert "final states bitwise equal: True" in out
