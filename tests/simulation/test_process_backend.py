@@ -543,3 +543,13 @@ def test_the_transfer_and_worker_benchmarks_run_both_wires():
     assert "speed-up, 2 workers, aggregation on 1 thread vs 1 worker" in out
     assert re.search(r"2 workers: client phases [\d.]+ ms, aggregation [\d.]+ ms per round", out)
     assert "final states bitwise equal: True" in out
+
+
+def test_the_cpu_scaling_benchmark_runs():
+    """``benchmarks/cpu_scaling.py`` at its smallest: one process alone, two at once, and a
+    speed-up between 0 and the process count."""
+    out = run_script("benchmarks/cpu_scaling.py", "--hidden", "8", "--steps", "2", "--repeats", "1")
+    assert re.search(r"1 process alone: [\d.]+ s", out)
+    assert re.search(r"2 processes at once: [\d.]+ s", out)
+    speed_up = float(re.search(r"speed-up the CPUs gave: ([\d.]+)x \(at most 2x\)", out)[1])
+    assert speed_up > 0
