@@ -656,6 +656,11 @@ class Phase(Generic[State]):
         tuple[State, dict[str, float]],
     ]
     select: Callable[[State, Sequence[int], torch.Generator], Sequence[int]] | None = None
+    #: ``broadcast_many(state, index_sets, slots) -> [params]``: optional, what ``broadcast``
+    #: sends each of many clients, built at once (the engine then calls it instead; it must
+    #: equal ``[broadcast(state, s, slot) ...]``): :func:`~radbo.masks.index.extract_many`
+    #: gathers every client's submodel in a few operations per tensor
+    broadcast_many: Callable[[State, Sequence[IndexSet], Sequence[int]], list[Params]] | None = None
 
 
 class Algorithm(Protocol[State]):

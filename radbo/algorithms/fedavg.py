@@ -55,7 +55,7 @@ from radbo.client import (
 )
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.loops import Work
-from radbo.masks.index import extract
+from radbo.masks.index import extract, extract_many
 from radbo.typing import IndexSet, Params
 
 __all__ = ["FedAvg", "FedAvgConfig", "FedAvgState"]
@@ -129,7 +129,9 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
     def phases(self) -> Sequence[Phase[FedAvgState]]:
         keys = self.reply_keys(self.trained_names(), buffers=True)
         work = ClientWork(self.run_client, self.prepare_client, keys)
-        return (Phase("train", self.broadcast, work, self.server),)
+        return (
+            Phase("train", self.broadcast, work, self.server, broadcast_many=self.broadcast_many),
+        )
 
     def trained_names(self) -> tuple[str, ...]:
         """The parameters local SGD trains, the clients send and the server steps: x and y
@@ -145,6 +147,12 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
     def broadcast(self, state: FedAvgState, index_set: IndexSet, slot: int = 0) -> Params:
         """The client's submodel of x, y and buffers."""
         return extract(self.model_state(state), index_set)
+
+    def broadcast_many(
+        self, state: FedAvgState, index_sets: Sequence[IndexSet], slots: Sequence[int]
+    ) -> list[Params]:
+        """:meth:`broadcast` for every client at once (:func:`extract_many`)."""
+        return extract_many(self.model_state(state), index_sets)
 
     def prepare_client(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """An inner and an outer minibatch (one episode on a few-shot task) per local step."""

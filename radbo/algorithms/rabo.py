@@ -81,7 +81,7 @@ from radbo.client import (
 from radbo.hypergrad import Estimator, FiniteDifference, ImplicitCG, init_state
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.loops import Work, local_steps
-from radbo.masks.index import alias, extract
+from radbo.masks.index import alias, extract, extract_many
 from radbo.typing import IndexSet, Params
 
 __all__ = ["RABO", "RAFBO", "RABOConfig", "RABOState", "RAFBOConfig"]
@@ -177,6 +177,7 @@ class RABO(RABOConfig, AlgorithmBase):
                     self.reply_keys(self.inner_names, buffers=True),
                 ),
                 self.server_inner,
+                broadcast_many=self.broadcast_inner_many,
             ),
             Phase(
                 "train.outer",
@@ -190,6 +191,7 @@ class RABO(RABOConfig, AlgorithmBase):
                     ),
                 ),
                 self.server_outer,
+                broadcast_many=self.broadcast_outer_many,
             ),
         )
 
@@ -197,6 +199,12 @@ class RABO(RABOConfig, AlgorithmBase):
     def broadcast_inner(self, state: RABOState, index_set: IndexSet, slot: int = 0) -> Params:
         """Submodel (x_q^i, y_{q,0}^i) and buffers for one client (eqs. (3), (4))."""
         return extract(self.model_state(state), index_set)
+
+    def broadcast_inner_many(
+        self, state: RABOState, index_sets: Sequence[IndexSet], slots: Sequence[int]
+    ) -> list[Params]:
+        """:meth:`broadcast_inner` for every client at once (:func:`extract_many`)."""
+        return extract_many(self.model_state(state), index_sets)
 
     def prepare_inner(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """The minibatch of each of the client's T local steps."""
@@ -267,6 +275,15 @@ class RABO(RABOConfig, AlgorithmBase):
         """The updated y_{q+1}^i (with the client's x_q^i, buffers and estimator state)."""
         return extract(
             {**self.model_state(state), **state.aux}, {**index_set, **self._aux_index(index_set)}
+        )
+
+    def broadcast_outer_many(
+        self, state: RABOState, index_sets: Sequence[IndexSet], slots: Sequence[int]
+    ) -> list[Params]:
+        """:meth:`broadcast_outer` for every client at once (:func:`extract_many`)."""
+        return extract_many(
+            {**self.model_state(state), **state.aux},
+            [{**index_set, **self._aux_index(index_set)} for index_set in index_sets],
         )
 
     def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:

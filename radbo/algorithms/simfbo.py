@@ -79,7 +79,7 @@ from radbo.client import (
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
 from radbo.loops import Work
-from radbo.masks.index import alias, extract
+from radbo.masks.index import alias, extract, extract_many
 from radbo.typing import IndexSet, Params
 
 __all__ = ["V", "SimFBO", "SimFBOConfig", "SimFBOState"]
@@ -222,7 +222,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             self.outer_names, self.inner_names, prefixed(V, self.inner_names), buffers=True
         )
         work = ClientWork(self.run_client, self.prepare_client, keys)
-        return (Phase("train", self.broadcast, work, self.server),)
+        return (
+            Phase("train", self.broadcast, work, self.server, broadcast_many=self.broadcast_many),
+        )
 
     def _wire_index(self, index_set: IndexSet) -> IndexSet:
         return {**index_set, **alias(index_set, V, self.inner_names)}
@@ -232,6 +234,13 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         """Submodel of x, y, v and buffers for one client."""
         wire = {**self.model_state(state), **{f"{V}:{k}": t for k, t in state.v.items()}}
         return extract(wire, self._wire_index(index_set))
+
+    def broadcast_many(
+        self, state: SimFBOState, index_sets: Sequence[IndexSet], slots: Sequence[int]
+    ) -> list[Params]:
+        """:meth:`broadcast` for every client at once (:func:`extract_many`)."""
+        wire = {**self.model_state(state), **{f"{V}:{k}": t for k, t in state.v.items()}}
+        return extract_many(wire, [self._wire_index(index_set) for index_set in index_sets])
 
     def prepare_client(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """An inner and an outer minibatch for each of the client's tau_i local steps."""

@@ -505,12 +505,16 @@ class Simulation(Generic[State]):
         backend, price into ``tally``'s ledger, screen, and the server's update. Returns the
         new state and the clients that left the round in this phase (dropped out or late)."""
         at = [plan.position[c] for c in chosen]
+        if phase.broadcast_many is not None:  # every client's submodel at once
+            sent = phase.broadcast_many(state, [plan.index_sets[i] for i in at], range(len(at)))
+        else:
+            sent = [phase.broadcast(state, plan.index_sets[i], slot) for slot, i in enumerate(at)]
         tasks = [
             ClientTask(
                 client=plan.clients[i],
                 round=round,
                 phase=phase.name,
-                params=phase.broadcast(state, plan.index_sets[i], slot),
+                params=sent[slot],
                 index_set=plan.index_sets[i],
                 data=plan.data_of(self.clients, plan.clients[i]),
                 seed=task_seed(self.seed, round, p, plan.clients[i]),

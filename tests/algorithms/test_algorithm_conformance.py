@@ -406,3 +406,29 @@ def test_batched_backend_equals_sequential(case: str) -> None:
             else:
                 assert torch.equal(ta[k], tb[k]), k
         assert ra.ledger == rb.ledger
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_broadcast_many_equals_broadcast_client_by_client(case: str) -> None:
+    """A phase that builds every client's message at once (Phase.broadcast_many, which the
+    engine calls instead of broadcast) sends each client exactly what broadcast sends it:
+    the same keys, dtypes, shapes and values, for the round's real index sets (masked
+    clients of several capacities) and a state after a round."""
+    exp = build(config(case))
+    sim = exp.simulation
+    state, _ = sim.step(exp.initial_state, 0)
+    sampled = list(range(len(exp.clients)))
+    plan = sim._plan(state, 1, sampled)
+    phases = [p for p in sim.algorithm.phases() if p.broadcast_many is not None]
+    if CASES[case][0]["name"] in {"rabo", "rafbo", "fedavg", "simfbo", "shrofbo"}:
+        assert phases, "this algorithm builds its broadcasts at once"
+    for phase in phases:
+        slots = list(range(len(sampled)))
+        many = phase.broadcast_many(state, plan.index_sets, slots)
+        for slot, index_set in enumerate(plan.index_sets):
+            one = phase.broadcast(state, index_set, slot)
+            assert list(many[slot]) == list(one), phase.name
+            for k, t in one.items():
+                got = many[slot][k]
+                assert got.dtype == t.dtype and got.shape == t.shape, (phase.name, k)
+                assert torch.equal(got, t), (phase.name, k)

@@ -650,3 +650,77 @@ def test_residual_concat_and_depthwise_coupling() -> None:
     for key, tensor in full.items():
         assert torch.equal(sub.state_dict()[key], _fancy(tensor, idx[key])), key
     torch.testing.assert_close(sub(x), model(x), rtol=0, atol=ATOL_F64)
+
+
+def _random_entries(gen: torch.Generator, shape: tuple[int, ...], clients: int) -> list:
+    """Per-client structured entries for a tensor of ``shape``: each dimension whole, half or
+    a quarter of it (sorted random picks), so that several clients select equal shapes."""
+    entries = []
+    for _ in range(clients):
+        entry = []
+        for n in shape:
+            pick = int(torch.randint(3, (), generator=gen))
+            if pick == 0 or n == 1:
+                entry.append(None)
+            else:
+                keep = max(1, n // (2 * pick))
+                entry.append(torch.randperm(n, generator=gen)[:keep].sort().values)
+        entries.append(tuple(entry))
+    return entries
+
+
+@pytest.mark.parametrize("clients", [1, 2, 9, 40])
+def test_extract_many_equals_extract_client_by_client(clients: int) -> None:
+    """extract_many gives every client exactly what extract gives it: values, dtype, shape and
+    strides, contiguous, in memory of its own (not full's), each client's tensor starting at a
+    multiple of 64 bytes as a fresh allocation does (rows of one gathered block are padded to
+    that); it works for float, double and integer tensors, 0-d ones, whole and pruned
+    dimensions, and gathers each group of equal shapes in a few operations, not per client."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.masks.index import extract, extract_many
+
+    gen = torch.Generator().manual_seed(clients)
+    shapes = {"w": (12, 7), "conv": (8, 3, 3, 3), "b": (5,), "s": (), "h": (6, 2), "i": (9,)}
+    dtypes = {"h": torch.float64, "i": torch.int64}
+    full = {
+        k: (torch.randn(s, generator=gen) * 10).to(dtypes.get(k, torch.float32))
+        for k, s in shapes.items()
+    }
+    per = {k: _random_entries(gen, s, clients) for k, s in shapes.items()}
+    sets = [{k: per[k][c] for k in shapes} for c in range(clients)]
+    many = extract_many(full, sets)
+    assert len(many) == clients
+    for c in range(clients):
+        one = extract(full, sets[c])
+        assert list(many[c]) == list(one)
+        for k, expected in one.items():
+            got = many[c][k]
+            assert got.dtype == expected.dtype and got.shape == expected.shape, k
+            assert got.is_contiguous() and torch.equal(got, expected), k
+            assert got.data_ptr() % 64 == 0, k
+            assert got.untyped_storage().data_ptr() != full[k].untyped_storage().data_ptr()
+
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            view = not func._schema.is_mutable and any(
+                a.alias_info is not None for a in func._schema.returns
+            )
+            if not view:  # a view launches nothing
+                ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    same = [{"w": (torch.tensor([0, 3, 5]), None)}] * clients  # one group
+    with Ops():
+        extract_many({"w": full["w"]}, same)
+    # the stacked index lists, an arange, the gather, and (these 3 x 7 rows are padded to 64
+    # bytes) an empty block and one copy into it, whatever the number of clients
+    assert ops == [
+        "aten::stack",
+        "aten::arange",
+        "aten::index.Tensor",
+        "aten::empty.memory_format",
+        "aten::copy_",
+    ], ops
