@@ -600,3 +600,36 @@ def test_coverage_tracker_rejects_bad_counts() -> None:
 def test_docstring_examples(module: object) -> None:
     failures, _ = doctest.testmod(module)  # type: ignore[arg-type]
     assert failures == 0
+
+
+def test_importance_selection_is_made_once_per_group_count_and_round() -> None:
+    """The clients of a round that keep equally many channels of a group get the same
+    selection, made once: a second client of that capacity dispatches no tensor operation; the
+    selection equals top_channels of the round's scores; a new round selects afresh."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.masks.policies.importance import top_channels
+
+    _, plan = _plan("mlp64")
+    policy = ImportancePolicy()
+    gen = torch.Generator().manual_seed(0)
+    ratios = {group: 0.5 for group in plan.groups}
+    first = policy(plan, ratios, round=3, client=0, generator=gen)
+    scores = policy.scores(plan, 3)
+    for group, kept in first.items():
+        assert torch.equal(kept, top_channels(scores[group], kept.numel()))
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        second = policy(plan, ratios, round=3, client=1, generator=gen)
+    assert ops == []
+    assert all(second[g] is first[g] for g in first)
+    quarter = policy(plan, {g: 0.25 for g in plan.groups}, round=3, client=2, generator=gen)
+    assert all(quarter[g].numel() < first[g].numel() for g in first)
+    later = policy(plan, ratios, round=4, client=0, generator=gen)
+    assert all(later[g] is not first[g] and torch.equal(later[g], first[g]) for g in first)

@@ -37,9 +37,11 @@ class ImportancePolicy:
     must call ``plan.load_state(global_state)`` at the start of each round. Ties are broken by
     the lower channel index; kept channels are returned sorted.
 
-    Scores are computed once per round and cached (all clients of a round share them, and
-    selection for a client then costs a top-k). The cache is keyed by (plan, round): loading a
-    new state into the plan within the same round is not seen.
+    Scores are computed once per round and cached (all clients of a round share them), and so
+    is each group's selection for each kept count: the clients of a round that keep equally
+    many channels of a group get the same (read-only) tensor, and a client's selection costs no
+    tensor operation once another client of its capacity has been served. The cache is keyed by
+    (plan, round): loading a new state into the plan within the same round is not seen.
 
     Args:
         importance: ``"l2"`` (default, RABO) or ``"l1"``.
@@ -50,6 +52,7 @@ class ImportancePolicy:
             raise ValueError(f"importance must be 'l1' or 'l2', got {importance!r}")
         self.importance = importance
         self._cache: tuple[StructurePlan, int, dict[str, Tensor]] | None = None
+        self._kept: dict[tuple[str, int], Tensor] = {}  # (group, count) -> channels, this round
 
     def scores(self, plan: StructurePlan, round: int) -> dict[str, Tensor]:
         """Per-group channel scores of ``round`` (computed on first use in the round)."""
@@ -57,6 +60,7 @@ class ImportancePolicy:
             return self._cache[2]
         scores = plan.group_scores(self.importance)
         self._cache = (plan, round, scores)
+        self._kept = {}
         return scores
 
     def __call__(
@@ -73,5 +77,7 @@ class ImportancePolicy:
         scores = self.scores(plan, round)
         kept: dict[str, Tensor] = {}
         for group, k in counts.items():
-            kept[group] = top_channels(scores[group], k)
+            if (group, k) not in self._kept:
+                self._kept[group, k] = top_channels(scores[group], k)
+            kept[group] = self._kept[group, k]
         return kept
