@@ -195,3 +195,41 @@ def test_the_operation_map_sums_to_the_round_and_names_radbo_functions():
         and counter.ops["randperm"] >= drawn - 2 * counter.ops["take"]
     )
     assert all(s.startswith("radbo/") or s == "(outside radbo)" for s in counter.sites)
+
+
+@pytest.mark.parametrize("lead", [(), (4,)], ids=["one draw", "per step"])
+def test_padded_stack_is_padding_each_then_stacking(lead):
+    """padded_stack equals padding every shorter tensor with PAD_INDEX and stacking them on the
+    axis before the last (values, shape, contiguity), for a cohort's once-drawn minibatches
+    and its per-step ones ([steps, batch]), with lengths from 1 to the longest and a longest
+    beyond them all; it takes the same operations whatever the number of clients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.client import padded_stack
+
+    gen = torch.Generator().manual_seed(len(lead))
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for clients in (2, 9, 40):
+        tensors = [
+            torch.randint(
+                0, 500, (*lead, int(torch.randint(1, 33, (), generator=gen))), generator=gen
+            )
+            for _ in range(clients)
+        ]
+        for longest in (max(t.shape[-1] for t in tensors), 33):
+            padded = [F.pad(t, (0, longest - t.shape[-1]), value=PAD_INDEX) for t in tensors]
+            expected = torch.stack(padded, dim=len(lead))
+            ops.clear()
+            with Ops():
+                got = padded_stack(tensors, longest)
+            assert got.shape == expected.shape and got.is_contiguous()
+            assert torch.equal(got, expected)
+            counts.append(len(ops))
+    assert len(set(counts)) == 1, counts  # not one padding per client
