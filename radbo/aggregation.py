@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from radbo.masks.index import add_at, holder_sums, integer_valued, kept_shape
+from radbo.threads import torch_threads
 from radbo.typing import IndexSet, Params
 
 #: elements below which PyTorch runs an elementwise operation on one thread
@@ -58,20 +59,6 @@ def aggregation_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         _THREADS.reset(token)
-
-
-@contextmanager
-def _at_least(threads: int) -> Iterator[None]:
-    """``torch.get_num_threads()`` raised to ``threads`` within the block, then restored."""
-    before = torch.get_num_threads()
-    if threads <= before:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -142,7 +129,8 @@ def coverage_weighted_mean(
     # the same bits on any number of threads; below PyTorch's grain size no elementwise
     # operation is split, and more threads would only wake the BLAS's for small contractions
     big = any(math.prod(shape) >= _GRAIN_SIZE for shape in shapes.values())
-    with _at_least(_THREADS.get() if big else 1):
+    threads = _THREADS.get() if big else 1
+    with torch_threads(threads if threads > torch.get_num_threads() else None):  # never fewer
         return _weighted_mean(updates, index_sets, shapes, weights, scales)
 
 

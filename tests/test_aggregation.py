@@ -314,17 +314,10 @@ def _client_by_client(updates, index_sets, shapes, weights):
     return mean, den_out, count
 
 
-@pytest.mark.parametrize(
-    "weights", ["ones", "integers", "fractions"], ids=["unit", "integer", "fractional"]
-)
-def test_coverage_weighted_mean_is_bitwise_the_client_by_client_sum(weights):
-    """Whatever the weights (the unit default and integer sample counts take holder_sums'
-    path, fractional ones the per-client one), the mean, summed weights and counts are
-    bitwise those of scattering client after client in client order: the numerator's
-    additions keep their order, and the summed weights are exact integers either way."""
-    gen = torch.Generator().manual_seed(11)
-    shapes = {"conv": torch.Size([6, 5, 3, 3]), "fc": torch.Size([8, 6]), "b": torch.Size([8])}
-    clients = 12
+def _random_clients(gen, shapes, clients, weights):
+    """``clients`` clients' structured index sets (:func:`_random_index_sets`), random updates
+    of the shapes they select and weights of the kind ``weights`` ("ones", "integers",
+    "fractions"), drawn from ``gen`` in that order."""
     per_tensor = {n: _random_index_sets(gen, s, clients) for n, s in shapes.items()}
     index_sets = [{n: per_tensor[n][i] for n in shapes} for i in range(clients)]
     updates = [
@@ -337,11 +330,26 @@ def test_coverage_weighted_mean_is_bitwise_the_client_by_client_sum(weights):
         }
         for sets in index_sets
     ]
-    w = {
+    w = {  # all three drawn, whichever is used: the same stream for every kind
         "ones": [1.0] * clients,
         "integers": [float(torch.randint(0, 30, (), generator=gen)) for _ in range(clients)],
         "fractions": [float(torch.rand((), generator=gen)) for _ in range(clients)],
     }[weights]
+    return index_sets, updates, w
+
+
+@pytest.mark.parametrize(
+    "weights", ["ones", "integers", "fractions"], ids=["unit", "integer", "fractional"]
+)
+def test_coverage_weighted_mean_is_bitwise_the_client_by_client_sum(weights):
+    """Whatever the weights (the unit default and integer sample counts take holder_sums'
+    path, fractional ones the per-client one), the mean, summed weights and counts are
+    bitwise those of scattering client after client in client order: the numerator's
+    additions keep their order, and the summed weights are exact integers either way."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = {"conv": torch.Size([6, 5, 3, 3]), "fc": torch.Size([8, 6]), "b": torch.Size([8])}
+    clients = 12
+    index_sets, updates, w = _random_clients(gen, shapes, clients, weights)
     w[3] = 0.0  # a client of weight 0 holds nothing
     agg = coverage_weighted_mean(updates, index_sets, shapes, w)
     mean, den, count = _client_by_client(updates, index_sets, shapes, w)
@@ -365,23 +373,7 @@ def test_coverage_weighted_mean_is_bitwise_the_same_on_more_threads(weights):
     gen = torch.Generator().manual_seed(5)
     shapes = {"big": torch.Size([300, 400]), "conv": torch.Size([64, 32, 3, 3])}
     clients = 7
-    per_tensor = {n: _random_index_sets(gen, s, clients) for n, s in shapes.items()}
-    index_sets = [{n: per_tensor[n][i] for n in shapes} for i in range(clients)]
-    updates = [
-        {
-            n: torch.randn(
-                tuple(s[d] if idx is None else idx.numel() for d, idx in enumerate(sets[n])),
-                generator=gen,
-            )
-            for n, s in shapes.items()
-        }
-        for sets in index_sets
-    ]
-    w = {
-        "ones": [1.0] * clients,
-        "integers": [float(torch.randint(0, 30, (), generator=gen)) for _ in range(clients)],
-        "fractions": [float(torch.rand((), generator=gen)) for _ in range(clients)],
-    }[weights]
+    index_sets, updates, w = _random_clients(gen, shapes, clients, weights)
     scales = [float(torch.rand((), generator=gen)) for _ in range(clients)]
     before = torch.get_num_threads()
     one = coverage_weighted_mean(updates, index_sets, shapes, w, scales)

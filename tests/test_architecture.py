@@ -56,6 +56,7 @@ LAYERS: list[set[str]] = [
         "atomic",
         "errors",
         "schema",
+        "threads",
     }
     | {"_torch_private"},
     {"flops", "edge", "tomlfile"},

@@ -16,8 +16,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from radbo.atomic import atomic_write_text
 from radbo.checkpoint import (
     CheckpointError,
@@ -49,6 +47,7 @@ from radbo.experiment.progress import progress_bar
 from radbo.experiment.stop import RunStopped, signal_name, stop_requested
 from radbo.jsonio import dumps as json_dumps
 from radbo.limits import caps_lifted
+from radbo.threads import torch_threads
 from radbo.version import __version__
 
 __all__ = [
@@ -195,21 +194,6 @@ def _locked(out: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
-
-
-@contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to ``threads`` inside the block and restored after
-    (``None``: unchanged). See :class:`radbo.config.RuntimeConfig` for why radbo runs with 1."""
-    if threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run(

@@ -72,12 +72,13 @@ def extract(full: Params, index_set: IndexSet) -> Params:
     ``sub[k]`` is ``full[k]`` restricted to the Cartesian product of ``index_set[k]``. The
     result never aliases ``full``: a tensor with no pruned dimension is cloned.
     """
-    out: Params = {}
-    for key, tensor in full.items():
-        entry = _entry(index_set, key, tensor.ndim)
-        sub = _select(tensor, entry)
-        out[key] = tensor.clone() if sub is tensor else sub
-    return out
+    return {key: _extract(t, _entry(index_set, key, t.ndim)) for key, t in full.items()}
+
+
+def _extract(tensor: Tensor, entry: tuple[Tensor | None, ...]) -> Tensor:
+    """``tensor`` restricted to ``entry``, never aliasing it (cloned when nothing is pruned)."""
+    sub = _select(tensor, entry)
+    return tensor.clone() if sub is tensor else sub
 
 
 def extract_many(full: Params, index_sets: Sequence[IndexSet]) -> list[Params]:
@@ -120,10 +121,7 @@ def _gathered(tensor: Tensor, entries: Sequence[tuple[Tensor | None, ...]]) -> l
     gathered block whose rows start at multiples of 64 bytes (:func:`extract_many`)."""
     k, ndim = len(entries), tensor.ndim
     if tensor.requires_grad:  # as extract does, with its graph
-        return [
-            _select(tensor, e).clone() if all(i is None for i in e) else _select(tensor, e)
-            for e in entries
-        ]
+        return [_extract(tensor, e) for e in entries]
     kept = tuple(
         n if idx is None else int(idx.numel())
         for idx, n in zip(entries[0], tensor.shape, strict=True)
