@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from radbo.masks.index import add_at, holder_sums, integer_valued, kept_shape
+from radbo.masks.index import add_at_many, holder_sums, integer_valued, kept_shape
 from radbo.threads import torch_threads
 from radbo.typing import IndexSet, Params
 
@@ -162,7 +162,8 @@ def _weighted_mean(
         )
         sc = None if scales is None else torch.zeros(shape, dtype=torch.float64, device=device)
         client_scales = [0.0] * len(updates) if scales is None else scales
-        for update, index, w, s_i in zip(updates, entries, weights, client_scales, strict=True):
+        values: list[Tensor] = []
+        for update, index, w in zip(updates, entries, weights, strict=True):
             if name not in update:
                 raise ValueError(f"client update is missing tensor {name!r}")
             sub = update[name]
@@ -173,12 +174,15 @@ def _weighted_mean(
                     f"its index set selects {expected}"
                 )
             # 1.0 * v is v: the product is left out, and add_at adds v in float64 as before
-            value = sub.detach() if w == 1.0 else w * sub.detach().to(torch.float64)
-            add_at(num, index, value)
-            if not exact:
-                add_at(den, index, float(w))
-            if sc is not None:
-                add_at(sc, index, float(w * s_i))
+            values.append(sub.detach() if w == 1.0 else w * sub.detach().to(torch.float64))
+        # in client order, coordinate by coordinate (add_at_many: one scatter on a GPU)
+        add_at_many(num, entries, values)
+        if not exact:
+            add_at_many(den, entries, [float(w) for w in weights])
+        if sc is not None:
+            add_at_many(
+                sc, entries, [float(w * s) for w, s in zip(weights, client_scales, strict=True)]
+            )
         dtype = updates[0][name].dtype if updates else torch.float32
         held = den > 0
         safe = den.clamp_min(1e-300)

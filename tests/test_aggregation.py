@@ -286,6 +286,135 @@ def test_holder_sums_equal_the_sum_of_dense_holdings(shape):
         assert torch.equal(got, expected)
 
 
+def test_holder_sums_of_shared_entries_contract_distinct_entries_only():
+    """Clients whose entries are the same tensors (a mask policy's selection shared by one
+    capacity) are summed first: the result equals, exactly, the dense sum and the sum over
+    equal but distinct tensors, and 40 or 400 such clients dispatch the same operations."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.masks.index import dense_mask, holder_sums
+
+    size = torch.Size([6, 5])
+    shared = [
+        (None, None),
+        (torch.tensor([0, 2, 5]), None),
+        (torch.tensor([1]), torch.tensor([0, 4])),
+    ]
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for clients in (40, 400):
+        gen = torch.Generator().manual_seed(clients)
+        entries = [shared[int(torch.randint(3, (), generator=gen))] for _ in range(clients)]
+        rows = [[float(torch.randint(0, 50, (), generator=gen)) for _ in entries] for _ in range(2)]
+        expected = torch.zeros((2, *size), dtype=torch.float64)
+        for i, entry in enumerate(entries):
+            held = dense_mask({"t": entry}, {"t": size})["t"].to(torch.float64)
+            for r, row in enumerate(rows):
+                expected[r] += row[i] * held
+        copies = [tuple(None if t is None else t.clone() for t in e) for e in entries]
+        Ops.count = 0
+        with Ops():
+            got = holder_sums(entries, rows, size)
+        counts.append(Ops.count)
+        assert torch.equal(got, expected)
+        assert torch.equal(holder_sums(copies, rows, size), expected)
+    assert counts[0] == counts[1]
+
+
+def _scatter_case(gen, clients, shape):
+    """``clients`` clients over three shared index entries of ``shape`` (a whole one, two
+    pruned) and a few of their own, with float32 and float64 values and signed zeros."""
+    shared = [
+        (None,) * len(shape),
+        tuple(torch.tensor([0, 2]) if d == 0 else None for d in range(len(shape))),
+        tuple(torch.tensor([1, n - 1]) if n > 2 else torch.tensor([n - 1]) for n in shape),
+    ]
+    entries = [
+        shared[int(torch.randint(3, (), generator=gen))]
+        if i % 7
+        else _random_index_sets(gen, shape, 1)[0]
+        for i in range(clients)
+    ]
+    values = []
+    for i, entry in enumerate(entries):
+        kept = tuple(n if idx is None else idx.numel() for n, idx in zip(shape, entry, strict=True))
+        v = torch.randn(kept, generator=gen, dtype=torch.float32 if i % 2 else torch.float64)
+        v.view(-1)[0] = -0.0
+        values.append(v)
+    return entries, values
+
+
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (4, 1, 3)])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_add_at_many_flat_is_bitwise_add_at_client_after_client(shape, chunk, monkeypatch):
+    """The flat scatter (one ordered accumulation per chunk, the GPU default) equals add_at
+    called client after client, bitwise: tensors of two dtypes, scalars, shared and own
+    entries, chunks of one client or many; the CPU default is the loop itself."""
+    from radbo.masks import index as index_module
+    from radbo.masks.index import add_at, add_at_many
+
+    if chunk is not None:
+        monkeypatch.setattr(index_module, "_SCATTER_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(len(shape))
+    entries, values = _scatter_case(gen, 60, shape)
+    scalars = [float(torch.rand((), generator=gen)) for _ in entries]
+    for vals in (values, scalars):
+        loop = torch.randn(shape, dtype=torch.float64, generator=gen)
+        flat, default = loop.clone(), loop.clone()
+        for entry, value in zip(entries, vals, strict=True):
+            add_at(loop, entry, value)
+        add_at_many(flat, entries, vals, flat=True)
+        add_at_many(default, entries, vals)
+        assert torch.equal(flat, loop) and torch.equal(default, loop)
+
+
+def test_add_at_many_takes_the_same_operations_for_40_or_400_clients_of_shared_entries():
+    """Past the per-client views, a flat scatter's operations do not grow with the clients
+    whose entries are shared."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from radbo.masks.index import add_at_many
+
+    views = {"view", "reshape", "_reshape_alias", "as_strided", "alias", "_unsafe_view"}
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in views:
+                Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for clients in (40, 400):
+        entries, values = _scatter_case(torch.Generator().manual_seed(0), clients, (6, 5))
+        entries = [e for i, e in enumerate(entries) if i % 7]  # the shared ones only
+        values = [v for i, v in enumerate(values) if i % 7]
+        target = torch.zeros(6, 5, dtype=torch.float64)
+        Ops.count = 0
+        with Ops():
+            add_at_many(target, entries, values, flat=True)
+        counts.append(Ops.count)
+    assert counts[0] == counts[1]
+
+
+def test_add_at_many_refuses_values_that_do_not_fit():
+    from radbo.masks.index import add_at_many
+
+    target = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="2 index entries but 1 values"):
+        add_at_many(target, [(None,), (None,)], [1.0])
+    with pytest.raises(ValueError, match="a value of 3 elements for 4 coordinates"):
+        add_at_many(target, [(None,)], [torch.ones(3)], flat=True)
+
+
 def test_holder_sums_reject_a_coefficient_count_that_does_not_match():
     from radbo.masks.index import holder_sums
 

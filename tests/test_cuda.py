@@ -154,6 +154,29 @@ def test_a_gpu_run_equals_the_cpu_run_up_to_rounding(case: str):
     assert abs(cpu.final["test_loss"] - gpu.final["test_loss"]) <= 1e-9 * cpu.final["test_loss"]
 
 
+@needs_cuda
+def test_the_flat_scatter_on_the_gpu_adds_in_client_order():
+    """add_at_many's GPU default (one ordered accumulation per chunk) equals add_at called
+    client after client on the GPU, bitwise: CUDA's accumulating index_put_ adds the
+    duplicates of a coordinate in the order they are listed (1,000 clients, up to 1,000
+    values per coordinate)."""
+    from radbo.masks.index import add_at, add_at_many
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randperm(64, generator=gen)[:k].sort()[0] for k in (64, 32, 16)]
+    cols = [torch.randperm(128, generator=gen)[:k].sort()[0] for k in (128, 64, 32)]
+    entries = [(rows[i % 3], cols[i % 3]) if i % 3 else (None, None) for i in range(1000)]
+    values = [
+        torch.randn(len(rows[i % 3]), len(cols[i % 3]), generator=gen).cuda() for i in range(1000)
+    ]
+    loop = torch.zeros(64, 128, dtype=torch.float64, device="cuda")
+    for entry, value in zip(entries, values, strict=True):
+        add_at(loop, entry, value)
+    flat = torch.zeros_like(loop)
+    add_at_many(flat, entries, values)
+    assert torch.equal(flat, loop)
+
+
 @pytest.mark.float_sensitive
 @needs_cuda
 def test_few_shot_conv4_runs_on_the_gpu_like_on_the_cpu():

@@ -31,6 +31,7 @@ __all__ = [
     "dense_mask",
     "extract",
     "extract_many",
+    "add_at_many",
     "holder_sums",
     "index_set_numel",
     "restrict",
@@ -252,6 +253,86 @@ def add_at(target: Tensor, index: tuple[Tensor | None, ...], value: Tensor | flo
     target.index_add_(d, idx, block.to(target.dtype))
 
 
+# a scatter of many clients is cut into chunks of at most this many elements (64 MiB of
+# float64 values and as much of int64 indices), so that a large model's does not hold every
+# client's update twice
+_SCATTER_CHUNK = 1 << 23
+
+
+def add_at_many(
+    target: Tensor,
+    index_sets: Sequence[tuple[Tensor | None, ...]],
+    values: Sequence[Tensor | float],
+    flat: bool | None = None,
+) -> None:
+    """:func:`add_at` of ``values[i]`` at ``index_sets[i]`` for every i in order: bitwise what
+    the calls one after the other give, since a coordinate receives its values in the same
+    order.
+
+    With ``flat`` (the default on a GPU, where each call's few kernels cost more than their
+    arithmetic) the values are scattered in a few operations per chunk of clients: each
+    distinct index entry (the same tensor objects: a mask policy's selection shared by one
+    capacity) becomes linear coordinates once, and one ``index_put_(accumulate=True)`` adds
+    the chunk's values, listed client after client. That accumulation adds the duplicates of
+    a coordinate one after another in the order they are listed: serially on the CPU, and in
+    a stable sort's order on CUDA (``benchmarks/scatter_order.py`` checks both; the CUDA tests
+    compare the result with the CPU's). On the CPU the calls one by one are faster (same
+    script), and the default."""
+    if len(index_sets) != len(values):
+        raise ValueError(f"got {len(index_sets)} index entries but {len(values)} values")
+    if flat is None:
+        flat = target.device.type != "cpu"
+    if not flat or not target.is_contiguous():
+        for index, value in zip(index_sets, values, strict=True):
+            add_at(target, index, value)
+        return
+    coordinates: dict[tuple[int | None, ...], Tensor] = {}
+    chunk: list[tuple[Tensor, Tensor | float]] = []
+    size = 0
+    for index, value in zip(index_sets, values, strict=True):
+        key = tuple(None if idx is None else id(idx) for idx in index)
+        if key not in coordinates:
+            coordinates[key] = _linear(index, target.shape).to(target.device)
+        lin = coordinates[key]
+        if isinstance(value, Tensor) and value.numel() != lin.numel():
+            raise ValueError(f"a value of {value.numel()} elements for {lin.numel()} coordinates")
+        if size and size + lin.numel() > _SCATTER_CHUNK:
+            _scatter(target, chunk)
+            chunk, size = [], 0
+        chunk.append((lin, value))
+        size += lin.numel()
+    if chunk:
+        _scatter(target, chunk)
+
+
+def _linear(index: tuple[Tensor | None, ...], shape: torch.Size) -> Tensor:
+    """The row-major linear coordinates of the Cartesian product ``index`` keeps, in the order
+    of the kept block's elements (int64, on the index's device, the CPU)."""
+    if len(index) != len(shape):
+        raise ValueError(f"index set has {len(index)} dimensions, tensor has {len(shape)}")
+    lin = torch.zeros((), dtype=torch.long)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        idx = index[d]
+        axis = torch.arange(shape[d]) if idx is None else idx.to(device="cpu", dtype=torch.long)
+        lin = lin + (axis * stride).reshape(-1, *[1] * (len(shape) - 1 - d))
+        stride *= shape[d]
+    return lin.reshape(-1)
+
+
+def _scatter(target: Tensor, chunk: Sequence[tuple[Tensor, Tensor | float]]) -> None:
+    """One ordered accumulation of a chunk's values into ``target`` (see add_at_many)."""
+    index = torch.cat([lin for lin, _ in chunk])
+    if all(isinstance(v, Tensor) for _, v in chunk):
+        values = torch.cat([v.reshape(-1) for _, v in chunk])  # type: ignore[union-attr]
+    else:
+        scalars = [float(v) for _, v in chunk]  # type: ignore[arg-type]
+        lengths = torch.tensor([lin.numel() for lin, _ in chunk])
+        values = torch.tensor(scalars, dtype=target.dtype).repeat_interleave(lengths)
+    values = values.to(device=target.device, dtype=target.dtype)  # float32 -> 64: exact
+    target.view(-1).index_put_((index,), values, accumulate=True)
+
+
 def holder_sums(
     entries: Sequence[tuple[Tensor | None, ...]],
     coefficients: Sequence[Sequence[float]],
@@ -281,7 +362,18 @@ def holder_sums(
     if any(len(row) != len(entries) for row in coefficients):
         lengths = sorted({len(row) for row in coefficients})
         raise ValueError(f"got {len(entries)} index entries but coefficient rows of {lengths}")
-    table = torch.tensor([[float(v) for v in row] for row in coefficients], dtype=f64)
+    # clients whose entries are the same tensor objects (a mask policy's selection shared by
+    # every client of one capacity) hold the same coordinates: their coefficients are added
+    # first, integers in Python floats (exact), so the contraction runs over distinct entries
+    groups: dict[tuple[int | None, ...], list[int]] = {}
+    for i, entry in enumerate(entries):
+        groups.setdefault(tuple(None if idx is None else id(idx) for idx in entry), []).append(i)
+    members = list(groups.values())
+    entries = [entries[owners[0]] for owners in members]
+    table = torch.tensor(
+        [[math.fsum(float(row[i]) for i in owners) for owners in members] for row in coefficients],
+        dtype=f64,
+    )
     table = table.reshape(len(coefficients), len(entries))
     dims = [d for d in range(len(shape)) if any(e[d] is not None for e in entries)]
     if not dims:  # every client holds the whole tensor: integers, so the sums are exact
