@@ -8,6 +8,8 @@ loads the kernels), times ``--rounds`` more rounds, then profiles one round twic
   by name (kernel launches, copies, synchronisations: each ``cudaStreamSynchronize`` and each
   pageable ``cudaMemcpyAsync`` stops the host), the summed time of the device's kernels
   against the round's wall time, and the aten operations with the most host time;
+- with ``torch.profiler`` and Python stacks: the radbo lines that issue the events named by
+  ``--sites-of`` (by default the synchronisations and copies);
 - with ``cProfile``: radbo's functions by their own host time (``tottime``) and by their
   time with callees (``cumtime``), so that a round's host time can be traced to the code
   that spends it. cProfile's own cost inflates both columns; read them as shares.
@@ -76,6 +78,29 @@ def torch_profile(runner: Runner, top: int) -> None:
         print(f"    {e.key:40s} {e.count:7d} calls {e.self_cpu_time_total / 1e3:9.1f} ms")
 
 
+def call_sites(runner: Runner, names: list[str], top: int) -> None:
+    """One round under ``torch.profiler`` with Python stacks: the radbo lines that issue each
+    of ``names`` (runtime calls such as ``cudaStreamSynchronize``, or aten operations), the
+    two innermost radbo frames among the events that enclose it."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.cuda else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        runner.step()
+    sites: collections.Counter[tuple[str, str]] = collections.Counter()
+    for event in prof.events():
+        if event.name not in names:
+            continue
+        frames, holder = [], event.cpu_parent  # Python frames are the events around it
+        while holder is not None and len(frames) < 2:
+            if "radbo/" in holder.name and ".py(" in holder.name:
+                frames.append(holder.name[holder.name.rindex("radbo/") :])
+            holder = holder.cpu_parent
+        where = " <- ".join(frames) or "?"
+        sites[(event.name, where)] += 1
+    print(f"  call sites of {', '.join(names)}:")
+    for (name, where), n in sites.most_common(top):
+        print(f"    {n:6d}  {name}  {where}")
+
+
 def python_profile(runner: Runner, top: int) -> None:
     """One round under ``cProfile``: radbo's functions by own time and by time with callees."""
     prof = cProfile.Profile()
@@ -111,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help='"cpu" or "cuda"')
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds before profiling")
     parser.add_argument("--top", type=int, default=20, help="rows per list")
+    parser.add_argument(
+        "--sites-of",
+        default="cudaStreamSynchronize,cudaMemcpyAsync",
+        help="comma list of events whose radbo call sites are listed (empty: none)",
+    )
     args = parser.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("benchmarks/round_profile.py: no CUDA device is available to torch here")
@@ -127,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             f"per round over {args.rounds} rounds ({', '.join(f'{t * 1e3:.0f}' for t in times)})"
         )
         torch_profile(runner, args.top)
+        if args.sites_of:
+            call_sites(runner, args.sites_of.split(","), args.top)
         python_profile(runner, args.top)
     return 0
 

@@ -19,12 +19,13 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 import numpy as np
 import torch
 
-__all__ = ["Stream", "derive_seed", "generator", "task_seed"]
+__all__ = ["Stream", "derive_seed", "derive_seeds", "generator", "task_seed"]
 
 
 class Stream(IntEnum):
@@ -58,6 +59,73 @@ def derive_seed(*words: int) -> int:
     """A 63-bit seed derived from integers (run seed, stream, round, client, ...) by NumPy's
     ``SeedSequence``, so that streams of different words are independent."""
     return int(np.random.SeedSequence([int(w) for w in words]).generate_state(1, np.uint64)[0]) >> 1
+
+
+# NumPy's SeedSequence constants (numpy/random/bit_generator.pyx, the algorithm of Melissa
+# O'Neill's seed_seq_fe, which NumPy cites there)
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R, _MASK32, _POOL = 0xCA01F9DD, 0x4973F715, 0xFFFFFFFF, 4
+
+
+def derive_seeds(prefix: Sequence[int], last: Sequence[int]) -> list[int]:
+    """``[derive_seed(*prefix, w) for w in last]``, bitwise, in a fixed number of array
+    operations: a round's per-client seeds (each task's, each mask's) at once.
+
+    Written by hand because NumPy's ``SeedSequence`` takes one entropy list per object, and
+    building one per client was the largest Python cost of a 1,000-client round
+    (``benchmarks/round_profile.py``). This is its algorithm (``mix_entropy``, then
+    ``generate_state(1, uint64)``) on arrays of 32-bit words, one lane per last word: the
+    hash constants depend only on how many words were mixed, so they are the same in every
+    lane. Words of more than 32 bits (a run seed of 63 bits) are split into 32-bit words as
+    NumPy splits them; a last word of more than 32 bits falls back to :func:`derive_seed`.
+    """
+    if any(int(w) < 0 for w in (*prefix, *last)):
+        raise ValueError("derive_seeds: words must be non-negative integers")
+    if any(int(w) > _MASK32 for w in last):
+        return [derive_seed(*prefix, w) for w in last]
+    head = [int(w) for w in np.concatenate([_words(int(w)) for w in prefix] or [[]])]
+    n = len(last)
+    entropy = [np.full(n, w, dtype=np.uint64) for w in head]
+    entropy.append(np.asarray([int(w) for w in last], dtype=np.uint64).reshape(n))
+    const = _INIT_A
+
+    def hashmix(value: np.ndarray) -> np.ndarray:
+        nonlocal const
+        value = value ^ np.uint64(const)
+        const = (const * _MULT_A) & _MASK32
+        value = (value * np.uint64(const)) & np.uint64(_MASK32)
+        return value ^ (value >> np.uint64(16))
+
+    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        result = (x * np.uint64(_MIX_L) - y * np.uint64(_MIX_R)) & np.uint64(_MASK32)
+        return result ^ (result >> np.uint64(16))
+
+    zeros = np.zeros(n, dtype=np.uint64)
+    pool = [hashmix(entropy[i] if i < len(entropy) else zeros) for i in range(_POOL)]
+    for i_src in range(_POOL):
+        for i_dst in range(_POOL):
+            if i_src != i_dst:
+                pool[i_dst] = mix(pool[i_dst], hashmix(pool[i_src]))
+    for i_src in range(_POOL, len(entropy)):
+        for i_dst in range(_POOL):
+            pool[i_dst] = mix(pool[i_dst], hashmix(entropy[i_src]))
+    out, const = [], _INIT_B
+    for i_dst in range(2):  # two 32-bit words, little-endian: one uint64
+        value = pool[i_dst] ^ np.uint64(const)
+        const = (const * _MULT_B) & _MASK32
+        value = (value * np.uint64(const)) & np.uint64(_MASK32)
+        out.append(value ^ (value >> np.uint64(16)))
+    return [int(v) >> 1 for v in (out[0] | (out[1] << np.uint64(32)))]
+
+
+def _words(n: int) -> np.ndarray:
+    """``n`` as NumPy's SeedSequence reads an integer: 32-bit words, least significant first
+    (``[0]`` for 0)."""
+    words = [0] if n == 0 else []
+    while n > 0:
+        words.append(n & _MASK32)
+        n >>= 32
+    return np.asarray(words, dtype=np.uint64)
 
 
 def generator(*words: int) -> torch.Generator:

@@ -37,7 +37,7 @@ from radbo.client import (
 )
 from radbo.cost import DeviceLike, FlopMeter, LedgerEntry, index_metadata_bytes
 from radbo.problem import ClientData
-from radbo.randomness import Stream, derive_seed, task_seed
+from radbo.randomness import Stream, derive_seed, derive_seeds
 from radbo.simulation.backends import BACKENDS, ParallelBackend, StatefulBackend
 from radbo.simulation.coverage import CoverageBlocks
 from radbo.simulation.divergence import BoxedProblem, project_outer
@@ -423,9 +423,10 @@ class Simulation(Generic[State]):
         if self.masks is None:
             return [full_index_set(self.shapes) for _ in clients]
         self.masks.prepare(self.algorithm.model_state(state), round, list(clients), list(budgets))
+        seeds = derive_seeds((self.seed, round, Stream.MASK), clients)  # one derive_seed each
         return [
-            self.masks.assign(b, c, round, self._generator(round, Stream.MASK, c))
-            for c, b in zip(clients, budgets, strict=True)
+            self.masks.assign(b, c, round, torch.Generator().manual_seed(seed))
+            for c, b, seed in zip(clients, budgets, seeds, strict=True)
         ]
 
     def _plan(self, state: State, round: int, sampled: list[int]) -> RoundPlan:
@@ -509,6 +510,8 @@ class Simulation(Generic[State]):
             sent = phase.broadcast_many(state, [plan.index_sets[i] for i in at], range(len(at)))
         else:
             sent = [phase.broadcast(state, plan.index_sets[i], slot) for slot, i in enumerate(at)]
+        # task_seed(self.seed, round, p, client) of every client at once
+        seeds = derive_seeds((self.seed, round, p + 1), [plan.clients[i] for i in at])
         tasks = [
             ClientTask(
                 client=plan.clients[i],
@@ -517,7 +520,7 @@ class Simulation(Generic[State]):
                 params=sent[slot],
                 index_set=plan.index_sets[i],
                 data=plan.data_of(self.clients, plan.clients[i]),
-                seed=task_seed(self.seed, round, p, plan.clients[i]),
+                seed=seeds[slot],
                 budget=plan.budgets[i],
                 slot=slot,
             )
