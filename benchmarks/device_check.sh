@@ -15,10 +15,13 @@
 #
 # Each step has its own time limit (seconds, STEP_SCALE multiplies them) so that one slow
 # step cannot starve the rest; a step's output goes to $OUT/session.log and to the terminal,
-# tables and figures to $OUT. The whole script ends within about 570 s on an H100.
+# tables and figures to $OUT. STEPS (a comma list) picks the steps; the default,
+# test_cuda,scatter,gpu,profile,vs_pfl, ends within about 580 s on an H100; fd_batch and
+# fewshot (measured already: BENCHMARKS.md) run when named.
 set -u
 OUT=${OUT:-runs/device}
 SCALE=${STEP_SCALE:-1}
+STEPS=${STEPS:-test_cuda,scatter,gpu,profile,vs_pfl}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -34,6 +37,7 @@ LOG=$OUT/session.log
 step() {  # step NAME LIMIT COMMAND...
     local name=$1 limit=$(( $2 * SCALE )) start=$SECONDS rc
     shift 2
+    [[ ",$STEPS," == *",$name,"* ]] || return 0
     echo "=== $(date +%T) $name (limit ${limit} s): $*" | tee -a "$LOG"
     timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
@@ -50,10 +54,17 @@ step() {  # step NAME LIMIT COMMAND...
 step test_cuda 170 $PY -m pytest -o addopts="" -q -p no:cacheprovider --durations=12 \
     tests/test_cuda.py
 
+# item 3: the aggregation's one-scatter path adds in client order on CUDA, and its time
+step scatter 40 $PY benchmarks/scatter_order.py --device cuda --clients 100 1000
+
 # item 3: GPU seconds per round, demo fleets of 10, 100 and 1,000 clients
 step gpu 110 $PY benchmarks/gpu.py --rounds 5 \
     --workloads demo,demo-batched-100,demo-batched-1000 --gpu-only demo-batched-1000 \
     --json "$OUT/gpu.json"
+
+# item 3: where a steady round's time goes on the GPU (launches, copies, synchronisations,
+# device time against wall time, radbo's functions by host time)
+step profile 130 $PY benchmarks/round_profile.py --device cuda --clients 100 1000 --top 25
 
 # item 3: finite differences batched over coordinates on the GPU
 step fd_batch 60 $PY benchmarks/fd_batch.py --device cuda --batches 1 32 128 --rounds 3 \

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,20 +84,20 @@ def derive_seeds(prefix: Sequence[int], last: Sequence[int]) -> list[int]:
         raise ValueError("derive_seeds: words must be non-negative integers")
     if any(int(w) > _MASK32 for w in last):
         return [derive_seed(*prefix, w) for w in last]
-    head = [int(w) for w in np.concatenate([_words(int(w)) for w in prefix] or [[]])]
+    head = [word for w in prefix for word in _words(int(w))]
     n = len(last)
     entropy = [np.full(n, w, dtype=np.uint64) for w in head]
     entropy.append(np.asarray([int(w) for w in last], dtype=np.uint64).reshape(n))
     const = _INIT_A
 
-    def hashmix(value: np.ndarray) -> np.ndarray:
+    def hashmix(value: Any) -> Any:  # uint64 arrays holding 32-bit words
         nonlocal const
         value = value ^ np.uint64(const)
         const = (const * _MULT_A) & _MASK32
         value = (value * np.uint64(const)) & np.uint64(_MASK32)
         return value ^ (value >> np.uint64(16))
 
-    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    def mix(x: Any, y: Any) -> Any:
         result = (x * np.uint64(_MIX_L) - y * np.uint64(_MIX_R)) & np.uint64(_MASK32)
         return result ^ (result >> np.uint64(16))
 
@@ -118,14 +119,14 @@ def derive_seeds(prefix: Sequence[int], last: Sequence[int]) -> list[int]:
     return [int(v) >> 1 for v in (out[0] | (out[1] << np.uint64(32)))]
 
 
-def _words(n: int) -> np.ndarray:
+def _words(n: int) -> list[int]:
     """``n`` as NumPy's SeedSequence reads an integer: 32-bit words, least significant first
     (``[0]`` for 0)."""
     words = [0] if n == 0 else []
     while n > 0:
         words.append(n & _MASK32)
         n >>= 32
-    return np.asarray(words, dtype=np.uint64)
+    return words
 
 
 def generator(*words: int) -> torch.Generator:

@@ -323,10 +323,11 @@ def _linear(index: tuple[Tensor | None, ...], shape: torch.Size) -> Tensor:
 def _scatter(target: Tensor, chunk: Sequence[tuple[Tensor, Tensor | float]]) -> None:
     """One ordered accumulation of a chunk's values into ``target`` (see add_at_many)."""
     index = torch.cat([lin for lin, _ in chunk])
-    if all(isinstance(v, Tensor) for _, v in chunk):
-        values = torch.cat([v.reshape(-1) for _, v in chunk])  # type: ignore[union-attr]
-    else:
-        scalars = [float(v) for _, v in chunk]  # type: ignore[arg-type]
+    tensors = [v.reshape(-1) for _, v in chunk if isinstance(v, Tensor)]
+    if len(tensors) == len(chunk):
+        values = torch.cat(tensors)
+    else:  # numbers (add_at_many is given tensors or numbers)
+        scalars = [float(v) for _, v in chunk]
         lengths = torch.tensor([lin.numel() for lin, _ in chunk])
         values = torch.tensor(scalars, dtype=target.dtype).repeat_interleave(lengths)
     values = values.to(device=target.device, dtype=target.dtype)  # float32 -> 64: exact
