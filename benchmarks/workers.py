@@ -11,9 +11,10 @@ Both runs are built from the demo config (``examples/demo.toml``: RABO + CG, mas
 10-client device fleet) and warmed up with round 0 (it measures FLOPs and starts the pool).
 Then rounds 1..N alternate between the two (2 workers first in odd rounds, 1 worker first in
 even ones); each round is one ``Simulation.step`` (no evaluation). Reported: the median wall
-time and the median CPU time of this process plus its worker processes, the speed-up of the
-medians, and the share of a 1-worker round spent in the client phases (the part workers run
-in parallel; the rest -- sampling, masks, broadcast, aggregation -- bounds the speed-up).
+time and the median CPU time of this process plus its worker processes (and each apart), the
+speed-up of the medians, and the share of a 1-worker round spent in the client phases (the
+part workers run in parallel; the rest -- sampling, masks, broadcast, aggregation -- bounds
+the speed-up).
 With ``--wires shared pipe`` a third run, 2 workers whose tensors cross in the pipe
 (``ProcessBackend(shared_memory=False)``), joins the alternation; with
 ``--one-thread-server``, one of 2 workers whose server aggregates on one thread. All runs
@@ -65,13 +66,13 @@ class ServerThreads(ProcessBackend):
         return self._server_threads
 
 
-def cpu_seconds(backend: ProcessBackend) -> float:
-    """User + system CPU seconds of this process and the backend's worker processes."""
-    total = time.process_time()
+def cpu_seconds(backend: ProcessBackend) -> tuple[float, float]:
+    """User + system CPU seconds of this process, and of the backend's worker processes."""
+    workers = 0.0
     for pid in backend.pids():
         t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
+        workers += t.user + t.system
+    return time.process_time(), workers
 
 
 def timed(run: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
@@ -165,6 +166,7 @@ def main() -> None:
         AGGREGATING[0] = [0.0]  # not counted
         state, _ = sim.step(exp.initial_state, 0)  # warm-up: FLOP measurements, pool start
         r = {"sim": sim, "state": state, "wall": [], "cpu": [], "clients": [], "phases": [0.0]}
+        r["own"], r["workers"] = [], []
         r["aggregation"] = AGGREGATING[0] = [0.0]
         sim.backend.run = timed(sim.backend.run, r["phases"])  # type: ignore[method-assign]
         runs[side] = r
@@ -175,10 +177,13 @@ def main() -> None:
             r = runs[side]
             backend = r["sim"].backend
             AGGREGATING[0] = r["aggregation"]
-            cpu0, wall0 = cpu_seconds(backend), time.perf_counter()
+            (own0, workers0), wall0 = cpu_seconds(backend), time.perf_counter()
             r["state"], record = r["sim"].step(r["state"], q)
             r["wall"].append(time.perf_counter() - wall0)
-            r["cpu"].append(cpu_seconds(backend) - cpu0)
+            own1, workers1 = cpu_seconds(backend)
+            r["own"].append(own1 - own0)
+            r["workers"].append(workers1 - workers0)
+            r["cpu"].append(r["own"][-1] + r["workers"][-1])
             r["clients"].append(len(record.clients))
             r["phases"].append(0.0)
             r["aggregation"].append(0.0)
@@ -210,7 +215,11 @@ def main() -> None:
     wall = {w: statistics.median(r["wall"]) for w, r in runs.items()}
     cpu = {w: statistics.median(r["cpu"]) for w, r in runs.items()}
     for side, (*_, name) in sides.items():
-        print(f"  {name}: wall {1e3 * wall[side]:7.1f} ms, CPU {1e3 * cpu[side]:7.1f} ms")
+        own, workers = (1e3 * statistics.median(runs[side][k]) for k in ("own", "workers"))
+        print(
+            f"  {name}: wall {1e3 * wall[side]:7.1f} ms, CPU {1e3 * cpu[side]:7.1f} ms "
+            f"(this process {own:.1f} ms, worker processes {workers:.1f} ms)"
+        )
     for side in order[1:]:
         print(
             f"  speed-up, {sides[side][3]} vs 1 worker: wall {wall['1'] / wall[side]:.2f}x, "

@@ -542,7 +542,26 @@ def test_the_transfer_and_worker_benchmarks_run_both_wires():
     assert "speed-up, 2 workers, tensors in the pipe vs 1 worker" in out
     assert "speed-up, 2 workers, aggregation on 1 thread vs 1 worker" in out
     assert re.search(r"2 workers: client phases [\d.]+ ms, aggregation [\d.]+ ms per round", out)
+    assert re.search(r"1 worker: .*\(this process [\d.]+ ms, worker processes 0\.0 ms\)", out)
+    assert re.search(r"2 workers: .*\(this process [\d.]+ ms, worker processes [\d.]+ ms\)", out)
     assert "final states bitwise equal: True" in out
+
+
+def test_the_task_balance_benchmark_splits_every_phase():
+    """``benchmarks/task_balance.py`` at its smallest: per phase, the tasks' sum against the
+    best 2-worker split and the process backend's order, each a speed-up of at most 2x."""
+    from benchmarks.task_balance import backend_split, best_split
+
+    assert best_split([3.0, 3.0, 2.0, 2.0, 2.0]) == 6.0  # {3, 3} against {2, 2, 2}
+    assert backend_split([3.0, 3.0, 2.0, 2.0, 2.0], [5, 4, 3, 2, 1]) == 7.0  # 3+2+2 | 3+2
+    out = run_script("benchmarks/task_balance.py", "--rounds", "1", "--hidden", "16")
+    phases = re.findall(
+        r"tasks: sum +[\d.]+ ms; best split +[\d.]+ ms \(([\d.]+)x\); "
+        r"backend's order +[\d.]+ ms \(([\d.]+)x\)",
+        out,
+    )
+    assert phases and all(1.0 <= float(o) <= float(b) <= 2.0 for b, o in phases)
+    assert re.search(r"all phases: [\d.]+ ms of tasks; on 2 workers at best [\d.]+x", out)
 
 
 def test_the_cpu_scaling_benchmark_runs():
