@@ -8,8 +8,12 @@ loads the kernels), times ``--rounds`` more rounds, then profiles one round twic
   by name (kernel launches, copies, synchronisations: each ``cudaStreamSynchronize`` and each
   pageable ``cudaMemcpyAsync`` stops the host), the summed time of the device's kernels
   against the round's wall time, and the aten operations with the most host time;
-- with ``torch.profiler`` and Python stacks: the radbo lines that issue the events named by
-  ``--sites-of`` (by default the synchronisations and copies);
+- with ``torch.profiler`` and Python stacks: the radbo lines that issue the aten operations
+  named by ``--sites-of``; by default the host reads (``.item()``, ``bool(t)``: on a GPU each
+  a synchronisation), ``nonzero`` (likewise) and ``_to_copy`` (conversions and copies between
+  devices, a pageable host-to-GPU copy being a synchronisation too). CUDA runtime calls
+  (``cudaMemcpyAsync``, ...) are listed in the first part but have no call site: the profiler
+  does not link them to the Python frames around them;
 - with ``cProfile``: radbo's functions by their own host time (``tottime``) and by their
   time with callees (``cumtime``), so that a round's host time can be traced to the code
   that spends it. cProfile's own cost inflates both columns; read them as shares.
@@ -80,8 +84,8 @@ def torch_profile(runner: Runner, top: int) -> None:
 
 def call_sites(runner: Runner, names: list[str], top: int) -> None:
     """One round under ``torch.profiler`` with Python stacks: the radbo lines that issue each
-    of ``names`` (runtime calls such as ``cudaStreamSynchronize``, or aten operations), the
-    two innermost radbo frames among the events that enclose it."""
+    of ``names`` (aten operations), the two innermost radbo frames among the events that
+    enclose it ("?" where none does)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.cuda else [])
     with profile(activities=activities, with_stack=True) as prof:
         runner.step()
@@ -138,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=20, help="rows per list")
     parser.add_argument(
         "--sites-of",
-        default="cudaStreamSynchronize,cudaMemcpyAsync",
-        help="comma list of events whose radbo call sites are listed (empty: none)",
+        default="aten::_local_scalar_dense,aten::nonzero,aten::_to_copy",
+        help="comma list of aten operations whose radbo call sites are listed (empty: none)",
     )
     args = parser.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
