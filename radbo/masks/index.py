@@ -275,9 +275,10 @@ def add_at_many(
     capacity) becomes linear coordinates once, and one ``index_put_(accumulate=True)`` adds
     the chunk's values, listed client after client. That accumulation adds the duplicates of
     a coordinate one after another in the order they are listed: serially on the CPU, and in
-    a stable sort's order on CUDA (``benchmarks/scatter_order.py`` checks both; the CUDA tests
-    compare the result with the CPU's). On the CPU the calls one by one are faster (same
-    script), and the default."""
+    a stable sort's order on CUDA (``benchmarks/scatter_order.py`` checks both, and a CUDA test
+    holds the flat path to :func:`add_at` called client by client on the GPU). On the CPU
+    the calls one by one are as fast or faster (same script) and stay the default. Written by
+    hand, as :func:`add_at`, because the index sets are radbo's own structured format."""
     if len(index_sets) != len(values):
         raise ValueError(f"got {len(index_sets)} index entries but {len(values)} values")
     if flat is None:
