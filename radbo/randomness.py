@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Stream", "derive_seed", "derive_seeds", "generator", "task_seed"]
+__all__ = ["Stream", "derive_seed", "derive_seeds", "generator", "task_seed", "task_seeds"]
 
 
 class Stream(IntEnum):
@@ -139,3 +139,9 @@ def task_seed(seed: int, round: int, phase: int, client: int) -> int:
     ``round``, phase number ``phase`` (0-based). A client's draws depend on nothing else, so
     every backend reproduces them."""
     return derive_seed(seed, round, phase + 1, client)
+
+
+def task_seeds(seed: int, round: int, phase: int, clients: Sequence[int]) -> list[int]:
+    """``[task_seed(seed, round, phase, c) for c in clients]``, bitwise, at once
+    (:func:`derive_seeds`)."""
+    return derive_seeds((seed, round, phase + 1), clients)

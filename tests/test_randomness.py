@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from radbo.randomness import Stream, derive_seed, derive_seeds, task_seed
+from radbo.randomness import Stream, derive_seed, derive_seeds, task_seed, task_seeds
 
 
 def test_derive_seeds_equal_derive_seed_word_for_word():
@@ -28,6 +28,7 @@ def test_derive_seeds_equal_derive_seed_word_for_word():
 def test_derive_seeds_give_the_engine_its_task_and_mask_seeds():
     clients = [0, 3, 999, 12]
     assert derive_seeds((7, 5, 2), clients) == [task_seed(7, 5, 1, c) for c in clients]
+    assert task_seeds(2**63 - 1, 9, 0, clients) == [task_seed(2**63 - 1, 9, 0, c) for c in clients]
     mask = [derive_seed(2**62 + 11, 4, Stream.MASK, c) for c in clients]
     assert derive_seeds((2**62 + 11, 4, Stream.MASK), clients) == mask
 

@@ -26,12 +26,12 @@ from torch import Tensor
 from radbo.typing import IndexSet, Params
 
 __all__ = [
+    "add_at_many",
     "alias",
     "coverage_counts",
     "dense_mask",
     "extract",
     "extract_many",
-    "add_at_many",
     "holder_sums",
     "index_set_numel",
     "restrict",

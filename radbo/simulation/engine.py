@@ -37,7 +37,7 @@ from radbo.client import (
 )
 from radbo.cost import DeviceLike, FlopMeter, LedgerEntry, index_metadata_bytes
 from radbo.problem import ClientData
-from radbo.randomness import Stream, derive_seed, derive_seeds
+from radbo.randomness import Stream, derive_seed, derive_seeds, task_seeds
 from radbo.simulation.backends import BACKENDS, ParallelBackend, StatefulBackend
 from radbo.simulation.coverage import CoverageBlocks
 from radbo.simulation.divergence import BoxedProblem, project_outer
@@ -510,8 +510,7 @@ class Simulation(Generic[State]):
             sent = phase.broadcast_many(state, [plan.index_sets[i] for i in at], range(len(at)))
         else:
             sent = [phase.broadcast(state, plan.index_sets[i], slot) for slot, i in enumerate(at)]
-        # task_seed(self.seed, round, p, client) of every client at once
-        seeds = derive_seeds((self.seed, round, p + 1), [plan.clients[i] for i in at])
+        seeds = task_seeds(self.seed, round, p, [plan.clients[i] for i in at])
         tasks = [
             ClientTask(
                 client=plan.clients[i],
