@@ -9,7 +9,9 @@
   :func:`toy_clients`, :func:`toy_simulation`, :func:`leaf`;
 * the random quadratic bilevel problem of the hypergradient tests: :class:`Quadratic` with
   :func:`flat`, :func:`unflat`, :func:`rel_err`; :class:`TwoVariables`, a module holding x and y
-  for toy problems written as losses.
+  for toy problems written as losses;
+* scripts: :func:`load_script`, :func:`run_script`; the aten operations a call dispatches:
+  :class:`OpLog`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from radbo._torch_private import TorchDispatchMode
 from radbo.client import ClientBudget, ClientResult, ClientRuntime, ClientTask
 from radbo.models import MLP
 from radbo.problem import ClientData
@@ -48,6 +53,36 @@ def load_script(path: Path, name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_script(*args: str) -> str:
+    """The standard output of ``python ARGS`` run from the repository root on one intra-op
+    thread (a benchmark at its smallest), which must exit 0."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+class OpLog(TorchDispatchMode):
+    """The aten operations dispatched while it is on, by name, in order: ``names`` all of
+    them, ``launched`` those that are not views (an operation whose schema returns an alias of
+    an input and mutates nothing launches no kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.launched: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.names.append(func.name())
+        schema = func._schema
+        if schema.is_mutable or all(a.alias_info is None for a in schema.returns):
+            self.launched.append(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------------------ state equality

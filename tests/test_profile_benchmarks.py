@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(*args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+from tests.helpers import run_script
 
 
 def test_the_scatter_order_probe_finds_every_way_bitwise_on_the_cpu():
-    out = _run("benchmarks/scatter_order.py", "--clients", "12")
+    out = run_script("benchmarks/scatter_order.py", "--clients", "12")
     assert re.search(r"12 clients on cpu: client by client [\d.]+ ms", out)
     ways = re.findall(
         r"\n  (\S+ \(deterministic \w+\)|add_at_many\(flat=\w+\)): bitwise (\w+)", out
@@ -30,7 +17,7 @@ def test_the_scatter_order_probe_finds_every_way_bitwise_on_the_cpu():
 
 
 def test_the_round_profile_lists_operations_call_sites_and_functions():
-    out = _run(
+    out = run_script(
         "benchmarks/round_profile.py",
         "--clients", "4", "--rounds", "1", "--top", "3", "--sites-of", "aten::randperm",
     )  # fmt: skip

@@ -40,6 +40,7 @@ from radbo.masks.policies import (
 from radbo.masks.structure import StructurePlan, kept_count
 from radbo.models import MLP, BilevelModel, ResNet18
 from radbo.typing import IndexSet, Params
+from tests.helpers import OpLog
 
 MODELS: dict[str, Callable[[], BilevelModel]] = {
     "mlp8": lambda: MLP(8, [8], 3),
@@ -606,8 +607,6 @@ def test_importance_selection_is_made_once_per_group_count_and_round() -> None:
     """The clients of a round that keep equally many channels of a group get the same
     selection, made once: a second client of that capacity dispatches no tensor operation; the
     selection equals top_channels of the round's scores; a new round selects afresh."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from radbo.masks.policies.importance import top_channels
 
     _, plan = _plan("mlp64")
@@ -618,16 +617,9 @@ def test_importance_selection_is_made_once_per_group_count_and_round() -> None:
     scores = policy.scores(plan, 3)
     for group, kept in first.items():
         assert torch.equal(kept, top_channels(scores[group], kept.numel()))
-    ops = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Ops():
+    with OpLog() as log:
         second = policy(plan, ratios, round=3, client=1, generator=gen)
-    assert ops == []
+    assert log.names == []
     assert all(second[g] is first[g] for g in first)
     quarter = policy(plan, {g: 0.25 for g in plan.groups}, round=3, client=2, generator=gen)
     assert all(quarter[g].numel() < first[g].numel() for g in first)

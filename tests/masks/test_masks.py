@@ -27,6 +27,7 @@ from radbo.masks import (
 )
 from radbo.models import MLP, BilevelModel, SmallCNN
 from radbo.typing import IndexSet, Params
+from tests.helpers import OpLog
 
 MODELS: dict[str, Callable[[], BilevelModel]] = {
     "mlp_2hidden": lambda: MLP(64, [32, 16], 10),
@@ -676,8 +677,6 @@ def test_extract_many_equals_extract_client_by_client(clients: int) -> None:
     multiple of 64 bytes as a fresh allocation does (rows of one gathered block are padded to
     that); it works for float, double and integer tensors, 0-d ones, whole and pruned
     dimensions, and gathers each group of equal shapes in a few operations, not per client."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from radbo.masks.index import extract, extract_many
 
     gen = torch.Generator().manual_seed(clients)
@@ -701,22 +700,12 @@ def test_extract_many_equals_extract_client_by_client(clients: int) -> None:
             assert got.data_ptr() % 64 == 0, k
             assert got.untyped_storage().data_ptr() != full[k].untyped_storage().data_ptr()
 
-    ops = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            view = not func._schema.is_mutable and any(
-                a.alias_info is not None for a in func._schema.returns
-            )
-            if not view:  # a view launches nothing
-                ops.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     same = [{"w": (torch.tensor([0, 3, 5]), None)}] * clients  # one group
-    with Ops():
+    with OpLog() as log:  # the operations that are not views: a view launches nothing
         extract_many({"w": full["w"]}, same)
     # the stacked index lists, an arange, the gather, and (these 3 x 7 rows are padded to 64
     # bytes) an empty block and one copy into it, whatever the number of clients
+    ops = log.launched
     assert ops == [
         "aten::stack",
         "aten::arange",

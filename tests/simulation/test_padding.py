@@ -26,7 +26,7 @@ from radbo.experiment import build
 from radbo.problem import PAD_INDEX, PAD_TARGET, ClientData
 from radbo.simulation import BatchedBackend
 from tests.configs import small_config
-from tests.helpers import load_script
+from tests.helpers import OpLog, load_script
 from tests.simulation.test_batched import assert_runs_agree, trajectory
 
 F64 = {"runtime": {"dtype": "float64"}}
@@ -203,18 +203,9 @@ def test_padded_stack_is_padding_each_then_stacking(lead):
     axis before the last (values, shape, contiguity), for a cohort's once-drawn minibatches
     and its per-step ones ([steps, batch]), with lengths from 1 to the longest and a longest
     beyond them all; it takes the same operations whatever the number of clients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from radbo.client import padded_stack
 
     gen = torch.Generator().manual_seed(len(lead))
-    ops: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     counts = []
     for clients in (2, 9, 40):
         tensors = [
@@ -226,10 +217,9 @@ def test_padded_stack_is_padding_each_then_stacking(lead):
         for longest in (max(t.shape[-1] for t in tensors), 33):
             padded = [F.pad(t, (0, longest - t.shape[-1]), value=PAD_INDEX) for t in tensors]
             expected = torch.stack(padded, dim=len(lead))
-            ops.clear()
-            with Ops():
+            with OpLog() as log:
                 got = padded_stack(tensors, longest)
             assert got.shape == expected.shape and got.is_contiguous()
             assert torch.equal(got, expected)
-            counts.append(len(ops))
+            counts.append(len(log.names))
     assert len(set(counts)) == 1, counts  # not one padding per client

@@ -11,9 +11,6 @@ import math
 import os
 import pickle
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import psutil
 import pytest
@@ -27,7 +24,13 @@ from radbo.problem import ClientData
 from radbo.simulation import ClientWorkerError, ProcessBackend, SequentialBackend, processes
 from radbo.simulation.processes import usable_cpus
 from tests.configs import small_config
-from tests.helpers import assert_same_state, state_tensors, time_limit, unclocked_rows
+from tests.helpers import (
+    assert_same_state,
+    run_script,
+    state_tensors,
+    time_limit,
+    unclocked_rows,
+)
 
 NO_BASELINE = {"enabled": False}
 
@@ -519,16 +522,6 @@ def test_a_model_of_a_million_parameters_runs_and_equals_sequential():
 
 
 # ------------------------------------------------------------------- the benchmark scripts
-def run_script(*args: str) -> str:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def test_the_transfer_and_worker_benchmarks_run_both_wires():
     """``benchmarks/pipe_transfer.py`` and ``benchmarks/workers.py --wires shared pipe
     --one-thread-server`` at their smallest: both wires and both server thread counts

@@ -8,6 +8,7 @@ import torch
 from radbo.experiment import build
 from radbo.simulation import update_problem
 from tests.configs import small_config
+from tests.helpers import OpLog
 
 
 @dataclass
@@ -234,8 +235,6 @@ def test_a_stacked_cohorts_slices_are_screened_in_one_reduction_per_tensor():
     view), and its verdicts are still every tensor's own (isfinite(t).all()), whatever else
     is in the phase: slices in another order, unequally spaced ones, 0-d and empty slices,
     transposed views, repeated tensors, overflowing float64 sums of finite entries."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from radbo.simulation.screening import _finite, _windows
 
     gen = torch.Generator().manual_seed(3)
@@ -270,16 +269,10 @@ def test_a_stacked_cohorts_slices_are_screened_in_one_reduction_per_tensor():
         for row, i in enumerate(members):
             torch.testing.assert_close(view[row], tensors[i], rtol=0, atol=0, equal_nan=True)
 
-    ops = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     stacked = torch.randn(6, 3, 4, generator=gen)
     cohort = [stacked[c] for c in range(6)]  # a sound stacked cohort's slices of one tensor
-    with Ops():
+    with OpLog() as log:
         assert _finite(cohort) == [True] * 6
     # one sum and one cat (and a view, which launches nothing): not one sum per client
+    ops = log.names
     assert ops == ["aten::as_strided", "aten::sum.dim_IntList", "aten::cat"], ops
