@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from radbo.masks.index import add_at, add_at_many  # noqa: E402
+from radbo.masks.index import _linear, add_at, add_at_many  # noqa: E402
 
 SHAPE = (64, 128)
 
@@ -56,14 +56,9 @@ def one_by_one(blocks: list[tuple], device: str) -> torch.Tensor:
 
 def flat(blocks: list[tuple], device: str, way: str) -> torch.Tensor:
     """All clients' coordinates and values in client order, one scatter."""
-    lin, vals = [], []
-    for rows, cols, value in blocks:
-        r = torch.arange(SHAPE[0]) if rows is None else rows
-        c = torch.arange(SHAPE[1]) if cols is None else cols
-        lin.append((r[:, None] * SHAPE[1] + c[None, :]).reshape(-1))
-        vals.append(value.reshape(-1))
-    index = torch.cat(lin).to(device)
-    values = torch.cat(vals).to(torch.float64)
+    index = torch.cat([_linear((rows, cols), torch.Size(SHAPE)) for rows, cols, _ in blocks])
+    values = torch.cat([value.reshape(-1) for _, _, value in blocks]).to(torch.float64)
+    index = index.to(device)
     num = torch.zeros(SHAPE[0] * SHAPE[1], dtype=torch.float64, device=device)
     if way == "index_put_":
         num.index_put_((index,), values, accumulate=True)

@@ -291,7 +291,7 @@ def add_at_many(
     chunk: list[tuple[Tensor, Tensor | float]] = []
     size = 0
     for index, value in zip(index_sets, values, strict=True):
-        key = tuple(None if idx is None else id(idx) for idx in index)
+        key = _identity(index)
         if key not in coordinates:
             coordinates[key] = _linear(index, target.shape).to(target.device)
         lin = coordinates[key]
@@ -304,6 +304,12 @@ def add_at_many(
         size += lin.numel()
     if chunk:
         _scatter(target, chunk)
+
+
+def _identity(entry: tuple[Tensor | None, ...]) -> tuple[int | None, ...]:
+    """A key equal for entries made of the same tensor objects (a mask policy's selection
+    shared by every client of one capacity): no tensor is read."""
+    return tuple(None if idx is None else id(idx) for idx in entry)
 
 
 def _linear(index: tuple[Tensor | None, ...], shape: torch.Size) -> Tensor:
@@ -369,7 +375,7 @@ def holder_sums(
     # first, integers in Python floats (exact), so the contraction runs over distinct entries
     groups: dict[tuple[int | None, ...], list[int]] = {}
     for i, entry in enumerate(entries):
-        groups.setdefault(tuple(None if idx is None else id(idx) for idx in entry), []).append(i)
+        groups.setdefault(_identity(entry), []).append(i)
     members = list(groups.values())
     entries = [entries[owners[0]] for owners in members]
     table = torch.tensor(
