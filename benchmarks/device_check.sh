@@ -17,7 +17,8 @@
 # step cannot starve the rest; a step's output goes to $OUT/session.log and to the terminal,
 # tables and figures to $OUT. STEPS (a comma list) picks the steps; the default,
 # test_cuda,scatter,gpu,profile,vs_pfl, ends within about 580 s on an H100; fd_batch and
-# fewshot (measured already: BENCHMARKS.md) run when named.
+# fewshot (measured already: BENCHMARKS.md) and compile (not measured on a GPU yet) run when
+# named.
 set -u
 OUT=${OUT:-runs/device}
 SCALE=${STEP_SCALE:-1}
@@ -69,6 +70,10 @@ step profile 130 $PY benchmarks/round_profile.py --device cuda --clients 100 100
 # item 3: finite differences batched over coordinates on the GPU
 step fd_batch 60 $PY benchmarks/fd_batch.py --device cuda --batches 1 32 128 --rounds 3 \
     --repeats 1
+
+# item 3: a stacked cohort's local step and CG products compiled, replayed as CUDA graphs
+step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
+    --mode reduce-overhead --repeats 50
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)
 if $PY -c "import pfl" 2>/dev/null; then

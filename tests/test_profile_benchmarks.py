@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import shutil
+
+import pytest
 
 from tests.helpers import run_script
 
@@ -25,3 +28,28 @@ def test_the_round_profile_lists_operations_call_sites_and_functions():
     assert re.search(r"aten operations: \d+ \(nested ones included\)", out)
     assert re.search(r"\d+  aten::randperm  radbo/problem\.py\(\d+\): draw_", out)
     assert "radbo functions by own time:" in out and "radbo/simulation/engine.py" in out
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
+    reason="torch.compile's CPU backend (inductor) needs a C++ compiler",
+)
+def test_the_compile_probe_compiles_double_backward_to_float64_rounding():
+    """The three compiled functions (a local step's gradient, one Hessian-vector product, two
+    products on one gradient graph: double backward inside ``torch.compile``) give the eager
+    results in float64, where the compiler may only reorder and fuse the same operations.
+    Bound, as in tests/simulation/test_batched.py: float64 rounding of a few thousand
+    operations per output (a 64-wide input through the demo MLP's submodel, a hidden layer
+    and a 10-class head, then two or three backward passes) is ~1e3 * 2.2e-16 ~ 1e-13
+    relative to the output's largest magnitude; 1e-12 leaves a factor of 10 (measured at
+    most 4.6e-16 on AVX2)."""
+    out = run_script(
+        "benchmarks/compile_step.py",
+        "--clients", "12", "--dtype", "float64", "--repeats", "1", "--trials", "1",
+        "--products", "2", "--no-new-shape",
+    )  # fmt: skip
+    assert re.search(r"## 12 clients on cpu \(float64\).*largest inner cohort \d+ clients", out)
+    differences = re.findall(r"first compiled call [\d.]+ s; relative difference (\S+)\n", out)
+    assert len(differences) == 3
+    assert all(float(d) <= 1e-12 for d in differences), differences
+    assert len(re.findall(r"eager / compiled: [\d.]+x", out)) == 3
