@@ -330,6 +330,7 @@ def floor_seconds(
     steps: int = 30,
     seed: int = 0,
     memory_format: torch.memory_format = torch.contiguous_format,
+    compiled: bool = False,
 ) -> float:
     """The arithmetic of a round in plain PyTorch: the median time of one local step on a batch
     of 10 (``PflSimpleCNN`` as an ``nn.Module``, mean cross-entropy, ``loss.backward()``,
@@ -337,11 +338,14 @@ def floor_seconds(
     ``per_round`` clients. Neither side can do a round's work faster with these kernels; what
     each spends above it is its own overhead (data handling, copies, aggregation).
     ``memory_format=torch.channels_last`` hands the model its images in NHWC layout, as radbo's
-    ``[runtime] memory_format = "channels_last"`` does (the weights keep theirs)."""
+    ``[runtime] memory_format = "channels_last"`` does (the weights keep theirs).
+    ``compiled``: the model's forward pass through ``torch.compile`` (AOTAutograd compiles its
+    backward too); the first 3 steps, which compile, are left out like every side's warm-up."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed)
-    model = PflSimpleCNN().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    module = PflSimpleCNN().to(device)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    model = torch.compile(module) if compiled else module
     images = torch.rand(10, 3, 32, 32, generator=gen).to(device)
     images = images.contiguous(memory_format=memory_format)
     labels = torch.randint(0, CLASSES, (10,), generator=gen).to(device)
@@ -398,9 +402,11 @@ def table(
     device: str,
     workers: int,
     floor_nhwc: Sequence[float] = (),
+    floor_compiled: Sequence[float] = (),
 ) -> str:
     """Markdown: one row per radbo side, then pfl's and the plain-PyTorch floor (and the
-    floor with channels-last images, when measured); "/ floor" is to the contiguous one."""
+    floor with channels-last images, and with the model compiled, when measured); "/ floor" is
+    to the eager contiguous one."""
     lines = [
         "| side | s/round | radbo / pfl | / floor | device |",
         "|---|---:|---:|---:|---|",
@@ -413,10 +419,8 @@ def table(
         label = f"radbo {backend}" + (f" ({workers} workers)" if backend == "processes" else "")
         label += ", channels-last" if memory_format == "channels_last" else ""
         mid = statistics.median(values)
-        lines.append(
-            f"| {label} | {summary(values)} | {mid / pfl_mid:.2f}x | {mid / floor_mid:.2f}x | "
-            f"{where} |"
-        )
+        to_pfl = f" {mid / pfl_mid:.2f}x " if pfl else " "  # --skip-pfl: nothing to compare
+        lines.append(f"| {label} | {summary(values)} |{to_pfl}| {mid / floor_mid:.2f}x | {where} |")
     if pfl:
         lines.append(f"| pfl 0.6.0 | {summary(pfl)} | | {pfl_mid / floor_mid:.2f}x | {where} |")
     if floor:
@@ -425,6 +429,12 @@ def table(
         mid = statistics.median(floor_nhwc)
         lines.append(
             f"| plain PyTorch floor, channels-last | {summary(floor_nhwc)} | | "
+            f"{mid / floor_mid:.2f}x | {where} |"
+        )
+    if floor_compiled:
+        mid = statistics.median(floor_compiled)
+        lines.append(
+            f"| plain PyTorch floor, torch.compile | {summary(floor_compiled)} | | "
             f"{mid / floor_mid:.2f}x | {where} |"
         )
     return "\n".join(lines)
@@ -449,6 +459,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     parser.add_argument("--quick", action="store_true", help="tiny size for a smoke test")
     parser.add_argument("--skip-pfl", action="store_true", help="radbo side only, no venv")
+    parser.add_argument(
+        "--floor-compiled", action="store_true", help="also the floor with torch.compile"
+    )
     parser.add_argument("--side", choices=["radbo"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:  # the tiny size, where a flag does not say otherwise
@@ -511,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     floor: list[float] = []
     nhwc = any(side_parts(b)[1] == "channels_last" for b in args.backends)
     floor_nhwc: list[float] = []
+    floor_compiled: list[float] = []
     for rep in range(args.repeats):
         order = ["pfl", *args.backends] if rep % 2 == 0 else [*args.backends, "pfl"]
         for who in order:
@@ -524,6 +538,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 cl = torch.channels_last
                 floor_nhwc.append(floor_seconds(args.per_round, args.device, memory_format=cl))
                 line += f", channels-last: {floor_nhwc[-1]:.3f} s/round"
+            if args.floor_compiled:
+                floor_compiled.append(floor_seconds(args.per_round, args.device, compiled=True))
+                line += f", compiled: {floor_compiled[-1]:.3f} s/round"
             print(line, file=sys.stderr)
             if who == "pfl":
                 assert python is not None
@@ -550,9 +567,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         flags.append(f"--backends {','.join(args.backends)}")
     if args.skip_pfl:
         flags.append("--skip-pfl")
+    if args.floor_compiled:
+        flags.append("--floor-compiled")
     shown = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py " + " ".join(flags)
     text = (
-        f"{table(pfl, radbo, floor, args.device, args.workers, floor_nhwc)}\n\n"
+        f"{table(pfl, radbo, floor, args.device, args.workers, floor_nhwc, floor_compiled)}\n\n"
         f"Seconds per round: median over {args.repeats} alternated runs of each side (range in "
         f"brackets) of each run's median steady round (rounds 1..{args.rounds - 1}); "
         f"{args.clients} clients of {PER_CLIENT} images, {args.per_round} per round; torch "
