@@ -13,7 +13,10 @@ against compiled (``torch.compile(fullgraph=True)``, ``--mode``):
   gradient with ``create_graph=True``, then its derivative along ``u`` (double backward). Eager,
   it is timed both as radbo runs it (:class:`radbo.autodiff.InnerSystem`: the gradient's graph
   built once and kept, each product one more backward pass) and recomputed whole, as the
-  compiled function does.
+  compiled function does;
+- ``--products`` products on one gradient: the gradient with ``create_graph=True`` once, then
+  that many products on its graph, what a CG solve of that many iterations runs, against
+  radbo's eager build of the same graph plus the same products.
 
 Dynamo traces ``torch.autograd.grad`` only with ``torch._dynamo.config.trace_autograd_ops``
 (off by default in torch 2.13; with it off, ``fullgraph=True`` refuses the call). A compiled
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         f"minibatch {tuple(work.batch.inputs.shape)}; mode {args.mode}, dynamic {args.dynamic}"
     )
     options: dict[str, Any] = {"fullgraph": True, "mode": args.mode, "dynamic": args.dynamic}
+    # specialize_float: with --dynamic, inductor (torch 2.13) fails on the L2 weight of the
+    # inner loss as a symbolic float ("x must be Tensor or scalar, got SymFloat")
     with torch._dynamo.config.patch(trace_autograd_ops=True, specialize_float=True):
         step = torch.compile(work.step, **options)
         hvp = torch.compile(work.hvp, **options)
