@@ -71,9 +71,10 @@ step profile 130 $PY benchmarks/round_profile.py --device cuda --clients 100 100
 step fd_batch 60 $PY benchmarks/fd_batch.py --device cuda --batches 1 32 128 --rounds 3 \
     --repeats 1
 
-# item 3: a stacked cohort's local step and CG products compiled, replayed as CUDA graphs
+# item 3: a stacked cohort's local step and CG products compiled and replayed as CUDA graphs
+# (reduce-overhead), and the eager code captured as CUDA graphs (--graphs)
 step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
-    --mode reduce-overhead --repeats 50
+    --mode reduce-overhead --graphs --no-new-shape --repeats 50
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)
 if $PY -c "import pfl" 2>/dev/null; then
