@@ -22,6 +22,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -53,6 +55,13 @@ def load_script(path: Path, name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+#: ``torch.compile``'s CPU backend (inductor) builds C++: a test that compiles skips without it
+requires_compiler = pytest.mark.skipif(
+    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
+    reason="torch.compile's CPU backend (inductor) needs a C++ compiler",
+)
 
 
 def run_script(*args: str) -> str:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import re
-import shutil
 
-import pytest
-
-from tests.helpers import run_script
+from tests.helpers import requires_compiler, run_script
 
 
 def test_the_scatter_order_probe_finds_every_way_bitwise_on_the_cpu():
@@ -30,10 +27,7 @@ def test_the_round_profile_lists_operations_call_sites_and_functions():
     assert "radbo functions by own time:" in out and "radbo/simulation/engine.py" in out
 
 
-@pytest.mark.skipif(
-    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
-    reason="torch.compile's CPU backend (inductor) needs a C++ compiler",
-)
+@requires_compiler
 def test_the_compile_probe_compiles_double_backward_to_float64_rounding():
     """The three compiled functions (a local step's gradient, one Hessian-vector product, two
     products on one gradient graph: double backward inside ``torch.compile``) give the eager

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from radbo.data.readers import read_cifar10
 from radbo.models import MODELS
@@ -118,17 +118,18 @@ def test_a_side_may_run_with_channels_last_images(tmp_path):
     assert "| plain PyTorch floor, channels-last | 0.80 | | 0.80x |" in text
 
 
-@pytest.mark.skipif(
-    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
-    reason="torch.compile's CPU backend (inductor) needs a C++ compiler",
-)
+@helpers.requires_compiler
 def test_the_floor_may_be_measured_with_the_model_compiled():
     """``--floor-compiled``: the plain-PyTorch floor once more with ``torch.compile`` on the
     model, as its own row of the table, relative to the eager floor."""
     vs_pfl = load_script()
     assert vs_pfl.parse_args(["--quick", "--floor-compiled"]).floor_compiled
     assert not vs_pfl.parse_args(["--quick"]).floor_compiled
-    seconds = vs_pfl.floor_seconds(per_round=1, steps=5, compiled=True)
+    threads = torch.get_num_threads()
+    try:
+        seconds = vs_pfl.floor_seconds(per_round=1, steps=5, compiled=True)
+    finally:
+        torch.set_num_threads(threads)  # floor_seconds sets one thread, as a side does
     assert 0 < seconds < float("inf")
     text = vs_pfl.table([2.0], {"sequential": [1.5]}, [1.0], "cpu", 2, (), [0.9, 1.1, 1.3])
     assert "| plain PyTorch floor, torch.compile | 1.10 (0.90-1.30) | | 1.10x |" in text
