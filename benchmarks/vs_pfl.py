@@ -425,18 +425,13 @@ def table(
         lines.append(f"| pfl 0.6.0 | {summary(pfl)} | | {pfl_mid / floor_mid:.2f}x | {where} |")
     if floor:
         lines.append(f"| plain PyTorch floor | {summary(floor)} | | 1.00x | {where} |")
-    if floor_nhwc:
-        mid = statistics.median(floor_nhwc)
-        lines.append(
-            f"| plain PyTorch floor, channels-last | {summary(floor_nhwc)} | | "
-            f"{mid / floor_mid:.2f}x | {where} |"
-        )
-    if floor_compiled:
-        mid = statistics.median(floor_compiled)
-        lines.append(
-            f"| plain PyTorch floor, torch.compile | {summary(floor_compiled)} | | "
-            f"{mid / floor_mid:.2f}x | {where} |"
-        )
+    for variant, values in (("channels-last", floor_nhwc), ("torch.compile", floor_compiled)):
+        if values:
+            mid = statistics.median(values)
+            lines.append(
+                f"| plain PyTorch floor, {variant} | {summary(values)} | | "
+                f"{mid / floor_mid:.2f}x | {where} |"
+            )
     return "\n".join(lines)
 
 
