@@ -37,7 +37,7 @@ from radbo.client import (
 )
 from radbo.cost import DeviceLike, FlopMeter, LedgerEntry, index_metadata_bytes
 from radbo.problem import ClientData
-from radbo.randomness import Stream, derive_seed, derive_seeds, task_seeds
+from radbo.randomness import Stream, derive_seeds, task_seeds
 from radbo.simulation.backends import BACKENDS, ParallelBackend, StatefulBackend
 from radbo.simulation.coverage import CoverageBlocks
 from radbo.simulation.divergence import BoxedProblem, project_outer
@@ -365,9 +365,6 @@ class Simulation(Generic[State]):
         if self._watch is None:
             self._watch = DivergenceWatch.of(self.algorithm)
         return self._watch
-
-    def _generator(self, *words: int) -> torch.Generator:
-        return torch.Generator().manual_seed(derive_seed(self.seed, *words))
 
     def available_clients(self, round: int, clock_s: float = 0.0) -> list[int]:
         """Clients available in ``round``, which starts at ``clock_s`` on the virtual clock

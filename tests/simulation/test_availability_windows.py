@@ -29,7 +29,7 @@ from radbo.devices.fleet import WindowSchedule
 from radbo.devices.profile import DAY_S, window_covers, window_share
 from radbo.experiment import build, fleet_table
 from radbo.problem import ClientData
-from radbo.randomness import Stream
+from radbo.randomness import Stream, generator
 from radbo.simulation.engine import Simulation
 from tests.configs import demo_dict
 
@@ -204,7 +204,7 @@ def test_windows_do_not_change_the_availability_draws() -> None:
 
     for q, t in [(0, 10.0), (1, 60.0), (2, 110.0)]:
         draws = torch.rand(
-            40, generator=sim._generator(q, Stream.AVAILABILITY), dtype=torch.float64
+            40, generator=generator(sim.seed, q, Stream.AVAILABILITY), dtype=torch.float64
         )
         by_draw = [c for c in range(40) if float(draws[c]) < 0.5]
 
@@ -286,7 +286,7 @@ def test_run_without_windows_is_bitwise_the_engine_before_windows(
         n = len(self.clients)
         assert self.profiles is not None
         draws = torch.rand(
-            n, generator=self._generator(round, Stream.AVAILABILITY), dtype=torch.float64
+            n, generator=generator(self.seed, round, Stream.AVAILABILITY), dtype=torch.float64
         )
         return [c for c in range(n) if float(draws[c]) < self.profiles[c].availability]
 

@@ -28,7 +28,7 @@ from radbo.experiment import build
 from radbo.experiment.build import ClientTable
 from radbo.masks.structure import StructurePlan
 from radbo.models import MLPConfig
-from radbo.randomness import Stream
+from radbo.randomness import Stream, generator
 from tests.configs import demo_dict
 
 
@@ -288,7 +288,7 @@ def test_availability_draw_is_the_per_client_draw_of_before() -> None:
 
     for q in range(5):
         draws = torch.rand(
-            300, generator=sim._generator(q, Stream.AVAILABILITY), dtype=torch.float64
+            300, generator=generator(sim.seed, q, Stream.AVAILABILITY), dtype=torch.float64
         )
         before = [c for c in range(300) if float(draws[c]) < profiles[c].availability]
 
