@@ -7,7 +7,10 @@ loads the kernels), times ``--rounds`` more rounds, then profiles one round twic
 - with ``torch.profiler`` (CPU and, on a GPU, CUDA activity): the calls into the CUDA runtime
   by name (kernel launches, copies, synchronisations: each ``cudaStreamSynchronize`` and each
   pageable ``cudaMemcpyAsync`` stops the host), the summed time of the device's kernels
-  against the round's wall time, and the aten operations with the most host time;
+  against the round's wall time, the aten operations with the most host time, and the host
+  time outside operations (an unprofiled round's wall time less the operations' and runtime
+  calls' own host time: radbo's Python and the autograd engine, which no GPU, launch or CUDA
+  graph makes faster);
 - with ``torch.profiler`` and Python stacks: the radbo lines that issue the aten operations
   named by ``--sites-of``; by default the host reads (``.item()``, ``bool(t)``: on a GPU each
   a synchronisation), ``nonzero`` (likewise) and ``_to_copy`` (conversions and copies between
@@ -53,8 +56,10 @@ RUNTIME_CALLS = (
 )
 
 
-def torch_profile(runner: Runner, top: int) -> None:
-    """One round under ``torch.profiler``: runtime calls, device time, top aten operations."""
+def torch_profile(runner: Runner, top: int, wall_ms: float) -> None:
+    """One round under ``torch.profiler``: runtime calls, device time, top aten operations,
+    and the host time outside operations against ``wall_ms``, an unprofiled round's wall
+    time (:func:`outside_operations`)."""
     activities = [ProfilerActivity.CPU]
     if runner.cuda:
         activities.append(ProfilerActivity.CUDA)
@@ -80,6 +85,25 @@ def torch_profile(runner: Runner, top: int) -> None:
     print(f"  aten operations: {total} (nested ones included); most host time (self):")
     for e in aten[:top]:
         print(f"    {e.key:40s} {e.count:7d} calls {e.self_cpu_time_total / 1e3:9.1f} ms")
+    inside = sum(e.self_cpu_time_total for e in aten) / 1e3
+    inside += sum(e.self_cpu_time_total for e in calls.values()) / 1e3
+    print(outside_operations(wall_ms, inside))
+
+
+def outside_operations(wall_ms: float, inside_ms: float) -> str:
+    """The host time of a round spent outside operations: ``wall_ms`` (a round without the
+    profiler) less ``inside_ms``, the profiled round's own host time of its aten operations
+    and CUDA runtime calls (on a GPU, the launches). What is left is radbo's Python, the
+    autograd engine's and the dispatcher's own work between operations: a GPU round cannot
+    take less host time than this whatever its kernels and launches cost (CUDA graphs replay
+    operations, not this). The profiler only adds to the operations' own times, so for a
+    round like the unprofiled ones the difference errs low."""
+    outside = max(wall_ms - inside_ms, 0.0)
+    share = outside / wall_ms if wall_ms > 0 else 0.0
+    return (
+        f"  host time outside operations: about {outside:.1f} ms of a {wall_ms:.1f} ms round "
+        f"({share:.0%}; operations' own host time {inside_ms:.1f} ms, profiled)"
+    )
 
 
 def call_sites(runner: Runner, names: list[str], top: int) -> None:
@@ -160,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\n## {clients} clients, batched: median {statistics.median(times) * 1e3:.1f} ms "
             f"per round over {args.rounds} rounds ({', '.join(f'{t * 1e3:.0f}' for t in times)})"
         )
-        torch_profile(runner, args.top)
+        torch_profile(runner, args.top, statistics.median(times) * 1e3)
         if args.sites_of:
             call_sites(runner, args.sites_of.split(","), args.top)
         python_profile(runner, args.top)

@@ -23,6 +23,8 @@ def test_the_round_profile_lists_operations_call_sites_and_functions():
     )  # fmt: skip
     assert re.search(r"## 4 clients, batched: median [\d.]+ ms per round", out)
     assert re.search(r"aten operations: \d+ \(nested ones included\)", out)
+    outside = re.search(r"host time outside operations: about ([\d.]+) ms of a ([\d.]+) ms", out)
+    assert outside and 0 <= float(outside[1]) <= float(outside[2])
     assert re.search(r"\d+  aten::randperm  radbo/problem\.py\(\d+\): draw_", out)
     assert "radbo functions by own time:" in out and "radbo/simulation/engine.py" in out
 
