@@ -49,3 +49,13 @@ def test_the_compile_probe_compiles_double_backward_to_float64_rounding():
     assert len(differences) == 3
     assert all(float(d) <= 1e-12 for d in differences), differences
     assert len(re.findall(r"eager / compiled: [\d.]+x", out)) == 3
+
+
+def test_the_collector_benchmark_runs_both_sides_to_the_same_bits():
+    """Each side in a process of its own; the final states' digests must agree (the script
+    exits 1 otherwise), and the paused side's collector runs at most between rounds."""
+    out = run_script(
+        "benchmarks/gc_pause.py", "--clients", "4", "--rounds", "1", "--repeats", "1",
+    )  # fmt: skip
+    row = re.search(r"\n\| 4 \| ([\d.]+) \| ([\d.]+) \| [\d.]+x \| .* \| (True|False) \|\n", out)
+    assert row and row[3] == "True", out

@@ -39,6 +39,7 @@ from radbo.cost import DeviceLike, FlopMeter, LedgerEntry, index_metadata_bytes
 from radbo.problem import ClientData
 from radbo.randomness import Stream, derive_seeds, task_seeds
 from radbo.simulation.backends import BACKENDS, ParallelBackend, StatefulBackend
+from radbo.simulation.collection import paused_collection
 from radbo.simulation.coverage import CoverageBlocks
 from radbo.simulation.divergence import BoxedProblem, project_outer
 from radbo.simulation.ledger import check_round_costs, ledger_entry
@@ -206,6 +207,10 @@ class Simulation(Generic[State]):
         phase_deadline_s: results arriving later than this many simulated seconds after a
             phase starts are discarded, and the phase lasts at most that long (``None``: no
             deadline). Needs ``profiles`` (there is no clock without them).
+        pause_gc: run each :meth:`step` with Python's cyclic garbage collector paused
+            (:func:`~radbo.simulation.collection.paused_collection`; default ``True``): at
+            1,000 clients per round its full collections took about a tenth of a round. The
+            results are the same either way.
 
     Who takes part in a round -- ``profiles``' availability, ``clients_per_round``,
     ``overcommit``, ``dropout``, ``phase_deadline_s`` -- is decided by :attr:`participation`;
@@ -233,6 +238,7 @@ class Simulation(Generic[State]):
     dropout: Sequence[float] | None = None
     overcommit: float = 0.0
     phase_deadline_s: float | None = None
+    pause_gc: bool = True
     _coverage_blocks: CoverageBlocks = field(init=False, repr=False)
     # the participation policy and the settings it was made from (see `participation`)
     _participation: tuple[tuple[Any, ...], Participation] | None = field(
@@ -454,6 +460,11 @@ class Simulation(Generic[State]):
         the phases, x is projected onto the task's box when the task has one
         (:class:`~radbo.simulation.divergence.BoxedProblem`, e.g. ``feature_l2``).
         """
+        with paused_collection(self.pause_gc):
+            return self._step(state, round, clock_s)
+
+    def _step(self, state: State, round: int, clock_s: float) -> tuple[State, RoundRecord]:
+        """:meth:`step`, with the collector as :attr:`pause_gc` says."""
         start = time.perf_counter()
         phases = self.algorithm.phases()
         turnout = self.participation.turnout(round, clock_s, len(phases))
