@@ -57,6 +57,7 @@ LAYERS: list[set[str]] = [
         "errors",
         "schema",
         "threads",
+        "allocator",
     }
     | {"_torch_private"},
     {"flops", "edge", "tomlfile"},

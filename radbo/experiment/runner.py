@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from radbo.allocator import retain_freed_memory
 from radbo.atomic import atomic_write_text
 from radbo.checkpoint import (
     CheckpointError,
@@ -174,6 +175,8 @@ def run(
         with _locked(out) if writes else nullcontext():
             if writes or resume:
                 check_run_folder(out, resume=resume, overwrite=overwrite or not writes)
+            if config.runtime.allocator == "retain":
+                retain_freed_memory()  # the process's, for good (radbo.allocator)
             with torch_threads(config.runtime.threads):
                 return _run(
                     config, progress, output_dir, save, resume, backend_factory, tuple(overrides)
