@@ -465,7 +465,7 @@ class IndexParts(Sequence[Tensor]):
     (2, [3, 5], [1], [2, 1])
     """
 
-    __slots__ = ("offsets", "values")
+    __slots__ = ("_bounds", "offsets", "values")
 
     def __init__(self, values: Tensor, offsets: Tensor) -> None:
         if values.ndim != 1 or values.dtype != torch.int64:
@@ -489,6 +489,7 @@ class IndexParts(Sequence[Tensor]):
             )
         self.values = values
         self.offsets = offsets
+        self._bounds: list[int] | None = None  # offsets.tolist(), made on the first read
 
     @classmethod
     def pack(cls, parts: Iterable[Tensor]) -> IndexParts:
@@ -527,13 +528,15 @@ class IndexParts(Sequence[Tensor]):
         n = len(self)
         if isinstance(index, slice):
             return IndexParts.pack(self[i] for i in range(*index.indices(n)))
-        if not _is_int(index):
+        if type(index) is not int and not _is_int(index):  # the ABC test only off the fast path
             raise TypeError(f"IndexParts: an index must be an int or a slice, not {index!r}")
         i = int(index) + n if index < 0 else int(index)
         if not 0 <= i < n:
             raise IndexError(f"part {index} out of range for {n} parts")
-        start, stop = self.offsets[i : i + 2].tolist()
-        return self.values[start:stop].clone()
+        bounds = self._bounds
+        if bounds is None:  # the offsets as numbers, read once: a round reads one per client
+            bounds = self._bounds = self.offsets.tolist()
+        return self.values[bounds[i] : bounds[i + 1]].clone()
 
     def __iter__(self) -> Iterator[Tensor]:
         bounds = self.offsets.tolist()

@@ -267,6 +267,22 @@ def test_client_table_refuses_an_empty_outer_set() -> None:
         ClientTable(inner, outer)
 
 
+def test_index_parts_reads_each_part_as_a_copy_of_its_slice() -> None:
+    """Parts read by index (the offsets read as numbers once, on the first read) are copies
+    of their slices, for every index form, and never alias the packed values."""
+    raw = [torch.tensor([5, 6]), torch.tensor([], dtype=torch.int64), torch.tensor([7, 8, 9])]
+    parts = IndexParts.pack(raw)
+    for _ in range(2):  # the first read makes the bounds, the second uses them
+        assert [parts[i].tolist() for i in range(3)] == [[5, 6], [], [7, 8, 9]]
+    assert parts[-1].tolist() == [7, 8, 9] and parts[torch.tensor(0).item()].tolist() == [5, 6]
+    parts[2][0] = 0
+    assert parts[2].tolist() == [7, 8, 9]
+    with pytest.raises(IndexError, match="part 3 out of range for 3 parts"):
+        parts[3]
+    with pytest.raises(TypeError, match="an index must be an int or a slice"):
+        parts[1.0]  # type: ignore[call-overload]
+
+
 # -- shared budgets and the availability draw ---------------------------------------------------
 def test_budgets_are_computed_once_per_distinct_device() -> None:
     model = MLPConfig(hidden=[8]).build((4,), 2)
