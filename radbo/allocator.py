@@ -6,8 +6,8 @@ activations, gradients and CG vectors are tens of MB each at 1,000 clients. glib
 serves a block above its mmap threshold (adaptive, from 128 KiB up to 32 MiB) with a mapping of
 its own and unmaps it when it is freed, and it trims free memory off the top of its heap;
 the next block of that size is a new mapping whose pages the kernel must fault in and zero
-again. At 1,000 demo clients per round that was about 32,000 page faults and 73 ms of system
-time per round (BENCHMARKS.md, "Freed memory kept for reuse"). :func:`retain_freed_memory`
+again. At 1,000 batched demo clients per round that was about 25,000 page faults and 56 ms of
+system time per round (BENCHMARKS.md, "Freed memory kept for reuse"). :func:`retain_freed_memory`
 fixes the mmap threshold at 256 MiB and the trim threshold at 1 GiB (glibc's ``mallopt``), so
 such blocks come from the heap and stay mapped for the next round: the process's resident
 memory stays at its high-water mark instead of falling between rounds and rising again.

@@ -312,11 +312,12 @@ class RuntimeConfig(Section):
     ``allocator``: ``"retain"`` (the default) has :func:`radbo.run` ask glibc's malloc to keep
     freed memory for reuse (:func:`radbo.allocator.retain_freed_memory`): large tensors freed
     at the end of one round are not unmapped and faulted in again in the next, which at
-    1,000 demo clients per round took 32,000 page faults and 73 ms of system time a round
-    (``benchmarks/allocator.py``). The process's resident memory then stays at its
-    high-water mark. This is the process's setting and lasts after the run (glibc cannot
-    restore its adaptive thresholds); other C libraries are left as they are. ``"system"``
-    leaves the allocator alone. Results are the same either way.
+    1,000 batched demo clients per round took about 25,000 page faults and 56 ms of system
+    time a round (``benchmarks/host_settings.py --setting allocator``). The process's
+    resident memory then stays at its high-water mark. This is the process's setting and
+    lasts after the run (glibc cannot restore its adaptive thresholds); other C libraries
+    are left as they are. ``"system"`` leaves the allocator alone. Results are the same
+    either way.
     """
 
     backend: Annotated[str, BACKENDS] = Field(
