@@ -7,8 +7,9 @@ moment is promoted to an older generation, and once enough have been promoted, a
 collection walks every object the process tracks (several hundred thousand once torch is
 imported and a run is built), however little of it is garbage. At 1,000 RABO clients per
 round that took about a tenth of a round (BENCHMARKS.md, "the garbage collector paused and
-freed memory kept in a round"). radbo's rounds leave no garbage that only the collector can free: what a round drops
-is freed by reference counting when it drops it. So :meth:`radbo.simulation.Simulation.step`
+freed memory kept in a round"). radbo's rounds leave no garbage that only the collector can
+free: what a round drops is freed by reference counting when it drops it. So
+:meth:`radbo.simulation.Simulation.step`
 runs with the collector paused (``Simulation.pause_gc``, default on) and lets it run again at
 the end of the round, where its first young collection frees any cycle a client function did
 make. Nothing a round computes depends on when the collector runs.
