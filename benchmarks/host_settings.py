@@ -44,10 +44,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.bitwise_reference import tensors  # noqa: E402
 from benchmarks.gpu import Runner, demo_fleet  # noqa: E402
 from radbo.allocator import retain_freed_memory  # noqa: E402
 
@@ -72,26 +74,13 @@ class CollectorClock:
 
 
 def digest(state: Any) -> str:
-    """A SHA-256 of every tensor of an algorithm state (by field and name) and its other
-    fields' text: equal digests mean bitwise equal states."""
+    """A SHA-256 of every tensor of an algorithm state, by path
+    (:func:`benchmarks.bitwise_reference.tensors`): equal digests mean bitwise equal states."""
     h = hashlib.sha256()
-    for name, value in sorted(vars(state).items()):
-        h.update(name.encode())
-        items = sorted(value.items()) if isinstance(value, dict) else [("", value)]
-        for key, item in items:
-            h.update(str(key).encode())
-            if isinstance(item, torch.Tensor):
-                h.update(str((item.dtype, tuple(item.shape))).encode())
-                h.update(item.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            else:
-                h.update(repr(item).encode())
+    for path, tensor in sorted(tensors(state).items()):
+        h.update(f"{path} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        h.update(tensor.cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def resident_mb() -> float:
-    """This process's resident memory now (Linux ``/proc/self/statm``), in MB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def child(setting: str, side: str, clients: int, backend: str, rounds: int) -> dict[str, Any]:
@@ -111,7 +100,7 @@ def child(setting: str, side: str, clients: int, backend: str, rounds: int) -> d
     seconds = [runner.step() for _ in range(rounds)]
     after = resource.getrusage(resource.RUSAGE_SELF)
     gc.callbacks.remove(clock)
-    rss = resident_mb()
+    rss = psutil.Process().memory_info().rss / 2**20
     gc.collect()
     runner.step()
     left = gc.collect()

@@ -489,7 +489,7 @@ class IndexParts(Sequence[Tensor]):
             )
         self.values = values
         self.offsets = offsets
-        self._bounds: list[int] | None = None  # offsets.tolist(), made on the first read
+        self._bounds: list[int] | None = None  # offsets.tolist(), made on the first read (_numbers)
 
     @classmethod
     def pack(cls, parts: Iterable[Tensor]) -> IndexParts:
@@ -533,13 +533,17 @@ class IndexParts(Sequence[Tensor]):
         i = int(index) + n if index < 0 else int(index)
         if not 0 <= i < n:
             raise IndexError(f"part {index} out of range for {n} parts")
-        bounds = self._bounds
-        if bounds is None:  # the offsets as numbers, read once: a round reads one per client
-            bounds = self._bounds = self.offsets.tolist()
+        bounds = self._numbers()
         return self.values[bounds[i] : bounds[i + 1]].clone()
 
+    def _numbers(self) -> list[int]:
+        """The offsets as numbers, read once (a round reads one part per client)."""
+        if self._bounds is None:
+            self._bounds = self.offsets.tolist()
+        return self._bounds
+
     def __iter__(self) -> Iterator[Tensor]:
-        bounds = self.offsets.tolist()
+        bounds = self._numbers()
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
             yield self.values[start:stop].clone()
 
