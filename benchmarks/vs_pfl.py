@@ -285,7 +285,9 @@ def radbo_side(
 ) -> dict[str, Any]:
     """Build radbo's FedAvg run for ``backend`` (``[runtime] memory_format``:
     ``memory_format``) in this process, run ``rounds`` rounds of :meth:`Simulation.step` and
-    return the seconds of each and the median of rounds 1.."""
+    return the seconds of each and the median of rounds 1.. Freed memory is kept for reuse
+    first (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default."""
+    from radbo.allocator import retain_freed_memory
     from radbo.config import parse_config
     from radbo.experiment import build
 
@@ -294,6 +296,8 @@ def radbo_side(
     config = parse_config(
         radbo_config(data, backend, clients, per_round, rounds, device, workers, memory_format)
     )
+    if config.runtime.allocator == "retain":  # as radbo.run does (the default)
+        retain_freed_memory()
     exp = build(config)
     sim, state = exp.simulation, exp.initial_state
     cuda = device.startswith("cuda")

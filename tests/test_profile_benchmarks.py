@@ -81,3 +81,13 @@ def test_a_kept_heap_spares_a_fleet_its_page_faults():
     system, retain = (float(v) for v in cells[6].split(" / "))  # page faults per round
     equal = cells[-1]
     assert equal == "True" and retain < system / 3, out
+
+
+def test_the_screen_benchmark_checks_both_ways_verdicts():
+    """Both ways of summing (the update's own dtype and float64) must find every planted NaN
+    and pass the sound updates (the script exits otherwise); one row per update layout."""
+    out = run_script("benchmarks/screen_sums.py", "--clients", "2", "--repeats", "1")
+    rows = re.findall(
+        r"\n\| (one tensor per client|stacked cohort)[^|]*\| [\d.]+ \| [\d.]+ \|", out
+    )
+    assert rows == ["one tensor per client", "stacked cohort"], out

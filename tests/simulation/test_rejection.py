@@ -172,8 +172,9 @@ def test_screen_reads_every_update_of_a_phase_at_once():
     the whole phase are read in one go: no scalar read per tensor (on a GPU, one host
     synchronisation per phase). A float64 update whose sum overflows but whose entries are
     finite (1e308 + 1e308) is sound; a float64 one with an Inf is not. Sums are accumulated
-    in float64, so a float32 update's (3e38 + 3e38) does not overflow and needs no second
-    look."""
+    in the update's own dtype, so a float32 update's (3e38 + 3e38) overflows too: sound after
+    a second look, the one read it costs. A float16 update is summed in float32, so its
+    60000 + 60000 needs no second look."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from radbo.client import ClientResult
@@ -224,7 +225,21 @@ def test_screen_reads_every_update_of_a_phase_at_once():
     )
     with Reads():
         assert screen([big32], [KEEP], [False], [False], S).keep == [0]
-    assert reads == []
+    assert len(reads) == 1
+    reads.clear()
+    big16 = ClientResult(
+        client=2,
+        update={"w": torch.ones(2, 2), "b": torch.tensor([6e4] * 2, dtype=torch.float16)},
+        cost=None,
+    )
+    nan16 = ClientResult(
+        client=3,
+        update={"w": torch.ones(2, 2), "b": torch.tensor([6e4, float("nan")], dtype=torch.float16)},
+        cost=None,
+    )
+    with Reads():
+        assert screen([big16, nan16], [KEEP] * 2, [False] * 2, [False] * 2, S).keep == [0]
+    assert len(reads) == 1  # the NaN's second look only
     verdicts = [update_problem(u, KEEP, S) for u in updates[:5]]
     assert [v is None for v in verdicts] == [True, False, True, False, False]
 
