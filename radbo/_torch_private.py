@@ -29,6 +29,12 @@ The assumptions, one test each:
    ``FlopCounterMode``, which has rules for them.
 5. :func:`tree_flatten` -- the leaves of nested tuples, lists and dicts (an operator's
    arguments and keyword arguments, its outputs), in order, as its first return value.
+6. :func:`is_batchedtensor` -- inside ``torch.vmap``, ``True`` for a tensor that carries the
+   mapped dimension (an input mapped over, or a result computed from one) and ``False`` for one
+   that does not; ``False`` outside vmap. :func:`radbo.problem.cross_entropy` takes its
+   direct path only for such tensors (a stacked cohort's loss), where PyTorch runs its Python
+   decomposition of ``nll_loss_forward``, whose operations that path runs bitwise alike.
+   ``None`` where this PyTorch lacks the name: radbo then calls ``F.cross_entropy`` everywhere.
 """
 
 from __future__ import annotations
@@ -39,10 +45,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as current_d
 from torch.utils._python_dispatch import _pop_mode_temporarily as pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
+try:
+    from torch._C._functorch import is_batchedtensor
+except ImportError:  # pragma: no cover - every PyTorch radbo supports has it
+    is_batchedtensor = None  # type: ignore[assignment]
+
 __all__ = [
     "HigherOrderOperator",
     "TorchDispatchMode",
     "current_dispatch_mode",
+    "is_batchedtensor",
     "pop_mode_temporarily",
     "tree_flatten",
 ]

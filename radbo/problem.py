@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from radbo._torch_private import is_batchedtensor
 from radbo.typing import BilevelLoss, Params
 
 
@@ -35,6 +36,44 @@ PAD_INDEX = -1
 #: The target of a padded example: ``F.cross_entropy``'s default ``ignore_index``, so a mean
 #: cross-entropy over a padded minibatch is the mean over its real examples.
 PAD_TARGET = -100
+
+
+def _stacked(*tensors: Tensor) -> bool:
+    """Whether one of ``tensors`` carries a ``torch.vmap`` dimension (radbo._torch_private)."""
+    return is_batchedtensor is not None and any(is_batchedtensor(t) for t in tensors)
+
+
+def nll_loss(log_probs: Tensor, targets: Tensor, ignore_index: int = PAD_TARGET) -> Tensor:
+    """``F.nll_loss(log_probs, targets, ignore_index=ignore_index)``: the mean of
+    ``-log_probs[n, targets[n]]`` over the examples whose target is not ``ignore_index``
+    (``[N, C]`` log-probabilities, ``[N]`` integer targets).
+
+    Inside ``torch.vmap`` -- a stacked cohort's loss (:class:`radbo.client.Cohort`) --
+    PyTorch has no batching rule for ``nll_loss_forward`` with per-client targets and runs its
+    Python decomposition (``torch._decomp.decompositions.nll_loss_forward``) through two
+    wrappers at every call. This runs that decomposition's operations directly, in its order
+    (gather, negate, mask the ignored examples, sum, divide by their count): the same values,
+    gradients and second derivatives, bit for bit (``tests/test_losses.py``), without the
+    wrappers and repeated comparisons (BENCHMARKS.md, "Cross-entropy of a stacked cohort").
+    Elsewhere, and for other shapes, it is ``F.nll_loss``, whose kernel sums in its own
+    order."""
+    if log_probs.ndim != 2 or targets.ndim != 1 or not _stacked(log_probs, targets):
+        return torch.nn.functional.nll_loss(log_probs, targets, ignore_index=ignore_index)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, 0)
+    picked = -torch.gather(log_probs, 1, safe.unsqueeze(1)).squeeze(1)
+    picked = torch.where(valid, picked, 0)
+    return picked.sum() / valid.sum().to(picked)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = PAD_TARGET) -> Tensor:
+    """``F.cross_entropy(logits, targets, ignore_index=ignore_index)`` for ``[N, C]`` logits
+    and ``[N]`` integer class targets: :func:`nll_loss` of ``log_softmax(logits, 1)``, as
+    PyTorch composes it (bitwise the same inside ``torch.vmap``; ``F.cross_entropy`` itself
+    elsewhere)."""
+    if logits.ndim != 2 or targets.ndim != 1 or not _stacked(logits, targets):
+        return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index)
+    return nll_loss(torch.log_softmax(logits, 1), targets, ignore_index)
 
 
 @dataclass(frozen=True)

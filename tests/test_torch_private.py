@@ -12,6 +12,7 @@ from radbo._torch_private import (
     HigherOrderOperator,
     TorchDispatchMode,
     current_dispatch_mode,
+    is_batchedtensor,
     pop_mode_temporarily,
     tree_flatten,
 )
@@ -74,6 +75,20 @@ def test_5_tree_flatten_gives_the_leaves_of_an_operator_s_arguments_in_order() -
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     assert len(tensors) == 3 and all(t is u for t, u in zip(tensors, (a, b, c), strict=True))
     assert [x for x in leaves if not isinstance(x, torch.Tensor)] == [1.5, 0]
+
+
+def test_6_is_batchedtensor_marks_the_tensors_that_carry_a_vmap_dimension() -> None:
+    assert is_batchedtensor is not None
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def probe(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        made = torch.arange(3.0)  # from no mapped input
+        seen.append((is_batchedtensor(a), is_batchedtensor(a * 2 + made), is_batchedtensor(made)))
+        return a + b
+
+    torch.vmap(probe, in_dims=(0, None))(torch.ones(4, 3), torch.ones(3))
+    assert seen == [(True, True, False)]
+    assert not is_batchedtensor(torch.ones(2))
 
 
 def test_the_public_kernel_query_finds_composite_implicit_kernels() -> None:

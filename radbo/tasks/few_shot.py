@@ -65,6 +65,7 @@ from radbo.problem import (
     Batch,
     ClientData,
     calibrate_batchnorm,
+    cross_entropy,
     forward,
     l2_penalty,
     split_state,
@@ -99,7 +100,7 @@ def episode_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """
     classes = torch.arange(logits.shape[-1], device=logits.device)
     present = (targets.unsqueeze(-1) == classes).any(dim=0)
-    return F.cross_entropy(logits.masked_fill(~present, float("-inf")), targets)
+    return cross_entropy(logits.masked_fill(~present, float("-inf")), targets)
 
 
 def head_inputs(module: nn.Module, x: Params, y: Params, buffers: Params, inputs: Tensor) -> Tensor:
@@ -299,7 +300,7 @@ class FewShot(TaskConfig):
         # in slot order (EpisodeSampler with shuffle), so the slots are 0..N-1, each repeated
         per_class = targets.shape[-1] // self.ways
         slots = torch.arange(self.ways, device=logits.device).repeat_interleave(per_class)
-        return F.cross_entropy(logits, slots)
+        return cross_entropy(logits, slots)
 
     def inner_loss(
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
@@ -325,7 +326,7 @@ class FewShot(TaskConfig):
         split = self.ways * self.shots
         logits = prototype_logits(features[:split], features[split:], self.ways)
         slots = torch.arange(self.ways, device=logits.device).repeat_interleave(self.queries)
-        return F.cross_entropy(logits, slots)
+        return cross_entropy(logits, slots)
 
     def num_outputs(self, train: Any) -> int:
         return self.ways if self.head == "episode" else int(train.num_classes)

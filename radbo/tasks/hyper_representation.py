@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from radbo.problem import Batch, forward, l2_penalty
+from radbo.problem import Batch, cross_entropy, forward, l2_penalty
 from radbo.tasks.base import TASKS, InnerL2, TaskConfig
 from radbo.typing import Params
 
@@ -37,7 +36,7 @@ class HyperRepresentation(TaskConfig):
     name: Literal["hyper_representation"] = "hyper_representation"
     inner_l2: float = InnerL2(1e-2)
 
-    #: both losses are a mean ``F.cross_entropy`` over the batch plus batch-free terms, so a
+    #: both losses are a mean cross-entropy over the batch plus batch-free terms, so a
     #: padded example (target ``PAD_TARGET``) counts for nothing (radbo.client.pads_minibatches)
     pads_minibatches: ClassVar[bool] = True
 
@@ -52,7 +51,7 @@ class HyperRepresentation(TaskConfig):
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
         logits = forward(module, x, y, buffers, batch.inputs)
-        loss = F.cross_entropy(logits, batch.targets) + self.regularizer(module, x, y)
+        loss = cross_entropy(logits, batch.targets) + self.regularizer(module, x, y)
         if self.inner_l2:
             loss = loss + l2_penalty(y, self.inner_l2)
         return loss
@@ -60,4 +59,4 @@ class HyperRepresentation(TaskConfig):
     def outer_loss(
         self, module: nn.Module, x: Params, y: Params, buffers: Params, batch: Batch
     ) -> Tensor:
-        return F.cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)
+        return cross_entropy(forward(module, x, y, buffers, batch.inputs), batch.targets)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from radbo.problem import Batch, forward, l2_penalty
+from radbo.problem import Batch, forward, l2_penalty, nll_loss
 from radbo.tasks.base import TASKS, InnerL2, TaskConfig
 from radbo.typing import Params
 
@@ -56,7 +56,7 @@ def vs_cross_entropy(
     # each row scaled by its example's weight, then F.cross_entropy's own reduction (nll_loss
     # of log_softmax): at w = 1, l = 0, D = 1 every step is exact and the result is
     # bit-for-bit F.cross_entropy(logits, targets)
-    return F.nll_loss(log_probs * weight[targets].unsqueeze(1), targets)
+    return nll_loss(log_probs * weight[targets].unsqueeze(1), targets)
 
 
 def balanced_class_weights(labels: Tensor, num_classes: int) -> Tensor:
