@@ -19,7 +19,6 @@ client with a NaN planted in its largest tensor found).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -32,24 +31,12 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.vs_pfl import PflSimpleCNN  # noqa: E402
-from radbo.simulation.screening import _finite, _windows  # noqa: E402
+from radbo.simulation.screening import _finite  # noqa: E402
 
 
 def finite_float64(tensors: Sequence[Tensor]) -> list[bool]:
     """``_finite`` as it was before: every sum accumulated in float64."""
-    if not tensors:
-        return []
-    groups = _windows(tensors)
-    parts = []
-    for _, view in groups:
-        dims = tuple(range(1, view.ndim))
-        parts.append(view.sum(dim=dims, dtype=torch.float64) if dims else view.double())
-    sums = torch.cat(parts).tolist()
-    order = [i for members, _ in groups for i in members]
-    finite = [True] * len(tensors)
-    for i, v in zip(order, sums, strict=True):
-        finite[i] = math.isfinite(v) or bool(torch.isfinite(tensors[i]).all())
-    return finite
+    return _finite(tensors, accumulate=lambda _: torch.float64)
 
 
 def updates(clients: int, stacked: bool, seed: int = 0) -> list[Tensor]:

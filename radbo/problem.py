@@ -59,6 +59,11 @@ def nll_loss(log_probs: Tensor, targets: Tensor, ignore_index: int = PAD_TARGET)
     order."""
     if log_probs.ndim != 2 or targets.ndim != 1 or not _stacked(log_probs, targets):
         return torch.nn.functional.nll_loss(log_probs, targets, ignore_index=ignore_index)
+    return _stacked_nll_loss(log_probs, targets, ignore_index)
+
+
+def _stacked_nll_loss(log_probs: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    """:func:`nll_loss`'s path inside ``torch.vmap`` (its shapes and vmap already checked)."""
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
     picked = -torch.gather(log_probs, 1, safe.unsqueeze(1)).squeeze(1)
@@ -73,7 +78,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = PAD_TARGE
     elsewhere)."""
     if logits.ndim != 2 or targets.ndim != 1 or not _stacked(logits, targets):
         return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index)
-    return nll_loss(torch.log_softmax(logits, 1), targets, ignore_index)
+    return _stacked_nll_loss(torch.log_softmax(logits, 1), targets, ignore_index)
 
 
 @dataclass(frozen=True)

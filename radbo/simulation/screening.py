@@ -9,7 +9,7 @@ Participation.arrivals`), and is sound: not rejected by the backend and passing
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,16 @@ def update_problem(
     return None
 
 
-def _finite(tensors: Sequence[Tensor]) -> list[bool]:
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`_finite` sums a tensor of ``dtype`` in: its own for float32 and
+    float64, float32 for half precision."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _finite(
+    tensors: Sequence[Tensor],
+    accumulate: Callable[[torch.dtype], torch.dtype] = _accumulation,
+) -> list[bool]:
     """For each tensor, whether it holds no NaN or Inf: its sum is finite (a NaN or an Inf
     makes every sum NaN or infinite, in any order of additions), or else, the sum having
     overflowed, every element is. The sums are read at once (on a GPU, one host
@@ -81,14 +90,16 @@ def _finite(tensors: Sequence[Tensor]) -> list[bool]:
     dtype"). A float32 sum of finite entries overflows only past float32's largest value,
     3.4e38 (entries of 3.4e38 / numel on average, 2e32 for 1.6 M entries): such an update is
     looked at element by element, the one case that costs a second read. Half precision is
-    accumulated in float32 (a float16 sum overflows from 65504)."""
+    accumulated in float32 (a float16 sum overflows from 65504). ``accumulate`` maps a
+    tensor's dtype to its sum's (:func:`_accumulation`; ``benchmarks/screen_sums.py`` times
+    float64 against it)."""
     if not tensors:
         return []
     groups = _windows(tensors)
     parts = []
     for _, view in groups:
         dims = tuple(range(1, view.ndim))
-        wide = view.dtype if view.dtype in (torch.float32, torch.float64) else torch.float32
+        wide = accumulate(view.dtype)
         parts.append(view.sum(dim=dims, dtype=wide) if dims else view.to(wide))
     sums = torch.cat(parts).tolist()  # cat promotes a float32 and float64 mix to float64
     order = [i for members, _ in groups for i in members]
