@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from radbo.allocator import retain_freed_memory
 from radbo.client import ClientTask, ClientWork, stack_key
 from radbo.config import parse_config
 from radbo.experiment import Experiment, build
@@ -165,7 +166,15 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--system-allocator",
+        action="store_true",
+        help="leave the C library's allocator as it is (radbo run's allocator = 'system'); "
+        "by default freed memory is kept for reuse, as radbo run does",
+    )
     args = parser.parse_args()
+    if not args.system_allocator:
+        retain_freed_memory()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
     )

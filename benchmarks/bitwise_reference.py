@@ -13,8 +13,10 @@ final state's tensors.
     PYTHONPATH=. .venv/bin/python benchmarks/bitwise_reference.py --check /tmp/ref
 
 ``--check`` exits 1 unless every record, ledger row and tensor is bitwise the same
-(``torch.equal``, dtypes included); a run the reference has no record of (a case added since)
-is listed as new and not compared; ``--only SUBSTRING`` restricts the runs.
+(``torch.equal``, dtypes included); for a run that differs it names the parts (``rounds``,
+``ledger``, ``final``, ``totals``, ``baseline``) and how far its tensors moved. A run the
+reference has no record of (a case added since) is listed as new and not compared;
+``--only SUBSTRING`` restricts the runs.
 """
 
 from __future__ import annotations
@@ -103,6 +105,21 @@ def record(result: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return info, state
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |a|`` over a tensor (inf for other dtypes or shapes; 0 for equal
+    integer tensors): how far a differing tensor moved, for the report."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return float("inf")
+    if not a.is_floating_point():
+        return 0.0 if torch.equal(a, b) else float("inf")
+    scale = a.abs().max().item() if a.numel() else 0.0
+    return (a - b).abs().max().item() / scale if scale > 0 else float("inf")
+
+
 def canonical(info: dict[str, Any]) -> str:
     return json.dumps(info, sort_keys=True, indent=1, default=repr)
 
@@ -132,15 +149,23 @@ def main() -> int:
             verdict = "new: no reference"  # a case added after the reference was recorded
         else:
             problems = []
-            if (folder / f"{name}.json").read_text() != text:
-                problems.append("records/ledger differ")
+            saved, now = json.loads((folder / f"{name}.json").read_text()), json.loads(text)
+            problems += [
+                f"{k} differ"
+                for k in sorted(saved.keys() | now.keys())
+                if saved.get(k) != now.get(k)
+            ]
             ref = load_file(str(folder / f"{name}.safetensors"))
             if ref.keys() != state.keys():
                 problems.append(f"state keys differ: {sorted(ref.keys() ^ state.keys())}")
             else:
-                for k, t in ref.items():
-                    if t.dtype != state[k].dtype or not torch.equal(t, state[k]):
-                        problems.append(f"tensor {k} differs")
+                apart = [(k, t, state[k]) for k, t in ref.items() if not same(t, state[k])]
+                if apart:
+                    worst = max(relative_difference(t, u) for _, t, u in apart)
+                    problems.append(
+                        f"{len(apart)} of {len(ref)} tensors differ (max relative {worst:.1e})"
+                    )
+                    problems += [f"tensor {k} differs" for k, _, _ in apart]
             verdict = "equal" if not problems else "DIFFERENT: " + "; ".join(problems[:5])
             if problems:
                 failures.append(name)

@@ -11,9 +11,18 @@ clients with a batch of ``--batch`` each:
 * ``vmap``: ``torch.func.vmap(torch.func.grad(...))`` over the clients (the batched backend);
 * ``grouped``: the grouped convolution the vmap becomes, written out (``groups = clients``,
   contiguous NCHW), to tell vmap's own overhead from the kernel's;
-* ``grouped_cl``: the same in channels-last memory layout.
+* ``grouped_cl``: the same in channels-last memory layout;
+* ``stacked_plain``: each client's own plain convolution (the loop's kernels), the outputs
+  stacked into one ``[clients, batch, ...]`` tensor and the rest of the loss taken on that, as
+  the batched backend takes every other operation: what stacking costs besides the grouped
+  kernel (the stacked activations' trips through memory: ``clients`` times one client's
+  activations, which stop fitting in the cache where one client's do).
 
-The sides alternate, ``--repeats`` times; medians in ms. Run with one thread:
+The sides alternate, ``--repeats`` times; medians in ms. Freed memory is kept for reuse
+(:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default, so that no
+side pays the kernel's page faults for its large blocks; ``--system-allocator`` leaves glibc
+as it is (the stacked sides' tens-of-MB blocks are then unmapped when freed and faulted in
+again at every call). Run with one thread:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vmap_conv.py
 """
@@ -29,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.func import grad, vmap
+
+from radbo.allocator import retain_freed_memory
 
 #: name -> (in channels, out channels, kernel, image size)
 LAYERS: dict[str, tuple[int, int, int, int]] = {
@@ -64,11 +75,20 @@ def sides(clients: int, batch: int, c: int, o: int, k: int, size: int) -> dict[s
         out = F.conv2d(x, w, groups=clients).square().mean()
         return torch.autograd.grad(out, (w, x))
 
+    wp = ws.clone().requires_grad_(True)
+    xp = xs.clone().requires_grad_(True)
+
+    def stacked_plain() -> object:
+        out = torch.stack([F.conv2d(xp[i], wp[i]) for i in range(clients)])
+        per_client = out.square().mean(dim=(1, 2, 3, 4))  # each client's loss, as vmap has it
+        return torch.autograd.grad(per_client.sum(), (wp, xp))
+
     return {
         "loop": loop,
         "vmap": stacked,
         "grouped": grouped,
         "grouped_cl": lambda: grouped(xcl, wcl),
+        "stacked_plain": stacked_plain,
     }
 
 
@@ -77,15 +97,19 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50])
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--system-allocator", action="store_true", help="leave glibc as it is")
     args = parser.parse_args()
+    if not args.system_allocator:
+        retain_freed_memory()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
     )
     print()
     print(
-        "| layer | clients | loop (ms) | vmap (ms) | grouped (ms) | grouped, channels-last (ms) |"
+        "| layer | clients | loop (ms) | vmap (ms) | grouped (ms) | grouped, channels-last (ms) "
+        "| stacked, plain kernels (ms) |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, shape in LAYERS.items():
         for n in args.clients:
             runs = sides(n, args.batch, *shape)
@@ -100,7 +124,7 @@ def main() -> None:
             ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             print(
                 f"| {name} | {n} | {ms['loop']:.1f} | {ms['vmap']:.1f} | {ms['grouped']:.1f} "
-                f"| {ms['grouped_cl']:.1f} |",
+                f"| {ms['grouped_cl']:.1f} | {ms['stacked_plain']:.1f} |",
                 flush=True,
             )
 

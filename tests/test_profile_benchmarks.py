@@ -91,3 +91,14 @@ def test_the_screen_benchmark_checks_both_ways_verdicts():
         r"\n\| (one tensor per client|stacked cohort)[^|]*\| [\d.]+ \| [\d.]+ \|", out
     )
     assert rows == ["one tensor per client", "stacked cohort"], out
+
+
+def test_the_stacked_linear_benchmark_checks_its_gradients():
+    """The script exits non-zero unless _StackedLinear's weight gradient is contiguous and
+    equals F.linear's (float64); one row per layer, F.linear's stacked gradient strided."""
+    out = run_script(
+        "benchmarks/stacked_linear.py",
+        "--clients", "2", "--repeats", "1", "--layers", "demo mlp head (32 -> 10)",
+    )  # fmt: skip
+    row = re.search(r"\n\| demo mlp head \(32 -> 10\) \| 2 \| (\w+) \|.*\| (\w+) \|.*x \|", out)
+    assert row and row.groups() == ("strided", "contiguous"), out

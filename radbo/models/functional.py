@@ -5,7 +5,11 @@ module, calling it and swapping them back: a Python ``setattr`` per tensor, twic
 module-call machinery, on every loss evaluation. The functions here compute each layer of the
 zoo straight from a state dict (keyed like ``state_dict``) with the ``torch.nn.functional`` op
 and arguments that the layer's own ``forward`` uses, in the same order, so the result, its
-gradients and its higher-order products are bitwise those of ``functional_call``. Shapes come
+gradients and its higher-order products are bitwise those of ``functional_call``. One
+exception, by design: inside ``torch.vmap`` with a weight per client (a stacked cohort), a
+linear layer's weight gradient is computed as the one-client backward computes it, which
+keeps it contiguous (:class:`_StackedLinear`); it equals ``functional_call``'s to rounding,
+and everything else stays bitwise. Shapes come
 from the tensors, never from the module, so a pruned submodel skeleton of the same class (even
 one on the ``meta`` device) computes with the submodel's shapes; the module supplies only its
 hyperparameters (stride, padding, eps, momentum) and its mode (``training``).
@@ -23,10 +27,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
+
+from radbo._torch_private import is_batchedtensor
 
 __all__ = ["apply_layer", "has_functional_form", "layer_rule"]
 
@@ -96,9 +104,49 @@ def _sequential(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: T
     return x
 
 
+class _StackedLinear(torch.autograd.Function):
+    """``F.linear(x, weight)`` whose weight gradient keeps the weight's memory layout under
+    ``torch.vmap`` (a stacked cohort: one weight per client).
+
+    Written by hand because PyTorch's two backward formulas differ: for one client, ``mm``'s
+    backward returns the gradient of ``weight.t()`` in the weight's own (row-major) layout,
+    but for a stack of clients ``bmm``'s backward computes ``x^T @ grad`` and returns its
+    transpose, a strided view. Every elementwise operation between such a gradient and the
+    contiguous parameters (a local step's ``p - lr * g``, a running sum of gradients) then
+    reads one of them with a stride: 8x slower on the 1.6 M-weight layer of pfl-research's
+    CIFAR-10 CNN, a third of a batched round (BENCHMARKS.md, "The weight gradient of a stacked
+    linear layer"). Here the weight gradient is ``grad^T @ x``, the product the one-client
+    backward computes, contiguous; the output and the input gradient are the very operations
+    of ``F.linear`` under vmap (``tests/models/test_functional.py``). Double backward works:
+    the backward is made of differentiable operations."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(x, weight)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # every leading dim of x is a row, as F.linear has it
+            grad_weight = grad.reshape(-1, grad.shape[-1]).mT @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_weight
+
+
 @layer_rule(nn.Linear)
 def _linear(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
-    return F.linear(x, state[prefix + "weight"], _bias(layer, prefix, state))
+    weight, bias = state[prefix + "weight"], _bias(layer, prefix, state)
+    if is_batchedtensor is not None and is_batchedtensor(weight):  # a stacked cohort's
+        out = _StackedLinear.apply(x, weight)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
 
 
 @layer_rule(nn.Conv2d)
