@@ -8,9 +8,13 @@ its own and unmaps it when it is freed, and it trims free memory off the top of 
 the next block of that size is a new mapping whose pages the kernel must fault in and zero
 again. At 1,000 batched demo clients per round that was about 25,000 page faults and 56 ms of
 system time per round (BENCHMARKS.md, "Freed memory kept for reuse"). :func:`retain_freed_memory`
-fixes the mmap threshold at 256 MiB and the trim threshold at 1 GiB (glibc's ``mallopt``), so
-such blocks come from the heap and stay mapped for the next round: the process's resident
-memory stays at its high-water mark instead of falling between rounds and rising again.
+fixes the mmap threshold and the trim threshold at 1 GiB (glibc's ``mallopt``), so such blocks
+come from the heap and stay mapped for the next round: the process's resident memory stays at
+its high-water mark instead of falling between rounds and rising again. The mmap threshold is
+that high because a stacked cohort's tensors grow with its clients: 50 clients of
+pfl-research's CIFAR-10 CNN stack 321 MB per copy of its 1.6 M-weight layer, and with a
+256 MiB threshold those blocks alone cost about 600,000 page faults and 1.2 s of system time
+per 5.4 s round (BENCHMARKS.md, "The weight gradient of a stacked linear layer").
 
 The setting is the process's, and one way: glibc has no call that gives back its adaptive
 thresholds, so :func:`radbo.run` applies it for the rest of the process (worker processes
@@ -31,7 +35,7 @@ from typing import Any
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "retain_freed_memory", "retained"]
 
 #: blocks below this many bytes come from the heap (``M_MMAP_THRESHOLD``)
-MMAP_THRESHOLD = 256 << 20
+MMAP_THRESHOLD = 1 << 30
 #: free memory at the top of the heap up to this many bytes stays mapped (``M_TRIM_THRESHOLD``)
 TRIM_THRESHOLD = 1 << 30
 

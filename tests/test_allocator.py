@@ -53,7 +53,7 @@ def test_an_older_glibc_gets_its_largest_mmap_threshold(fresh_state):
     libc = OlderGlibc(cap=0)
     fresh_state.setattr(allocator, "_glibc", lambda: libc)
     assert allocator.retain_freed_memory()
-    assert libc.calls == [(-3, 256 << 20), (-3, 32 << 20), (-1, allocator.TRIM_THRESHOLD)]
+    assert libc.calls == [(-3, 1 << 30), (-3, 32 << 20), (-1, allocator.TRIM_THRESHOLD)]
 
 
 def test_a_refused_mmap_threshold_changes_nothing_else(fresh_state):
