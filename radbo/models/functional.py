@@ -7,12 +7,14 @@ zoo straight from a state dict (keyed like ``state_dict``) with the ``torch.nn.f
 and arguments that the layer's own ``forward`` uses, in the same order, so the result, its
 gradients and its higher-order products are bitwise those of ``functional_call``. One
 exception, by design: inside ``torch.vmap`` with a weight per client (a stacked cohort), a
-linear layer's weight gradient is computed as the one-client backward computes it, which
-keeps it contiguous (:class:`_StackedLinear`); it equals ``functional_call``'s to rounding,
-and everything else stays bitwise. Shapes come
-from the tensors, never from the module, so a pruned submodel skeleton of the same class (even
-one on the ``meta`` device) computes with the submodel's shapes; the module supplies only its
-hyperparameters (stride, padding, eps, momentum) and its mode (``training``).
+linear layer of at least :data:`STACKED_LINEAR_MIN_WEIGHTS` weights computes its weight
+gradient as the one-client backward does, which keeps it contiguous (:class:`_StackedLinear`);
+that gradient equals ``functional_call``'s to rounding, and everything else stays bitwise.
+
+Shapes come from the tensors, never from the module, so a pruned submodel skeleton of the
+same class (even one on the ``meta`` device) computes with the submodel's shapes; the module
+supplies only its hyperparameters (stride, padding, eps, momentum) and its mode
+(``training``).
 
 BatchNorm updates the running statistics of ``state`` in place, exactly as
 ``nn.BatchNorm2d.forward`` does under ``functional_call`` (``num_batches_tracked`` incremented,
@@ -36,7 +38,7 @@ from torch.nn.modules import module as _module
 
 from radbo._torch_private import is_batchedtensor
 
-__all__ = ["apply_layer", "has_functional_form", "layer_rule"]
+__all__ = ["STACKED_LINEAR_MIN_WEIGHTS", "apply_layer", "has_functional_form", "layer_rule"]
 
 #: ``rule(layer, prefix, state, inputs)``: the layer's output on ``inputs`` with its tensors
 #: read from ``state`` under ``prefix`` (e.g. ``"body.0."``).
@@ -113,12 +115,15 @@ class _StackedLinear(torch.autograd.Function):
     but for a stack of clients ``bmm``'s backward computes ``x^T @ grad`` and returns its
     transpose, a strided view. Every elementwise operation between such a gradient and the
     contiguous parameters (a local step's ``p - lr * g``, a running sum of gradients) then
-    reads one of them with a stride: 8x slower on the 1.6 M-weight layer of pfl-research's
-    CIFAR-10 CNN, a third of a batched round (BENCHMARKS.md, "The weight gradient of a stacked
-    linear layer"). Here the weight gradient is ``grad^T @ x``, the product the one-client
-    backward computes, contiguous; the output and the input gradient are the very operations
-    of ``F.linear`` under vmap (``tests/models/test_functional.py``). Double backward works:
-    the backward is made of differentiable operations."""
+    reads one of them with a stride: a local step's update was 7x slower on the 1.6 M-weight
+    layer of pfl-research's CIFAR-10 CNN (``benchmarks/stacked_linear.py``; BENCHMARKS.md,
+    "The weight gradient of a stacked linear layer"). Here the weight gradient is
+    ``grad^T @ x``, the product the one-client backward computes, contiguous; the output and
+    the input gradient are the very operations of ``F.linear`` under vmap
+    (``tests/models/test_stacked_linear.py``). Double backward works: the backward is made of
+    differentiable operations. Under vmap a custom function costs about 0.9 ms more per
+    forward and backward than ``F.linear`` (PyTorch vmaps it in Python), so :func:`_linear`
+    takes it only for layers of at least :data:`STACKED_LINEAR_MIN_WEIGHTS` weights."""
 
     generate_vmap_rule = True
 
@@ -140,10 +145,22 @@ class _StackedLinear(torch.autograd.Function):
         return grad_x, grad_weight
 
 
+#: A stacked cohort's linear layers with at least this many weights per client (``out * in``)
+#: return contiguous weight gradients (:class:`_StackedLinear`); smaller ones run ``F.linear``,
+#: whose strided gradient costs less there than the custom function's overhead. The crossover
+#: measured between 16,384 weights (stacked 0.6x at 10 clients, 1.0x at 50) and 65,536 (1.1x
+#: and 1.8x) per client (``benchmarks/stacked_linear.py``, BENCHMARKS.md).
+STACKED_LINEAR_MIN_WEIGHTS = 1 << 16
+
+
 @layer_rule(nn.Linear)
 def _linear(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
     weight, bias = state[prefix + "weight"], _bias(layer, prefix, state)
-    if is_batchedtensor is not None and is_batchedtensor(weight):  # a stacked cohort's
+    if (
+        is_batchedtensor is not None
+        and is_batchedtensor(weight)  # a stacked cohort's (numel: one client's)
+        and weight.numel() >= STACKED_LINEAR_MIN_WEIGHTS
+    ):
         out = _StackedLinear.apply(x, weight)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)

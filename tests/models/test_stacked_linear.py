@@ -1,7 +1,9 @@
 """A stacked cohort's linear layer (``radbo.models.functional._StackedLinear``): under
 ``torch.vmap`` the output and the input gradient are ``F.linear``'s own operations (bitwise),
 the weight gradient is the one-client backward's product ``grad^T @ x``, contiguous, and
-second derivatives flow through it.
+second derivatives flow through it. The layer rule takes it for stacked weights of at least
+``STACKED_LINEAR_MIN_WEIGHTS`` per client; with every layer taking it, the zoo's functional
+forms agree with ``functional_call`` to rounding, and whole batched runs too.
 
 The weight-gradient comparisons are in float64: the two sides sum the same products per element
 in orders the kernels pick, so they agree to a few ulps of the sums' size (``n`` products per
@@ -14,7 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from radbo.models.functional import _StackedLinear, apply_layer
+import radbo
+from radbo.models import MLP
+from radbo.models import functional as functional_module
+from radbo.models.functional import STACKED_LINEAR_MIN_WEIGHTS, _StackedLinear, apply_layer
+from radbo.problem import forward, module_calls_only
+from tests.configs import small_config
 
 SHAPES = {  # clients, leading dims of x, in, out
     "rows": (3, (5,), 6, 4),
@@ -93,9 +100,9 @@ def test_inputs_without_gradient_and_shared_inputs() -> None:
     torch.testing.assert_close(gw, rw, rtol=1e-12, atol=0.0)
 
 
-def test_the_layer_rule_takes_it_only_for_stacked_weights(monkeypatch) -> None:
-    """Outside vmap, and inside it with one weight for all clients, the rule is ``F.linear``
-    (bitwise); with a weight per client it is the stacked layer."""
+def test_the_layer_rule_takes_it_for_large_stacked_weights_only(monkeypatch) -> None:
+    """Outside vmap, inside it with one weight for all clients, and for a stacked weight below
+    the threshold, the rule is ``F.linear`` (bitwise); at the threshold, the stacked layer."""
     calls = [0]
     original = _StackedLinear.apply
 
@@ -104,6 +111,7 @@ def test_the_layer_rule_takes_it_only_for_stacked_weights(monkeypatch) -> None:
         return original(*args)
 
     monkeypatch.setattr(_StackedLinear, "apply", counted)
+    assert STACKED_LINEAR_MIN_WEIGHTS == 1 << 16
     layer = nn.Linear(6, 4).double()
     state = {"weight": layer.weight.detach().clone().requires_grad_(True), "bias": layer.bias}
     inputs = torch.randn(5, 6, dtype=torch.float64)
@@ -111,10 +119,87 @@ def test_the_layer_rule_takes_it_only_for_stacked_weights(monkeypatch) -> None:
     batch = torch.randn(3, 5, 6, dtype=torch.float64)
     out = torch.vmap(lambda i: apply_layer(layer, "", state, i))(batch)
     assert torch.equal(out, torch.vmap(lambda i: F.linear(i, *state.values()))(batch))
-    assert calls == [0]
     stacked_state = {
         k: torch.stack([v.detach()] * 3).requires_grad_(True) for k, v in state.items()
     }
-    out = torch.vmap(lambda s, i: apply_layer(layer, "", s, i))(stacked_state, batch)
-    (gw,) = torch.autograd.grad(out.sum(), stacked_state["weight"])
-    assert calls == [1] and gw.is_contiguous()
+
+    def stacked_gradient() -> Tensor:
+        out = torch.vmap(lambda s, i: apply_layer(layer, "", s, i))(stacked_state, batch)
+        (gw,) = torch.autograd.grad(out.sum(), stacked_state["weight"])
+        return gw
+
+    assert calls == [0] and not stacked_gradient().is_contiguous()  # 24 weights: F.linear's
+    monkeypatch.setattr(functional_module, "STACKED_LINEAR_MIN_WEIGHTS", 24)
+    assert stacked_gradient().is_contiguous() and calls == [1]
+
+
+def test_functional_forms_agree_with_functional_call_when_every_layer_is_stacked(
+    monkeypatch,
+) -> None:
+    """An MLP under vmap with the threshold at 1 weight: losses and biases' gradients bitwise
+    functional_call's; the weights' gradients (contiguous, functional_call's strided) to
+    float64 rounding."""
+    monkeypatch.setattr(functional_module, "STACKED_LINEAR_MIN_WEIGHTS", 1)
+    torch.manual_seed(0)
+    clients = [MLP(8, [6], 3).double().state_dict() for _ in range(3)]
+    model = MLP(8, [6], 3).double()
+    stacked = {k: torch.stack([c[k] for c in clients]).requires_grad_(True) for k in clients[0]}
+    inputs = torch.randn(3, 4, 8, dtype=torch.float64)
+    x = {k: v for k, v in stacked.items() if not k.startswith("head")}
+    y = {k: v for k, v in stacked.items() if k.startswith("head")}
+
+    def run() -> tuple[Tensor, ...]:
+        def one(x_: dict, y_: dict, inp: Tensor) -> Tensor:
+            return forward(model, x_, y_, {}, inp).tanh().square().sum()
+
+        losses = torch.vmap(one)(x, y, inputs)
+        return (losses, *torch.autograd.grad(losses.sum(), list(stacked.values())))
+
+    fast = run()
+    with module_calls_only():
+        slow = run()
+    assert torch.equal(fast[0], slow[0])
+    for name, f, s in zip(stacked, fast[1:], slow[1:], strict=True):
+        if name.endswith("bias"):
+            assert torch.equal(f, s), name
+        else:
+            assert f.is_contiguous() and not s.is_contiguous(), name
+            torch.testing.assert_close(f, s, rtol=1e-12, atol=0.0, msg=name)
+
+
+def test_a_batched_run_with_every_layer_stacked_matches_to_rounding(monkeypatch) -> None:
+    """The demo config, batched, float64, 2 rounds: every linear layer stacked against none
+    (the threshold above every layer) -- states and metrics to 1e-9 relative, ledgers equal."""
+    config = small_config(
+        rounds=2, eval_every=1, runtime={"backend": "batched", "dtype": "float64"}
+    )
+    plain = radbo.run(config, progress=False, save=False)
+    monkeypatch.setattr(functional_module, "STACKED_LINEAR_MIN_WEIGHTS", 1)
+    calls = [0]
+    original = _StackedLinear.apply
+
+    def counted(*args: Tensor) -> Tensor:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(_StackedLinear, "apply", counted)
+    stacked = radbo.run(config, progress=False, save=False)
+    assert calls[0] > 0
+    assert stacked.ledger == plain.ledger
+    for a, b in zip(stacked.rounds, plain.rounds, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            if "wall" in k:
+                continue
+            if isinstance(a[k], float):
+                assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12, nan_ok=True), k
+            else:
+                assert a[k] == b[k], k
+    for name in stacked.state.x:
+        torch.testing.assert_close(
+            stacked.state.x[name], plain.state.x[name], rtol=1e-9, atol=1e-12
+        )
+    for name in stacked.state.y:
+        torch.testing.assert_close(
+            stacked.state.y[name], plain.state.y[name], rtol=1e-9, atol=1e-12
+        )
