@@ -12,9 +12,10 @@ fixes the mmap threshold and the trim threshold at 1 GiB (glibc's ``mallopt``), 
 come from the heap and stay mapped for the next round: the process's resident memory stays at
 its high-water mark instead of falling between rounds and rising again. The mmap threshold is
 that high because a stacked cohort's tensors grow with its clients: 50 clients of
-pfl-research's CIFAR-10 CNN stack 321 MB per copy of its 1.6 M-weight layer, and with a
-256 MiB threshold those blocks alone cost about 600,000 page faults and 1.2 s of system time
-per 5.4 s round (BENCHMARKS.md, "The weight gradient of a stacked linear layer").
+pfl-research's CIFAR-10 CNN stack 321 MB per copy of its 1.6 M-weight layer, which a 256 MiB
+threshold mapped afresh at each use; batched 50-client rounds of that CNN took 0.82-0.88x
+the sequential backend's speed with it and 0.91-1.03x with 1 GiB (BENCHMARKS.md, "The weight
+gradient of a stacked linear layer").
 
 The setting is the process's, and one way: glibc has no call that gives back its adaptive
 thresholds, so :func:`radbo.run` applies it for the rest of the process (worker processes

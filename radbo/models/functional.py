@@ -147,9 +147,10 @@ class _StackedLinear(torch.autograd.Function):
 
 #: A stacked cohort's linear layers with at least this many weights per client (``out * in``)
 #: return contiguous weight gradients (:class:`_StackedLinear`); smaller ones run ``F.linear``,
-#: whose strided gradient costs less there than the custom function's overhead. The crossover
-#: measured between 16,384 weights (stacked 0.6x at 10 clients, 1.0x at 50) and 65,536 (1.1x
-#: and 1.8x) per client (``benchmarks/stacked_linear.py``, BENCHMARKS.md).
+#: whose strided gradient costs less there than the custom function's overhead. Backward and
+#: update together, the crossover lies between 16,384 weights per client (the custom function
+#: at 0.55x at 10 clients, 0.96x at 50) and 65,536 (1.26x and 1.78x)
+#: (``benchmarks/stacked_linear.py``, BENCHMARKS.md).
 STACKED_LINEAR_MIN_WEIGHTS = 1 << 16
 
 
