@@ -7,7 +7,10 @@ forms agree with ``functional_call`` to rounding, and whole batched runs too.
 
 The weight-gradient comparisons are in float64: the two sides sum the same products per element
 in orders the kernels pick, so they agree to a few ulps of the sums' size (``n`` products per
-element; 1e-12 relative is over 4,000 ulps of margin for the ``n <= 12`` used here)."""
+element; 1e-12 relative is over 4,000 ulps of margin for the ``n <= 12`` used here). The
+bitwise claims hold on any CPU because both sides dispatch the same aten operations on the
+same tensors (under vmap ``F.linear`` with a bias is ``mm`` then ``add``, as here); the module
+is marked ``float_sensitive`` so that CI checks them under every kernel the machine offers."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from radbo.models import functional as functional_module
 from radbo.models.functional import STACKED_LINEAR_MIN_WEIGHTS, _StackedLinear, apply_layer
 from radbo.problem import forward, module_calls_only
 from tests.configs import small_config
+
+pytestmark = pytest.mark.float_sensitive
 
 SHAPES = {  # clients, leading dims of x, in, out
     "rows": (3, (5,), 6, 4),
