@@ -208,3 +208,23 @@ def test_a_batched_run_with_every_layer_stacked_matches_to_rounding(monkeypatch)
         torch.testing.assert_close(
             stacked.state.y[name], plain.state.y[name], rtol=1e-9, atol=1e-12
         )
+
+
+def test_nested_vmap_over_points_of_a_stacked_cohort() -> None:
+    """Finite differences evaluate a cohort's loss at several points at once
+    (``radbo.problem.at_points``: a vmap over points around the cohort's vmap): the same values
+    as ``F.linear``, and gradients to rounding."""
+    x, w, b, _ = stacked(3, (5,), 6, 4, torch.float64)
+    points = torch.stack([w.detach() + 0.1 * s for s in range(2)]).requires_grad_(True)
+
+    def losses(linear) -> tuple[Tensor, Tensor]:
+        def cohort(w_: Tensor) -> Tensor:
+            return torch.vmap(lambda x_, w1, b_: linear(x_, w1, b_).tanh().sum())(x, w_, b)
+
+        out = torch.vmap(cohort)(points)  # [points, clients]
+        (grad,) = torch.autograd.grad(out.sum(), points)
+        return out, grad
+
+    (out, grad), (ref, ref_grad) = losses(ours), losses(F.linear)
+    assert out.shape == (2, 3) and torch.equal(out, ref)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
