@@ -105,17 +105,23 @@ def test_inputs_without_gradient_and_shared_inputs() -> None:
     torch.testing.assert_close(gw, rw, rtol=1e-12, atol=0.0)
 
 
-def test_the_layer_rule_takes_it_for_large_stacked_weights_only(monkeypatch) -> None:
-    """Outside vmap, inside it with one weight for all clients, and for a stacked weight below
-    the threshold, the rule is ``F.linear`` (bitwise); at the threshold, the stacked layer."""
-    calls = [0]
+@pytest.fixture
+def calls(monkeypatch) -> list[int]:
+    """How many times the layer rule took ``_StackedLinear`` (a spy on ``apply``)."""
+    count = [0]
     original = _StackedLinear.apply
 
     def counted(*args: Tensor) -> Tensor:
-        calls[0] += 1
+        count[0] += 1
         return original(*args)
 
     monkeypatch.setattr(_StackedLinear, "apply", counted)
+    return count
+
+
+def test_the_layer_rule_takes_it_for_large_stacked_weights_only(monkeypatch, calls) -> None:
+    """Outside vmap, inside it with one weight for all clients, and for a stacked weight below
+    the threshold, the rule is ``F.linear`` (bitwise); at the threshold, the stacked layer."""
     assert STACKED_LINEAR_MIN_WEIGHTS == 1 << 16
     layer = nn.Linear(6, 4).double()
     state = {"weight": layer.weight.detach().clone().requires_grad_(True), "bias": layer.bias}
@@ -172,22 +178,15 @@ def test_functional_forms_agree_with_functional_call_when_every_layer_is_stacked
             torch.testing.assert_close(f, s, rtol=1e-12, atol=0.0, msg=name)
 
 
-def test_a_batched_run_with_every_layer_stacked_matches_to_rounding(monkeypatch) -> None:
+def test_a_batched_run_with_every_layer_stacked_matches_to_rounding(monkeypatch, calls) -> None:
     """The demo config, batched, float64, 2 rounds: every linear layer stacked against none
     (the threshold above every layer) -- states and metrics to 1e-9 relative, ledgers equal."""
     config = small_config(
         rounds=2, eval_every=1, runtime={"backend": "batched", "dtype": "float64"}
     )
     plain = radbo.run(config, progress=False, save=False)
+    assert calls == [0]  # the demo MLP's layers are below the threshold
     monkeypatch.setattr(functional_module, "STACKED_LINEAR_MIN_WEIGHTS", 1)
-    calls = [0]
-    original = _StackedLinear.apply
-
-    def counted(*args: Tensor) -> Tensor:
-        calls[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(_StackedLinear, "apply", counted)
     stacked = radbo.run(config, progress=False, save=False)
     assert calls[0] > 0
     assert stacked.ledger == plain.ledger
