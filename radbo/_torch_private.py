@@ -31,14 +31,17 @@ The assumptions, one test each:
    arguments and keyword arguments, its outputs), in order, as its first return value.
 6. :func:`is_batchedtensor` -- inside ``torch.vmap``, ``True`` for a tensor that carries the
    mapped dimension (an input mapped over, or a result computed from one) and ``False`` for one
-   that does not; ``False`` outside vmap. :func:`radbo.problem.cross_entropy` takes its
-   direct path only for such tensors (a stacked cohort's loss), where PyTorch runs its Python
-   decomposition of ``nll_loss_forward``, whose operations that path runs bitwise alike.
-   ``None`` where this PyTorch lacks the name: radbo then calls ``F.cross_entropy`` everywhere.
+   that does not; ``False`` outside vmap. radbo asks it through :func:`carries_vmap_dim`:
+   :func:`radbo.problem.cross_entropy` takes its direct path only for such tensors (a stacked
+   cohort's loss), where PyTorch runs its Python decomposition of ``nll_loss_forward``, whose
+   operations that path runs bitwise alike, and a stacked cohort's large linear layers take
+   ``radbo.models.functional._StackedLinear``. ``None`` where this PyTorch lacks the name:
+   radbo then calls ``F.cross_entropy`` and ``F.linear`` everywhere.
 """
 
 from __future__ import annotations
 
+from torch import Tensor
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode
@@ -53,8 +56,15 @@ except ImportError:  # pragma: no cover - every PyTorch radbo supports has it
 __all__ = [
     "HigherOrderOperator",
     "TorchDispatchMode",
+    "carries_vmap_dim",
     "current_dispatch_mode",
     "is_batchedtensor",
     "pop_mode_temporarily",
     "tree_flatten",
 ]
+
+
+def carries_vmap_dim(*tensors: Tensor) -> bool:
+    """Whether one of ``tensors`` carries a ``torch.vmap`` dimension (:func:`is_batchedtensor`);
+    ``False`` where this PyTorch lacks the name."""
+    return is_batchedtensor is not None and any(is_batchedtensor(t) for t in tensors)

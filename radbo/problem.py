@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from radbo._torch_private import is_batchedtensor
+from radbo._torch_private import carries_vmap_dim
 from radbo.typing import BilevelLoss, Params
 
 
@@ -38,11 +38,6 @@ PAD_INDEX = -1
 PAD_TARGET = -100
 
 
-def _stacked(*tensors: Tensor) -> bool:
-    """Whether one of ``tensors`` carries a ``torch.vmap`` dimension (radbo._torch_private)."""
-    return is_batchedtensor is not None and any(is_batchedtensor(t) for t in tensors)
-
-
 def nll_loss(log_probs: Tensor, targets: Tensor, ignore_index: int = PAD_TARGET) -> Tensor:
     """``F.nll_loss(log_probs, targets, ignore_index=ignore_index)``: the mean of
     ``-log_probs[n, targets[n]]`` over the examples whose target is not ``ignore_index``
@@ -57,7 +52,7 @@ def nll_loss(log_probs: Tensor, targets: Tensor, ignore_index: int = PAD_TARGET)
     wrappers and repeated comparisons (BENCHMARKS.md, "Cross-entropy of a stacked cohort").
     Elsewhere, and for other shapes, it is ``F.nll_loss``, whose kernel sums in its own
     order."""
-    if log_probs.ndim != 2 or targets.ndim != 1 or not _stacked(log_probs, targets):
+    if log_probs.ndim != 2 or targets.ndim != 1 or not carries_vmap_dim(log_probs, targets):
         return torch.nn.functional.nll_loss(log_probs, targets, ignore_index=ignore_index)
     return _stacked_nll_loss(log_probs, targets, ignore_index)
 
@@ -76,7 +71,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = PAD_TARGE
     and ``[N]`` integer class targets: :func:`nll_loss` of ``log_softmax(logits, 1)``, as
     PyTorch composes it (bitwise the same inside ``torch.vmap``; ``F.cross_entropy`` itself
     elsewhere)."""
-    if logits.ndim != 2 or targets.ndim != 1 or not _stacked(logits, targets):
+    if logits.ndim != 2 or targets.ndim != 1 or not carries_vmap_dim(logits, targets):
         return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index)
     return _stacked_nll_loss(torch.log_softmax(logits, 1), targets, ignore_index)
 

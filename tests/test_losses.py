@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import radbo.problem as problem
+import radbo._torch_private as _torch_private
 from radbo.problem import PAD_TARGET, cross_entropy, nll_loss
 from tests.helpers import OpLog
 
@@ -85,7 +85,7 @@ def test_outside_vmap_and_for_other_shapes_they_are_pytorchs_functions(monkeypat
         stacked, torch.vmap(F.cross_entropy)(logits[:, 0], targets[:, 0].clamp(min=0))
     )
     # a PyTorch without the private name: F.cross_entropy everywhere, the same numbers
-    monkeypatch.setattr(problem, "is_batchedtensor", None)
+    monkeypatch.setattr(_torch_private, "is_batchedtensor", None)
     calls = []
     monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: calls.append(1) or torch.zeros(()))
     torch.vmap(cross_entropy)(logits, targets)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-from radbo._torch_private import is_batchedtensor
+from radbo._torch_private import carries_vmap_dim
 
 __all__ = ["STACKED_LINEAR_MIN_WEIGHTS", "apply_layer", "has_functional_form", "layer_rule"]
 
@@ -157,11 +157,8 @@ STACKED_LINEAR_MIN_WEIGHTS = 1 << 16
 @layer_rule(nn.Linear)
 def _linear(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
     weight, bias = state[prefix + "weight"], _bias(layer, prefix, state)
-    if (
-        is_batchedtensor is not None
-        and is_batchedtensor(weight)  # a stacked cohort's (numel: one client's)
-        and weight.numel() >= STACKED_LINEAR_MIN_WEIGHTS
-    ):
+    # a stacked cohort's weight (numel: one client's)
+    if carries_vmap_dim(weight) and weight.numel() >= STACKED_LINEAR_MIN_WEIGHTS:
         out = _StackedLinear.apply(x, weight)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
