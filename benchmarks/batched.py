@@ -20,7 +20,8 @@ table. Run it with one thread on an otherwise idle machine:
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --clients 10 50 100 --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --models mlp cnn7 --algorithms fedavg
 
-``--models``: ``mlp`` (the demo's), ``cnn7`` (a LeNet on digits at 16x16) and ``simple_cnn``
+``--models``: ``mlp`` (the demo's), ``cnn7`` (a LeNet on digits at 16x16), ``cnn7_32`` (the
+same at 32x32: more work per client on 1 and 6 input channels) and ``simple_cnn``
 (pfl-research's CIFAR-10 CNN on synthetic CIFAR-shaped data, from ``benchmarks/vs_pfl.py``);
 ``fedavg`` (5 local steps on every parameter) is there for the convolutional cases.
 
@@ -58,10 +59,11 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "shrofbo": {"name": "shrofbo", "local_steps": 10},
     "fedavg": {"name": "fedavg", "local_steps": 5},
 }
-#: The models: the demo's MLP on 8x8 digits, and CNN7 (a LeNet) on digits at 16x16
+#: The models: the demo's MLP on 8x8 digits, CNN7 (a LeNet) on digits at 16x16 and at 32x32
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {},
     "cnn7": {"data": {"name": "digits", "image_size": 16}, "model": {"name": "cnn7"}},
+    "cnn7_32": {"data": {"name": "digits", "image_size": 32}, "model": {"name": "cnn7"}},
     "simple_cnn": {},  # pfl-research's, on synthetic CIFAR-shaped data (simple_cnn_sections)
 }
 

@@ -3,7 +3,7 @@
 ``torch.vmap`` over a convolution whose weights differ per client (radbo's batched backend:
 every client trains its own copy) runs one grouped convolution, ``groups = clients``, on the
 clients' inputs concatenated along channels. This times, per layer of pfl-research's CIFAR-10
-``simple_cnn`` (``benchmarks/vs_pfl.py``) and of CNN7 at 16x16, forward + backward (the
+``simple_cnn`` (``benchmarks/vs_pfl.py``) and of CNN7 at 16x16 and 32x32, forward + backward (the
 gradient with respect to the weights and the input, as a local step takes it) for ``--clients``
 clients with a batch of ``--batch`` each:
 
@@ -47,6 +47,8 @@ LAYERS: dict[str, tuple[int, int, int, int]] = {
     "simple_cnn conv2 (32->64, 3x3, 30x30)": (32, 64, 3, 30),
     "cnn7 conv1 (1->6, 5x5, 16x16)": (1, 6, 5, 16),
     "cnn7 conv2 (6->16, 5x5, 6x6)": (6, 16, 5, 6),
+    "cnn7 conv1 (1->6, 5x5, 32x32)": (1, 6, 5, 32),
+    "cnn7 conv2 (6->16, 5x5, 14x14)": (6, 16, 5, 14),
 }
 
 
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50])
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--system-allocator", action="store_true", help="leave glibc as it is")
     args = parser.parse_args()
     if not args.system_allocator:
@@ -110,9 +113,9 @@ def main() -> None:
         "| stacked, plain kernels (ms) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, shape in LAYERS.items():
+    for name in args.layers:
         for n in args.clients:
-            runs = sides(n, args.batch, *shape)
+            runs = sides(n, args.batch, *LAYERS[name])
             times: dict[str, list[float]] = {k: [] for k in runs}
             for f in runs.values():
                 f()  # warm-up

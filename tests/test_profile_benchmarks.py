@@ -102,3 +102,17 @@ def test_the_stacked_linear_benchmark_checks_its_gradients():
     )  # fmt: skip
     row = re.search(r"\n\| demo mlp head \(32 -> 10\) \| 2 \| (\w+) \|.*\| (\w+) \|.*x \|", out)
     assert row and row.groups() == ("strided", "contiguous"), out
+
+
+def test_the_client_conv_benchmark_times_three_sides_and_counts_the_rule():
+    """CNN7 on 32x32 digits, 2 clients: a row with the three sides, and the rule taking the
+    convolutions client by client (1 and 6 input channels, over 4 MFLOP per client)."""
+    out = run_script(
+        "benchmarks/client_conv.py",
+        "--models", "cnn7_32", "--algorithms", "fedavg", "--clients", "2", "--repeats", "1",
+    )  # fmt: skip
+    row = re.search(
+        r"\n\| cnn7_32 \| fedavg \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x \| (\d+) \|",
+        out,
+    )
+    assert row and int(row[1]) > 0, out

@@ -5,11 +5,14 @@ module, calling it and swapping them back: a Python ``setattr`` per tensor, twic
 module-call machinery, on every loss evaluation. The functions here compute each layer of the
 zoo straight from a state dict (keyed like ``state_dict``) with the ``torch.nn.functional`` op
 and arguments that the layer's own ``forward`` uses, in the same order, so the result, its
-gradients and its higher-order products are bitwise those of ``functional_call``. One
-exception, by design: inside ``torch.vmap`` with a weight per client (a stacked cohort), a
-linear layer of at least :data:`STACKED_LINEAR_MIN_WEIGHTS` weights computes its weight
+gradients and its higher-order products are bitwise those of ``functional_call``. Two
+exceptions, by design, both inside ``torch.vmap`` with a weight per client (a stacked cohort):
+a linear layer of at least :data:`STACKED_LINEAR_MIN_WEIGHTS` weights computes its weight
 gradient as the one-client backward does, which keeps it contiguous (:class:`_StackedLinear`);
-that gradient equals ``functional_call``'s to rounding, and everything else stays bitwise.
+and a convolution with few channels per group and enough work per client
+(:data:`CLIENT_CONV_MAX_IN_CHANNELS`) runs each client's own convolution instead of vmap's
+grouped one (:class:`_ClientConv2d`). Both equal ``functional_call``'s results to
+rounding, and everything else stays bitwise.
 
 Shapes come from the tensors, never from the module, so a pruned submodel skeleton of the
 same class (even one on the ``meta`` device) computes with the submodel's shapes; the module
@@ -28,7 +31,7 @@ submodule is of a type registered here and no module hook is installed (a hook, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +41,15 @@ from torch.nn.modules import module as _module
 
 from radbo._torch_private import carries_vmap_dim
 
-__all__ = ["STACKED_LINEAR_MIN_WEIGHTS", "apply_layer", "has_functional_form", "layer_rule"]
+__all__ = [
+    "CLIENT_CONV_MAX_IN_CHANNELS",
+    "CLIENT_CONV_MAX_OUT_CHANNELS",
+    "CLIENT_CONV_MIN_FLOPS",
+    "STACKED_LINEAR_MIN_WEIGHTS",
+    "apply_layer",
+    "has_functional_form",
+    "layer_rule",
+]
 
 #: ``rule(layer, prefix, state, inputs)``: the layer's output on ``inputs`` with its tensors
 #: read from ``state`` under ``prefix`` (e.g. ``"body.0."``).
@@ -164,14 +175,188 @@ def _linear(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tenso
     return F.linear(x, weight, bias)
 
 
+class _ClientConv2d(torch.autograd.Function):
+    """``F.conv2d`` which, under ``torch.vmap`` with a weight per client (a stacked cohort),
+    runs each client's own convolution and stacks the outputs, where vmap would run one grouped
+    convolution (``groups = clients``) over the clients' inputs laid side by side.
+
+    Written by hand because PyTorch's vmap rule for a convolution has one form, and oneDNN's
+    grouped kernels can be much slower per FLOP than its plain ones when each group has few
+    channels: CNN7's second convolution at 32x32 (6 -> 16 channels, 5x5, 10 clients of 64
+    examples) took 47.9 ms grouped against 28.2 ms client by client, forward and backward
+    (``benchmarks/vmap_conv.py --batch 64``), and a whole FedAvg round of CNN7 at 32x32 ran at
+    0.83x of the sequential backend's speed with vmap's grouped convolutions, 0.98x with these
+    (``benchmarks/client_conv.py``). Which layers gain is a measured rule, not a law:
+    :func:`_conv2d` takes this function only for layers with few channels per group and enough
+    work per client (:data:`CLIENT_CONV_MAX_IN_CHANNELS`).
+
+    Under vmap only :meth:`vmap` runs: its convolutions are ordinary operations on the stacked
+    tensors, which autograd records and differentiates (their backward, double backward
+    included, is each client's ``convolution_backward``), so the forward and every gradient are
+    bitwise what each client's own convolution gives (``tests/models/test_client_conv.py``).
+    :meth:`backward` serves the function called outside vmap. The padding is two numbers
+    (:func:`_conv` turns ``"same"`` and ``"valid"`` into them)."""
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        stride: Any,
+        padding: Any,
+        dilation: Any,
+        groups: int,
+    ) -> Tensor:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, weight, bias, stride, padding, dilation, groups = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.settings = (stride, padding, dilation, groups, None if bias is None else bias.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, bias_shape = ctx.settings
+        unbatched = x.dim() == 3  # F.conv2d takes one image without a batch dimension
+        if unbatched:
+            x, grad = x.unsqueeze(0), grad.unsqueeze(0)
+        needs = ctx.needs_input_grad
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad,
+            x,
+            weight,
+            bias_shape,
+            _pair(stride),
+            _pair(padding),
+            _pair(dilation),
+            False,
+            [0, 0],
+            groups,
+            [needs[0], needs[1], needs[2] and bias_shape is not None],
+        )
+        if unbatched and gx is not None:
+            gx = gx.squeeze(0)
+        return gx, gw, gb, None, None, None, None
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        stride: Any,
+        padding: Any,
+        dilation: Any,
+        groups: int,
+    ) -> tuple[Tensor, int]:
+        def client(t: Tensor | None, dim: int | None, i: int) -> Tensor | None:
+            return t if t is None or dim is None else t.select(dim, i)
+
+        xd, wd, bd = in_dims[:3]
+        outputs = [
+            F.conv2d(
+                client(x, xd, i),  # type: ignore[arg-type]
+                client(weight, wd, i),  # type: ignore[arg-type]
+                client(bias, bd, i),
+                stride,
+                padding,
+                dilation,
+                groups,
+            )
+            for i in range(info.batch_size)
+        ]
+        return torch.stack(outputs), 0
+
+
+def _pair(value: Any) -> list[int]:
+    return [value, value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _padding(padding: Any, dilation: Any, kernel: Sequence[int]) -> list[int] | None:
+    """A convolution's padding as two numbers per side (``"valid"``: none; ``"same"``: half the
+    dilated kernel's extent), or ``None`` for ``"same"`` padding that is not symmetric (an even
+    extent, which PyTorch pads by one more on one side)."""
+    if not isinstance(padding, str):
+        return _pair(padding)
+    if padding == "valid":
+        return [0, 0]
+    extent = [d * (k - 1) for d, k in zip(_pair(dilation), kernel, strict=True)]
+    return None if any(e % 2 for e in extent) else [e // 2 for e in extent]
+
+
+#: A stacked cohort's convolutions with at most this many input channels per group, at most
+#: :data:`CLIENT_CONV_MAX_OUT_CHANNELS` output channels per group and at least
+#: :data:`CLIENT_CONV_MIN_FLOPS` per client run as each client's own convolution
+#: (:class:`_ClientConv2d`); the others as vmap's one grouped convolution. Measured in whole
+#: rounds on one CPU thread (``benchmarks/client_conv.py``, BENCHMARKS.md "Convolutions of a
+#: stacked cohort client by client"): CNN7 at 32x32 (1 -> 6 and 6 -> 16 channels, 7.5 and 15
+#: MFLOP per client) gains (FedAvg 0.83x of sequential -> 0.98x at 10 clients, RABO 1.30x ->
+#: 1.43x at 50); the first convolution of pfl-research's CIFAR-10 CNN (3 -> 32, 16 MFLOP),
+#: which only the bound on output channels leaves grouped, gains nothing (``--max-out-channels
+#: 64``: FedAvg and RABO at 10 clients and FedAvg at 50 within 1 % either way), so that CNN
+#: keeps its bits; below 4 MFLOP per client, stacking's saved overhead wins (CNN7 at 16x16,
+#: 1.4 MFLOP, forced client by client with ``--min-flops 0``: FedAvg at 50 clients 2.18x of
+#: sequential -> 1.40x, RABO 3.51x -> 2.44x). Other layers the rule takes (narrow pruned
+#: submodels on 28x28 images, for instance) were not timed.
+CLIENT_CONV_MAX_IN_CHANNELS = 8
+CLIENT_CONV_MAX_OUT_CHANNELS = 16
+CLIENT_CONV_MIN_FLOPS = 1 << 22
+
+
+def _conv_flops(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any) -> int:
+    """One client's convolution's FLOPs (2 x multiply-adds) from the shapes as the client sees
+    them (inside vmap, without the clients' dimension), for a padding of ``pad`` per side."""
+    kernel = weight.shape[-2:]
+    size = [
+        (x.shape[-2 + j] + 2 * pad[j] - _pair(dilation)[j] * (kernel[j] - 1) - 1)
+        // _pair(stride)[j]
+        + 1
+        for j in range(2)
+    ]
+    rows = x.shape[0] if x.dim() == 4 else 1
+    return 2 * rows * weight.shape[0] * size[0] * size[1] * weight[0].numel()
+
+
+def _conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+) -> Tensor:
+    if carries_vmap_dim(weight):
+        pad = _padding(padding, dilation, weight.shape[-2:])
+        if pad is not None and _client_by_client(x, weight, stride, pad, dilation, groups):
+            # "same" / "valid" as the numbers they stand for: F.conv2d runs the same kernel
+            return _ClientConv2d.apply(x, weight, bias, stride, pad, dilation, groups)
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+
+def _client_by_client(
+    x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any, groups: int
+) -> bool:
+    """Whether a stacked cohort's convolution of these (one client's) shapes runs client by
+    client (the rule of :data:`CLIENT_CONV_MAX_IN_CHANNELS`)."""
+    return (
+        weight.shape[1] <= CLIENT_CONV_MAX_IN_CHANNELS
+        and weight.shape[0] // groups <= CLIENT_CONV_MAX_OUT_CHANNELS
+        and _conv_flops(x, weight, stride, pad, dilation) >= CLIENT_CONV_MIN_FLOPS
+    )
+
+
 @layer_rule(nn.Conv2d)
 def _conv2d(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
     assert isinstance(layer, nn.Conv2d)
     weight, bias = state[prefix + "weight"], _bias(layer, prefix, state)
     if layer.padding_mode != "zeros":
         padded = F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
-        return F.conv2d(padded, weight, bias, layer.stride, (0, 0), layer.dilation, layer.groups)
-    return F.conv2d(x, weight, bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+        return _conv(padded, weight, bias, layer.stride, (0, 0), layer.dilation, layer.groups)
+    return _conv(x, weight, bias, layer.stride, layer.padding, layer.dilation, layer.groups)
 
 
 @layer_rule(nn.BatchNorm2d)

@@ -1,13 +1,15 @@
 """The ``auto`` backend: per workload family, stacked or one by one, whichever it measured faster.
 
-Stacking clients (:class:`~radbo.simulation.BatchedBackend`) wins by 1.5-6x on MLPs and loses
-on CPU convolutions with few input channels: ``torch.vmap`` turns a convolution whose weights
-differ per client into one grouped convolution, and oneDNN's grouped kernels are slower per
-FLOP than its plain ones (``benchmarks/batched.py``: 0.92x on CNN7 at 10 clients; pfl's CIFAR-10
-CNN about 3x slower; BENCHMARKS.md). Which side wins depends on the model, the group size and
-the machine, so :class:`AutoBackend` measures it, once per *workload family*: the client work's
-function, :func:`~radbo.client.stack_key` (phase, submodel shapes, received tensors, draws)
-and the group size rounded down to a power of two.
+Stacking clients (:class:`~radbo.simulation.BatchedBackend`) saves per-operation overhead: on
+one CPU thread it wins by 2.3-8.7x on the demo MLP and 1.4-3.5x on CNN7 at 10 and 50 clients
+(``benchmarks/batched.py``), but is only at par (0.91-1.05x) with FedAvg on pfl-research's
+CIFAR-10 CNN, whose operations are large enough that there is no overhead to save, and slower
+with RABO on it (0.94-0.96x at 10 clients, 0.79-0.90x at 50; BENCHMARKS.md, "Convolutions of a
+stacked cohort client by client").
+Which side wins depends on the model, the group size and the machine, so :class:`AutoBackend`
+measures it, once per *workload family*: the client work's function,
+:func:`~radbo.client.stack_key` (phase, submodel shapes, received tensors, draws) and the group
+size rounded down to a power of two.
 
 * The first group of a family runs one client at a time (warming both the kernels and the FLOP
   meter, whose first count of a workload runs under the counter).
