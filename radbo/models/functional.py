@@ -300,7 +300,7 @@ def _padding(padding: Any, dilation: Any, kernel: Sequence[int]) -> list[int] | 
 #: keeps its bits; below 4 MFLOP per client, stacking's saved overhead wins (CNN7 at 16x16,
 #: 1.4 MFLOP, forced client by client with ``--min-flops 0``: FedAvg at 50 clients 2.18x of
 #: sequential -> 1.40x, RABO 3.51x -> 2.44x). Other layers the rule takes (narrow pruned
-#: submodels on 28x28 images, for instance) were not timed.
+#: submodels on 28x28 images, for instance) were not timed. It applies on the CPU only.
 CLIENT_CONV_MAX_IN_CHANNELS = 8
 CLIENT_CONV_MAX_OUT_CHANNELS = 16
 CLIENT_CONV_MIN_FLOPS = 1 << 22
@@ -341,9 +341,11 @@ def _client_by_client(
     x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any, groups: int
 ) -> bool:
     """Whether a stacked cohort's convolution of these (one client's) shapes runs client by
-    client (the rule of :data:`CLIENT_CONV_MAX_IN_CHANNELS`)."""
+    client (the rule of :data:`CLIENT_CONV_MAX_IN_CHANNELS`). On the CPU only, where the rule
+    was measured: on a GPU each client's convolution would be a kernel launch of its own."""
     return (
-        weight.shape[1] <= CLIENT_CONV_MAX_IN_CHANNELS
+        weight.device.type == "cpu"
+        and weight.shape[1] <= CLIENT_CONV_MAX_IN_CHANNELS
         and weight.shape[0] // groups <= CLIENT_CONV_MAX_OUT_CHANNELS
         and _conv_flops(x, weight, stride, pad, dilation) >= CLIENT_CONV_MIN_FLOPS
     )

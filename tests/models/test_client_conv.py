@@ -216,6 +216,16 @@ def test_the_layer_rule_takes_it_for_few_input_channels_and_enough_work(monkeypa
     assert calls == [2]
 
 
+def test_the_rule_is_for_the_cpu_only(calls) -> None:
+    """On another device (here ``meta``, which computes shapes only; on a GPU every client's
+    convolution would be a launch of its own) a stacked convolution stays vmap's grouped one."""
+    layer = nn.Conv2d(1, 6, 5, device="meta")
+    state = {k: torch.stack([v] * 3) for k, v in layer.state_dict().items()}
+    images = torch.zeros(3, 64, 1, 32, 32, device="meta")
+    out = torch.vmap(lambda s, i: apply_layer(layer, "", s, i))(state, images)
+    assert out.shape == (3, 64, 6, 28, 28) and calls == [0]
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 def test_the_rule_takes_same_padding_as_its_numbers_unless_asymmetric(calls) -> None:
     """A layer with ``padding="same"`` and a 5x5 kernel is taken, with padding 2 (bitwise
