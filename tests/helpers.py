@@ -64,6 +64,20 @@ requires_compiler = pytest.mark.skipif(
 )
 
 
+def count_applies(monkeypatch: pytest.MonkeyPatch, function: type) -> list[int]:
+    """A spy on a custom ``torch.autograd.Function``'s ``apply``: the returned list's one
+    element counts its calls for the rest of the test (the functions still run)."""
+    count = [0]
+    original = function.apply  # type: ignore[attr-defined]
+
+    def counted(*args: object) -> Tensor:
+        count[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(function, "apply", counted)
+    return count
+
+
 def run_script(*args: str) -> str:
     """The standard output of ``python ARGS`` run from the repository root on one intra-op
     thread (a benchmark at its smallest), which must exit 0."""

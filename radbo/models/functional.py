@@ -309,12 +309,11 @@ CLIENT_CONV_MIN_FLOPS = 1 << 22
 def _conv_flops(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any) -> int:
     """One client's convolution's FLOPs (2 x multiply-adds) from the shapes as the client sees
     them (inside vmap, without the clients' dimension), for a padding of ``pad`` per side."""
-    kernel = weight.shape[-2:]
     size = [
-        (x.shape[-2 + j] + 2 * pad[j] - _pair(dilation)[j] * (kernel[j] - 1) - 1)
-        // _pair(stride)[j]
-        + 1
-        for j in range(2)
+        (n + 2 * p - d * (k - 1) - 1) // s + 1
+        for n, p, d, k, s in zip(
+            x.shape[-2:], pad, _pair(dilation), weight.shape[-2:], _pair(stride), strict=True
+        )
     ]
     rows = x.shape[0] if x.dim() == 4 else 1
     return 2 * rows * weight.shape[0] * size[0] * size[1] * weight[0].numel()

@@ -34,6 +34,7 @@ from radbo.models.functional import (
     apply_layer,
 )
 from tests.configs import small_config
+from tests.helpers import count_applies
 
 pytestmark = pytest.mark.float_sensitive
 
@@ -169,15 +170,7 @@ def test_flops_of_one_clients_convolution_and_its_padding() -> None:
 @pytest.fixture
 def calls(monkeypatch) -> list[int]:
     """How many times the layer rule took ``_ClientConv2d`` (a spy on ``apply``)."""
-    count = [0]
-    original = _ClientConv2d.apply
-
-    def counted(*args: object) -> Tensor:
-        count[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(_ClientConv2d, "apply", counted)
-    return count
+    return count_applies(monkeypatch, _ClientConv2d)
 
 
 def test_the_layer_rule_takes_it_for_few_input_channels_and_enough_work(monkeypatch, calls) -> None:

@@ -25,6 +25,7 @@ from radbo.models import functional as functional_module
 from radbo.models.functional import STACKED_LINEAR_MIN_WEIGHTS, _StackedLinear, apply_layer
 from radbo.problem import forward, module_calls_only
 from tests.configs import small_config
+from tests.helpers import count_applies
 
 pytestmark = pytest.mark.float_sensitive
 
@@ -108,15 +109,7 @@ def test_inputs_without_gradient_and_shared_inputs() -> None:
 @pytest.fixture
 def calls(monkeypatch) -> list[int]:
     """How many times the layer rule took ``_StackedLinear`` (a spy on ``apply``)."""
-    count = [0]
-    original = _StackedLinear.apply
-
-    def counted(*args: Tensor) -> Tensor:
-        count[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(_StackedLinear, "apply", counted)
-    return count
+    return count_applies(monkeypatch, _StackedLinear)
 
 
 def test_the_layer_rule_takes_it_for_large_stacked_weights_only(monkeypatch, calls) -> None:
