@@ -104,15 +104,20 @@ def test_the_stacked_linear_benchmark_checks_its_gradients():
     assert row and row.groups() == ("strided", "contiguous"), out
 
 
-def test_the_client_conv_benchmark_times_three_sides_and_counts_the_rule():
-    """CNN7 on 32x32 digits, 2 clients: a row with the three sides, and the rule taking the
-    convolutions client by client (1 and 6 input channels, over 4 MFLOP per client)."""
+def test_the_client_conv_benchmark_times_three_sides_and_counts_the_rules():
+    """CNN7 on 32x32 digits, 2 clients: a row with the three sides, the client-by-client rule
+    taking the convolutions (1 and 6 input channels, over 4 MFLOP per client) and so leaving
+    none to the stacked convolution; with ``--stacked-min-numel 0`` and the client-by-client
+    rule off (``--min-flops`` beyond any layer), the stacked rules take every convolution and
+    pooling instead."""
+    counts = r"\| (\d+) \| (\d+) \| (\d+) \|"
+    row = r"\n\| cnn7_32 \| fedavg \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x "
+    args = ("--models", "cnn7_32", "--algorithms", "fedavg", "--clients", "2", "--repeats", "1")
+    out = run_script("benchmarks/client_conv.py", *args)
+    found = re.search(row + counts, out)
+    assert found and int(found[1]) > 0 and int(found[2]) == 0, out
     out = run_script(
-        "benchmarks/client_conv.py",
-        "--models", "cnn7_32", "--algorithms", "fedavg", "--clients", "2", "--repeats", "1",
-    )  # fmt: skip
-    row = re.search(
-        r"\n\| cnn7_32 \| fedavg \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x \| (\d+) \|",
-        out,
+        "benchmarks/client_conv.py", *args, "--stacked-min-numel", "0", "--min-flops", str(1 << 62)
     )
-    assert row and int(row[1]) > 0, out
+    found = re.search(row + counts, out)
+    assert found and int(found[1]) == 0 and int(found[2]) > 0 and int(found[3]) > 0, out

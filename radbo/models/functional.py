@@ -5,14 +5,23 @@ module, calling it and swapping them back: a Python ``setattr`` per tensor, twic
 module-call machinery, on every loss evaluation. The functions here compute each layer of the
 zoo straight from a state dict (keyed like ``state_dict``) with the ``torch.nn.functional`` op
 and arguments that the layer's own ``forward`` uses, in the same order, so the result, its
-gradients and its higher-order products are bitwise those of ``functional_call``. Two
-exceptions, by design, both inside ``torch.vmap`` with a weight per client (a stacked cohort):
-a linear layer of at least :data:`STACKED_LINEAR_MIN_WEIGHTS` weights computes its weight
-gradient as the one-client backward does, which keeps it contiguous (:class:`_StackedLinear`);
-and a convolution with few channels per group and enough work per client
-(:data:`CLIENT_CONV_MAX_IN_CHANNELS`) runs each client's own convolution instead of vmap's
-grouped one (:class:`_ClientConv2d`). Both equal ``functional_call``'s results to
-rounding, and everything else stays bitwise.
+gradients and its higher-order products are bitwise those of ``functional_call``. The
+exceptions, by design, are all inside ``torch.vmap`` with a weight per client (a stacked
+cohort), where radbo batches three kinds of layer itself instead of leaving them to vmap's
+rules:
+
+* a linear layer of at least :data:`STACKED_LINEAR_MIN_WEIGHTS` weights computes its weight
+  gradient as the one-client backward does, which keeps it contiguous (:class:`_StackedLinear`);
+* a convolution with few channels per group and enough work per client
+  (:data:`CLIENT_CONV_MAX_IN_CHANNELS`) runs each client's own convolution instead of vmap's
+  grouped one (:class:`_ClientConv2d`); another with at least :data:`STACKED_CONV_MIN_NUMEL`
+  output elements per client runs the grouped one with the bias inside the kernel and leaves
+  its output where it lies (:class:`_StackedConv2d`);
+* a max-pooling of at least as many input elements per client pools the stacked images where
+  they lie, without a copy (:class:`_StackedMaxPool2d`; bitwise vmap's, as a maximum is
+  exact).
+
+They equal ``functional_call``'s results to rounding, and everything else stays bitwise.
 
 Shapes come from the tensors, never from the module, so a pruned submodel skeleton of the
 same class (even one on the ``meta`` device) computes with the submodel's shapes; the module
@@ -45,6 +54,7 @@ __all__ = [
     "CLIENT_CONV_MAX_IN_CHANNELS",
     "CLIENT_CONV_MAX_OUT_CHANNELS",
     "CLIENT_CONV_MIN_FLOPS",
+    "STACKED_CONV_MIN_NUMEL",
     "STACKED_LINEAR_MIN_WEIGHTS",
     "apply_layer",
     "has_functional_form",
@@ -175,27 +185,13 @@ def _linear(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tenso
     return F.linear(x, weight, bias)
 
 
-class _ClientConv2d(torch.autograd.Function):
-    """``F.conv2d`` which, under ``torch.vmap`` with a weight per client (a stacked cohort),
-    runs each client's own convolution and stacks the outputs, where vmap would run one grouped
-    convolution (``groups = clients``) over the clients' inputs laid side by side.
-
-    Written by hand because PyTorch's vmap rule for a convolution has one form, and oneDNN's
-    grouped kernels can be much slower per FLOP than its plain ones when each group has few
-    channels: CNN7's second convolution at 32x32 (6 -> 16 channels, 5x5, 10 clients of 64
-    examples) took 47.9 ms grouped against 28.2 ms client by client, forward and backward
-    (``benchmarks/vmap_conv.py --batch 64``), and a whole FedAvg round of CNN7 at 32x32 ran at
-    0.83x of the sequential backend's speed with vmap's grouped convolutions, 0.98x with these
-    (``benchmarks/client_conv.py``). Which layers gain is a measured rule, not a law:
-    :func:`_conv2d` takes this function only for layers with few channels per group and enough
-    work per client (:data:`CLIENT_CONV_MAX_IN_CHANNELS`).
-
-    Under vmap only :meth:`vmap` runs: its convolutions are ordinary operations on the stacked
-    tensors, which autograd records and differentiates (their backward, double backward
-    included, is each client's ``convolution_backward``), so the forward and every gradient are
-    bitwise what each client's own convolution gives (``tests/models/test_client_conv.py``).
-    :meth:`backward` serves the function called outside vmap. The padding is two numbers
-    (:func:`_conv` turns ``"same"`` and ``"valid"`` into them)."""
+class _Conv2d(torch.autograd.Function):
+    """``F.conv2d`` as a custom autograd function, the forward and backward that
+    :class:`_ClientConv2d` and :class:`_StackedConv2d` share; each adds its own :meth:`vmap`
+    rule. Under vmap only that rule runs: its operations on the stacked tensors are ordinary
+    ones, which autograd records and differentiates (double backward included). :meth:`backward`
+    serves the function called outside vmap. The padding is two numbers (:func:`_conv` turns
+    ``"same"`` and ``"valid"`` into them)."""
 
     @staticmethod
     def forward(
@@ -240,6 +236,25 @@ class _ClientConv2d(torch.autograd.Function):
             gx = gx.squeeze(0)
         return gx, gw, gb, None, None, None, None
 
+
+class _ClientConv2d(_Conv2d):
+    """``F.conv2d`` which, under ``torch.vmap`` with a weight per client (a stacked cohort),
+    runs each client's own convolution and stacks the outputs, where vmap would run one grouped
+    convolution (``groups = clients``) over the clients' inputs laid side by side.
+
+    Written by hand because PyTorch's vmap rule for a convolution has one form, and oneDNN's
+    grouped kernels can be much slower per FLOP than its plain ones when each group has few
+    channels: CNN7's second convolution at 32x32 (6 -> 16 channels, 5x5, 10 clients of 64
+    examples) took 47.9 ms grouped against 28.2 ms client by client, forward and backward
+    (``benchmarks/vmap_conv.py --batch 64``), and a whole FedAvg round of CNN7 at 32x32 ran at
+    0.83x of the sequential backend's speed with vmap's grouped convolutions, 0.98x with these
+    (``benchmarks/client_conv.py``). Which layers gain is a measured rule, not a law:
+    :func:`_conv2d` takes this function only for layers with few channels per group and enough
+    work per client (:data:`CLIENT_CONV_MAX_IN_CHANNELS`).
+
+    The forward and every gradient are bitwise what each client's own convolution and its
+    ``convolution_backward`` give (``tests/models/test_client_conv.py``)."""
+
     @staticmethod
     def vmap(
         info: Any,
@@ -269,6 +284,131 @@ class _ClientConv2d(torch.autograd.Function):
             for i in range(info.batch_size)
         ]
         return torch.stack(outputs), 0
+
+
+def _clients_first(t: Tensor, dim: int | None, clients: int) -> Tensor:
+    """A stacked tensor with its clients' dimension first; one shared by every client (``dim``
+    ``None``) expanded to them, without a copy."""
+    return t.expand(clients, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+class _StackedConv2d(_Conv2d):
+    """``F.conv2d`` which, under ``torch.vmap`` with a weight per client (a stacked cohort), is
+    one grouped convolution (``groups = clients x groups``) with the bias inside the kernel, and
+    whose output keeps the clients beside the channels (the clients' dimension is its dim 1).
+
+    Written by hand because vmap's own rule for this convolution runs the same grouped kernel
+    but adds a per-client bias in a separate pass over the output, and because the layers after
+    it then copy that output: vmap's max-pooling rule folds the clients into the images'
+    dimension (dim 0), which for an output laid out clients beside channels is a copy. With
+    this function and :class:`_StackedMaxPool2d` a convolution, ReLU and pooling chain (the body
+    of a CNN) reads each stacked activation where it lies: the only copy left is of the cohort's
+    input images, whose clients come first (``tests/models/test_stacked_conv.py`` counts them).
+    On pfl-research's CIFAR-10 CNN, where those passes over 10-100 MB activations were much of
+    what stacking lost to the sequential backend, batched RABO rounds went from 0.95-0.98x of
+    the sequential backend's speed to 0.98-1.00x at 10 clients and from 0.81-0.85x to
+    0.92-0.95x at 50 (``benchmarks/client_conv.py``, BENCHMARKS.md "Stacked convolutions and
+    pooling without copies"). Each custom function costs Python time under vmap, so
+    :func:`_conv` takes it only for outputs of at least :data:`STACKED_CONV_MIN_NUMEL`
+    elements per client.
+
+    The output equals ``F.conv2d`` of the clients' inputs laid side by side with their weights
+    and biases concatenated, bitwise; each client's part equals its own convolution to the
+    grouped kernel's rounding, as vmap's rule does. Unlike the client-by-client rule it applies
+    on every device: it launches the kernel vmap's rule launches, without the bias pass and the
+    copies (on a GPU that is fewer launches; not timed there, as no GPU was lent)."""
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        stride: Any,
+        padding: Any,
+        dilation: Any,
+        groups: int,
+    ) -> tuple[Tensor, int]:
+        clients = info.batch_size
+        xd, wd, bd = in_dims[:3]
+        w = _clients_first(weight, wd, clients)
+        b = None if bias is None else _clients_first(bias, bd, clients)
+        x = _clients_first(x, xd, clients)
+        one_image = x.dim() == 4  # (clients, channels, height, width)
+        # (images, clients x channels, ...): a view when the clients lie beside the channels
+        side_by_side = x.unsqueeze(0) if one_image else x.movedim(0, 1)
+        out = F.conv2d(
+            side_by_side.flatten(1, 2),
+            w.flatten(0, 1),
+            None if b is None else b.flatten(),
+            stride,
+            padding,
+            dilation,
+            groups * clients,
+        ).unflatten(1, (clients, -1))
+        return (out.squeeze(0), 0) if one_image else (out, 1)
+
+
+class _StackedMaxPool2d(torch.autograd.Function):
+    """``F.max_pool2d`` which, under ``torch.vmap`` (a stacked cohort), pools the clients' images
+    where they lie: the clients' dimension folded into its neighbour (images or channels; a
+    view when the clients' dimension is dim 0 or 1), where vmap's rule moves it beside the
+    images first (a copy when the clients lie beside the channels, as after
+    :class:`_StackedConv2d`). Max pooling treats every image and channel alike, so the output
+    and its gradient are bitwise vmap's and each client's own (``tests/models/
+    test_stacked_conv.py``). Outside vmap it is ``F.max_pool2d``, with its own backward
+    (differentiable again: RABO's Hessian-vector products pass through it)."""
+
+    @staticmethod
+    def forward(
+        x: Tensor, kernel: Any, stride: Any, padding: Any, dilation: Any, ceil: bool
+    ) -> Tensor:
+        return F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=ceil)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.settings = inputs[1:]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        kernel, stride, padding, dilation, ceil = ctx.settings
+        _, indices = F.max_pool2d(
+            x.detach(), kernel, stride, padding, dilation, ceil_mode=ceil, return_indices=True
+        )
+        kernel = _pair(kernel)
+        gx = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad,
+            x,
+            kernel,
+            kernel if stride is None or stride == [] else _pair(stride),  # F's default stride
+            _pair(padding),
+            _pair(dilation),
+            ceil,
+            indices,
+        )
+        return gx, None, None, None, None, None
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: Tensor,
+        kernel: Any,
+        stride: Any,
+        padding: Any,
+        dilation: Any,
+        ceil: bool,
+    ) -> tuple[Tensor, int]:
+        (xd,) = in_dims[:1]
+        if xd not in (0, 1):  # a shared input (None) or another layout: clients first
+            x, xd = _clients_first(x, xd, info.batch_size), 0
+        if x.dim() == 4 and xd == 0:  # one image per client: the clients are its batch
+            return F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=ceil), 0
+        out = F.max_pool2d(x.flatten(0, 1), kernel, stride, padding, dilation, ceil_mode=ceil)
+        return out.unflatten(0, x.shape[:2]), xd
 
 
 def _pair(value: Any) -> list[int]:
@@ -305,10 +445,24 @@ CLIENT_CONV_MAX_IN_CHANNELS = 8
 CLIENT_CONV_MAX_OUT_CHANNELS = 16
 CLIENT_CONV_MIN_FLOPS = 1 << 22
 
+#: A stacked cohort's other convolutions with at least this many output elements per client,
+#: and its max-poolings with at least this many input elements per client, run as radbo's own
+#: batching (:class:`_StackedConv2d`, :class:`_StackedMaxPool2d`: no separate bias pass, no
+#: copies of the activations); smaller ones as vmap's rules, whose extra passes cost less there
+#: than the custom functions' Python time under vmap. Measured in whole rounds on one CPU
+#: thread (``benchmarks/client_conv.py``, BENCHMARKS.md "Stacked convolutions and pooling
+#: without copies"): on pfl-research's CIFAR-10 CNN (layers of 0.29-1.6 M elements per client)
+#: batched RABO rounds went from 0.95-0.98x of sequential's speed to 0.98-1.00x at 10 clients
+#: and from 0.81-0.85x to 0.92-0.95x at 50; CNN7's layers at 16x16 (4,096 and 55,296 elements)
+#: gain nothing when taken (``--stacked-min-numel 0``: FedAvg at 10 clients 1.48x -> 1.40x,
+#: RABO 1.90x -> 1.61x, at 50 clients 2.39x -> 2.32x and 3.30x -> 3.33x).
+STACKED_CONV_MIN_NUMEL = 1 << 18
 
-def _conv_flops(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any) -> int:
-    """One client's convolution's FLOPs (2 x multiply-adds) from the shapes as the client sees
-    them (inside vmap, without the clients' dimension), for a padding of ``pad`` per side."""
+
+def _conv_outputs(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any) -> int:
+    """The number of elements of one client's convolution's output, from the shapes as the
+    client sees them (inside vmap, without the clients' dimension), for a padding of ``pad`` per
+    side."""
     size = [
         (n + 2 * p - d * (k - 1) - 1) // s + 1
         for n, p, d, k, s in zip(
@@ -316,7 +470,13 @@ def _conv_flops(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation
         )
     ]
     rows = x.shape[0] if x.dim() == 4 else 1
-    return 2 * rows * weight.shape[0] * size[0] * size[1] * weight[0].numel()
+    return rows * weight.shape[0] * size[0] * size[1]
+
+
+def _conv_flops(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any) -> int:
+    """One client's convolution's FLOPs (2 x multiply-adds: each output element sums one
+    group's input channels times the kernel area) from the shapes as the client sees them."""
+    return 2 * _conv_outputs(x, weight, stride, pad, dilation) * weight[0].numel()
 
 
 def _conv(
@@ -330,9 +490,13 @@ def _conv(
 ) -> Tensor:
     if carries_vmap_dim(weight):
         pad = _padding(padding, dilation, weight.shape[-2:])
+        # "same" / "valid" as the numbers they stand for: F.conv2d runs the same kernel
         if pad is not None and _client_by_client(x, weight, stride, pad, dilation, groups):
-            # "same" / "valid" as the numbers they stand for: F.conv2d runs the same kernel
             return _ClientConv2d.apply(x, weight, bias, stride, pad, dilation, groups)
+        if pad is not None and _conv_outputs(x, weight, stride, pad, dilation) >= (
+            STACKED_CONV_MIN_NUMEL
+        ):
+            return _StackedConv2d.apply(x, weight, bias, stride, pad, dilation, groups)
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
 
@@ -413,6 +577,10 @@ def _leaky_relu(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: T
 @layer_rule(nn.MaxPool2d)
 def _max_pool2d(layer: nn.Module, prefix: str, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
     assert isinstance(layer, nn.MaxPool2d)
+    if carries_vmap_dim(x) and not layer.return_indices and x.numel() >= STACKED_CONV_MIN_NUMEL:
+        return _StackedMaxPool2d.apply(
+            x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode
+        )
     return F.max_pool2d(  # type: ignore[call-overload]  # return_indices is a plain bool
         x,
         layer.kernel_size,
