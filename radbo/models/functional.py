@@ -307,7 +307,7 @@ class _StackedConv2d(_Conv2d):
     On pfl-research's CIFAR-10 CNN, where those passes over 10-100 MB activations were much of
     what stacking lost to the sequential backend, batched RABO rounds went from 0.95-0.98x of
     the sequential backend's speed to 0.98-1.00x at 10 clients and from 0.81-0.85x to
-    0.92-0.95x at 50 (``benchmarks/client_conv.py``, BENCHMARKS.md "Stacked convolutions and
+    0.92-0.96x at 50 (``benchmarks/client_conv.py``, BENCHMARKS.md "Stacked convolutions and
     pooling without copies"). Each custom function costs Python time under vmap, so
     :func:`_conv` takes it only for outputs of at least :data:`STACKED_CONV_MIN_NUMEL`
     elements per client.
@@ -453,7 +453,7 @@ CLIENT_CONV_MIN_FLOPS = 1 << 22
 #: thread (``benchmarks/client_conv.py``, BENCHMARKS.md "Stacked convolutions and pooling
 #: without copies"): on pfl-research's CIFAR-10 CNN (layers of 0.29-1.6 M elements per client)
 #: batched RABO rounds went from 0.95-0.98x of sequential's speed to 0.98-1.00x at 10 clients
-#: and from 0.81-0.85x to 0.92-0.95x at 50; CNN7's layers at 16x16 (4,096 and 55,296 elements)
+#: and from 0.81-0.85x to 0.92-0.96x at 50; CNN7's layers at 16x16 (4,096 and 55,296 elements)
 #: gain nothing when taken (``--stacked-min-numel 0``: FedAvg at 10 clients 1.48x -> 1.40x,
 #: RABO 1.90x -> 1.61x, at 50 clients 2.39x -> 2.32x and 3.30x -> 3.33x).
 STACKED_CONV_MIN_NUMEL = 1 << 18
