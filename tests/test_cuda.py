@@ -210,3 +210,45 @@ def test_a_gpu_run_is_reproducible_and_resumes_from_its_checkpoint(tmp_path: Pat
     resumed = run(whole, progress=False, output_dir=tmp_path, resume=True)
     for name, t in first.state.x.items():
         assert torch.equal(t, resumed.state.x[name]), name
+
+
+@pytest.mark.float_sensitive
+@needs_cuda
+def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
+    """radbo's batching of a stacked cohort's convolutions and max-poolings
+    (``_StackedConv2d``, ``_StackedMaxPool2d``, every layer taken) on the GPU: a CNN body's
+    output and gradients equal vmap's own rules on the GPU, and the same functions on the CPU.
+    float64; the sums: a first-layer output of 27 products, a second-layer one of 72, a weight
+    gradient of 5 x 14 x 14 = 980 (batch x output positions) plus what flows from the layer
+    after; two orders of n terms differ by at most about ``2 n u`` of their magnitudes
+    (``u = 2^-53``), here ``2 (980 + 72 + 27) u = 2.4e-13``; the tolerance is 1e-11 relative,
+    1e-12 absolute for sums that cancel."""
+    from torch import nn
+
+    from radbo.models import functional
+    from radbo.models.functional import apply_layer
+
+    body = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3), nn.ReLU(),
+        nn.MaxPool2d(2),
+    ).double()  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        k: torch.stack([v.detach() + 0.1 * torch.randn(v.shape, generator=gen) for _ in range(3)])
+        for k, v in body.state_dict().items()
+    }
+    images = torch.randn(3, 5, 3, 32, 32, generator=gen, dtype=torch.float64)
+
+    def outputs(device: str, min_numel: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(functional, "STACKED_CONV_MIN_NUMEL", min_numel)
+        params = {k: v.to(device).requires_grad_(True) for k, v in state.items()}
+        out = torch.vmap(lambda s, i: apply_layer(body.to(device), "", s, i))(
+            params, images.to(device)
+        )
+        grads = torch.autograd.grad(out.tanh().sum(), list(params.values()))
+        return [t.cpu() for t in (out, *grads)]
+
+    ours = outputs("cuda", 0)
+    for ref in (outputs("cuda", 1 << 62), outputs("cpu", 0)):
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)

@@ -133,17 +133,10 @@ def test_shared_input_shared_weight_and_no_bias() -> None:
     x, w, _, settings = stacked("3x3")
     shared_x = x[0].detach().requires_grad_(True)
     shared_w = w[0].detach().requires_grad_(True)
-    for fn, args, params in (
-        (lambda w_: ours(settings)(shared_x, w_, None), (w,), (shared_x, w)),
-        (lambda x_: ours(settings)(x_, shared_w, None), (x,), (x, shared_w)),
-    ):
-        out = torch.vmap(fn)(*args)
-        ref_fn = (
-            (lambda w_: F.conv2d(shared_x, w_, None, *settings))
-            if params[0] is shared_x
-            else (lambda x_: F.conv2d(x_, shared_w, None, *settings))
-        )
-        ref = torch.vmap(ref_fn)(*args)
+
+    def check(conv_of, stacked_arg: Tensor, params: tuple[Tensor, Tensor]) -> None:
+        out = torch.vmap(conv_of(ours(settings)))(stacked_arg)
+        ref = torch.vmap(conv_of(plain(settings)))(stacked_arg)
         torch.testing.assert_close(out, ref, **TOL)
         for g, r in zip(
             torch.autograd.grad(out.tanh().sum(), params),
@@ -151,6 +144,9 @@ def test_shared_input_shared_weight_and_no_bias() -> None:
             strict=True,
         ):
             torch.testing.assert_close(g, r, **TOL)
+
+    check(lambda conv: lambda w_: conv(shared_x, w_, None), w, (shared_x, w))
+    check(lambda conv: lambda x_: conv(x_, shared_w, None), x, (x, shared_w))
 
 
 def test_nested_vmap_over_points_of_a_stacked_cohort() -> None:
