@@ -2,7 +2,8 @@
 
 * state comparison: :func:`state_leaves`, :func:`state_tensors`, :func:`assert_same_state`;
 * run output without what differs between two runs of one config: :func:`unclocked_rows`,
-  :func:`comparable_results`;
+  :func:`comparable_results`; two runs of one config by equivalent routes:
+  :func:`assert_runs_agree`;
 * a backend that records and may tamper with client results: :class:`Recorder`,
   :func:`nan_update`, :func:`nan_where`;
 * the float64 5-4-3 MLP problem the algorithms' by-hand tests share: :func:`toy_mlp`,
@@ -168,6 +169,26 @@ def assert_same_state(a: object, b: object, *, tensors_only: bool = False) -> No
 
 
 # ------------------------------------------------------------------------------ run output
+
+
+def assert_runs_agree(a: Any, b: Any, *, rtol: float, atol: float) -> None:
+    """Two results of one config computed by equivalent routes (e.g. a stacked cohort's
+    layers batched two ways): ledgers equal, every per-round metric but the wall-clock times
+    equal (floats to ``rtol`` relative, ``atol`` absolute), x and y to the same tolerance."""
+    assert a.ledger == b.ledger
+    for ra, rb in zip(a.rounds, b.rounds, strict=True):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            if "wall" in k:
+                continue
+            if isinstance(ra[k], float):
+                assert ra[k] == pytest.approx(rb[k], rel=rtol, abs=atol, nan_ok=True), k
+            else:
+                assert ra[k] == rb[k], k
+    for part in ("x", "y"):
+        ta, tb = getattr(a.state, part), getattr(b.state, part)
+        for name in ta:
+            torch.testing.assert_close(ta[name], tb[name], rtol=rtol, atol=atol)
 
 
 def unclocked_rows(rows: Iterable[dict]) -> list[dict]:

@@ -34,30 +34,26 @@ from radbo.models.functional import (
     apply_layer,
 )
 from tests.configs import small_config
-from tests.helpers import count_applies
+from tests.helpers import assert_runs_agree, count_applies
+from tests.models.conv_cases import (
+    check_hessian_vector_products,
+    check_nested_vmap,
+    loss,
+    plain,
+    stacked,
+)
 
 pytestmark = pytest.mark.float_sensitive
 
-#: name -> (clients, batch, in channels, out channels, kernel, size, stride, padding, dilation,
-#: groups)
-CASES = {
-    "5x5": (3, 4, 1, 6, 5, 12, 1, 0, 1, 1),
-    "padded, strided": (2, 3, 3, 4, 3, 9, 2, 1, 1, 1),
-    "dilated": (2, 2, 2, 3, 3, 10, 1, 2, 2, 1),
-    "grouped per client": (3, 2, 4, 6, 3, 7, 1, 1, 1, 2),
-    "one image": (3, 0, 2, 5, 3, 8, 1, 0, 1, 1),
-    "same padding": (2, 3, 2, 4, 3, 8, 1, "same", 1, 1),
-}
-
-
-def stacked(case: str, dtype: torch.dtype = torch.float64):
-    clients, batch, c, o, k, size, stride, padding, dilation, groups = CASES[case]
-    gen = torch.Generator().manual_seed(0)
-    lead = (batch,) if batch else ()
-    x = torch.randn(clients, *lead, c, size, size, generator=gen, dtype=dtype).requires_grad_()
-    w = torch.randn(clients, o, c // groups, k, k, generator=gen, dtype=dtype).requires_grad_()
-    b = torch.randn(clients, o, generator=gen, dtype=dtype).requires_grad_()
-    return x, w, b, (stride, padding, dilation, groups)
+#: the cases of ``tests/models/conv_cases.py`` this module runs
+CASE_NAMES = [
+    "5x5",
+    "padded, strided",
+    "dilated",
+    "grouped per client",
+    "one image",
+    "same padding",
+]
 
 
 def ours(settings):
@@ -71,17 +67,8 @@ def ours(settings):
     return conv
 
 
-def plain(settings):
-    return lambda x, w, b: F.conv2d(x, w, b, *settings)
-
-
-def loss(conv, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """Each client's scalar loss (one per client) through a nonlinearity."""
-    return torch.vmap(lambda x_, w_, b_: conv(x_, w_, b_).tanh().square().sum())(x, w, b)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASE_NAMES)
 def test_output_and_gradients_are_each_clients_own_bitwise(case, dtype) -> None:
     x, w, b, settings = stacked(case, dtype)
     out = torch.vmap(ours(settings))(x, w, b)
@@ -95,7 +82,7 @@ def test_output_and_gradients_are_each_clients_own_bitwise(case, dtype) -> None:
             assert torch.equal(g[c], r[c])
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASE_NAMES)
 def test_agrees_with_vmaps_grouped_convolution(case) -> None:
     x, w, b, settings = stacked(case)
     out = torch.vmap(ours(settings))(x, w, b)
@@ -110,16 +97,7 @@ def test_agrees_with_vmaps_grouped_convolution(case) -> None:
 
 
 def test_hessian_vector_products_match_the_grouped_convolution() -> None:
-    """Double backward (RABO's CG products): d/d(w, x, b) of <grad_w L, v>."""
-    x, w, b, settings = stacked("padded, strided")
-
-    def products(conv) -> tuple[Tensor, ...]:
-        (gw,) = torch.autograd.grad(loss(conv, x, w, b).sum(), w, create_graph=True)
-        v = torch.cos(torch.arange(gw.numel(), dtype=gw.dtype)).reshape(gw.shape)
-        return torch.autograd.grad((gw * v).sum(), (w, x, b))
-
-    for a, r in zip(products(ours(settings)), products(plain(settings)), strict=True):
-        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-13)
+    check_hessian_vector_products(ours)
 
 
 def test_shared_input_and_no_bias() -> None:
@@ -243,20 +221,7 @@ def test_the_rule_takes_same_padding_as_its_numbers_unless_asymmetric(calls) -> 
 
 
 def test_nested_vmap_over_points_of_a_stacked_cohort() -> None:
-    """Finite differences evaluate a cohort's loss at several points at once (a vmap over
-    points around the cohort's vmap): values and gradients as vmap's grouped convolution."""
-    x, w, b, settings = stacked("padded, strided")
-    points = torch.stack([w.detach() + 0.1 * s for s in range(2)]).requires_grad_(True)
-
-    def losses(conv) -> tuple[Tensor, Tensor]:
-        out = torch.vmap(lambda w_: loss(conv, x.detach(), w_, b.detach()))(points)
-        (grad,) = torch.autograd.grad(out.sum(), points)
-        return out, grad
-
-    (out, grad), (ref, ref_grad) = losses(ours(settings)), losses(plain(settings))
-    assert out.shape == (2, 2)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-13)
+    check_nested_vmap(ours)
 
 
 def test_a_batched_cnn_run_with_every_convolution_client_by_client(monkeypatch, calls) -> None:
@@ -275,17 +240,4 @@ def test_a_batched_cnn_run_with_every_convolution_client_by_client(monkeypatch, 
     monkeypatch.setattr(functional_module, "CLIENT_CONV_MIN_FLOPS", 0)
     by_client = radbo.run(config, progress=False, save=False)
     assert calls[0] > 0
-    assert by_client.ledger == grouped.ledger
-    for a, b in zip(by_client.rounds, grouped.rounds, strict=True):
-        assert a.keys() == b.keys()
-        for k in a:
-            if "wall" in k:
-                continue
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12, nan_ok=True), k
-            else:
-                assert a[k] == b[k], k
-    for part in ("x", "y"):
-        ours_, ref = getattr(by_client.state, part), getattr(grouped.state, part)
-        for name in ours_:
-            torch.testing.assert_close(ours_[name], ref[name], rtol=1e-9, atol=1e-12)
+    assert_runs_agree(by_client, grouped, rtol=1e-9, atol=1e-12)

@@ -21,7 +21,6 @@ offers."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import radbo
-from radbo._torch_private import TorchDispatchMode
 from radbo.models import functional as functional_module
 from radbo.models.functional import (
     STACKED_CONV_MIN_NUMEL,
@@ -40,47 +38,28 @@ from radbo.models.functional import (
     apply_layer,
 )
 from tests.configs import small_config
-from tests.helpers import count_applies
+from tests.helpers import OpLog, assert_runs_agree, count_applies
+from tests.models.conv_cases import (
+    TOL,
+    check_hessian_vector_products,
+    check_nested_vmap,
+    loss,
+    plain,
+    stacked,
+)
 
 pytestmark = pytest.mark.float_sensitive
 
-#: name -> (clients, batch, in channels, out channels, kernel, size, stride, padding, dilation,
-#: groups)
-CASES = {
-    "3x3": (3, 4, 3, 6, 3, 10, 1, 0, 1, 1),
-    "padded, strided": (2, 3, 3, 4, 3, 9, 2, 1, 1, 1),
-    "dilated": (2, 2, 2, 3, 3, 10, 1, 2, 2, 1),
-    "grouped per client": (3, 2, 4, 6, 3, 7, 1, 1, 1, 2),
-    "one image": (3, 0, 2, 5, 3, 8, 1, 0, 1, 1),
-}
-TOL: dict[str, Any] = {"rtol": 1e-12, "atol": 1e-13}
-
-
-def stacked(case: str, dtype: torch.dtype = torch.float64):
-    clients, batch, c, o, k, size, stride, padding, dilation, groups = CASES[case]
-    gen = torch.Generator().manual_seed(0)
-    lead = (batch,) if batch else ()
-    x = torch.randn(clients, *lead, c, size, size, generator=gen, dtype=dtype).requires_grad_()
-    w = torch.randn(clients, o, c // groups, k, k, generator=gen, dtype=dtype).requires_grad_()
-    b = torch.randn(clients, o, generator=gen, dtype=dtype).requires_grad_()
-    return x, w, b, (stride, padding, dilation, groups)
+#: the cases of ``tests/models/conv_cases.py`` this module runs
+CASE_NAMES = ["3x3", "padded, strided", "dilated", "grouped per client", "one image"]
 
 
 def ours(settings):
     return lambda x, w, b: _StackedConv2d.apply(x, w, b, *settings)
 
 
-def plain(settings):
-    return lambda x, w, b: F.conv2d(x, w, b, *settings)
-
-
-def loss(conv, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """Each client's scalar loss (one per client) through a nonlinearity."""
-    return torch.vmap(lambda x_, w_, b_: conv(x_, w_, b_).tanh().square().sum())(x, w, b)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASE_NAMES)
 def test_output_is_one_grouped_convolution_of_the_clients_side_by_side_bitwise(case, dtype) -> None:
     x, w, b, (stride, padding, dilation, groups) = stacked(case, dtype)
     out = torch.vmap(ours((stride, padding, dilation, groups)))(x, w, b)
@@ -99,7 +78,7 @@ def test_output_is_one_grouped_convolution_of_the_clients_side_by_side_bitwise(c
     assert torch.equal(out, ref.squeeze(0) if case == "one image" else ref.movedim(1, 0))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASE_NAMES)
 def test_agrees_with_each_clients_convolution_and_vmaps_rule(case) -> None:
     x, w, b, settings = stacked(case)
     out = torch.vmap(ours(settings))(x, w, b)
@@ -115,16 +94,7 @@ def test_agrees_with_each_clients_convolution_and_vmaps_rule(case) -> None:
 
 
 def test_hessian_vector_products_match_vmaps_rule() -> None:
-    """Double backward (RABO's CG products): d/d(w, x, b) of <grad_w L, v>."""
-    x, w, b, settings = stacked("padded, strided")
-
-    def products(conv) -> tuple[Tensor, ...]:
-        (gw,) = torch.autograd.grad(loss(conv, x, w, b).sum(), w, create_graph=True)
-        v = torch.cos(torch.arange(gw.numel(), dtype=gw.dtype)).reshape(gw.shape)
-        return torch.autograd.grad((gw * v).sum(), (w, x, b))
-
-    for a, r in zip(products(ours(settings)), products(plain(settings)), strict=True):
-        torch.testing.assert_close(a, r, **TOL)
+    check_hessian_vector_products(ours)
 
 
 def test_shared_input_shared_weight_and_no_bias() -> None:
@@ -150,20 +120,7 @@ def test_shared_input_shared_weight_and_no_bias() -> None:
 
 
 def test_nested_vmap_over_points_of_a_stacked_cohort() -> None:
-    """Finite differences evaluate a cohort's loss at several points at once (a vmap over
-    points around the cohort's vmap): values and gradients as vmap's rule."""
-    x, w, b, settings = stacked("padded, strided")
-    points = torch.stack([w.detach() + 0.1 * s for s in range(2)]).requires_grad_(True)
-
-    def losses(conv) -> tuple[Tensor, Tensor]:
-        out = torch.vmap(lambda w_: loss(conv, x.detach(), w_, b.detach()))(points)
-        (grad,) = torch.autograd.grad(out.sum(), points)
-        return out, grad
-
-    (out, grad), (ref, ref_grad) = losses(ours(settings)), losses(plain(settings))
-    assert out.shape == (2, 2)
-    torch.testing.assert_close(out, ref, **TOL)
-    torch.testing.assert_close(grad, ref_grad, **TOL)
+    check_nested_vmap(ours)
 
 
 def test_outside_vmap_both_are_the_plain_functions_with_their_gradients() -> None:
@@ -216,18 +173,6 @@ def test_pooling_is_each_clients_own_bitwise_wherever_the_clients_lie(layout, po
         assert torch.equal(g[c], torch.autograd.grad(ref, one, grad[c])[0])
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the aten operations that reach it (under vmap: the ones on the stacked tensors)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def body_ops(monkeypatch, min_numel: int) -> Counter[str]:
     monkeypatch.setattr(functional_module, "STACKED_CONV_MIN_NUMEL", min_numel)
     body = nn.Sequential(
@@ -236,9 +181,9 @@ def body_ops(monkeypatch, min_numel: int) -> Counter[str]:
     )  # fmt: skip
     state = {k: torch.stack([v.detach()] * 4) for k, v in body.state_dict().items()}
     images = torch.randn(4, 5, 3, 16, 16)
-    with _Ops() as ops:
+    with OpLog() as ops:  # under vmap: the operations on the stacked tensors
         torch.vmap(lambda s, i: apply_layer(body, "", s, i))(state, images)
-    return ops.count
+    return Counter(name.removeprefix("aten::").split(".")[0] for name in ops.names)
 
 
 def test_a_cnn_body_copies_only_its_input_images(monkeypatch) -> None:
@@ -315,17 +260,4 @@ def test_a_batched_cnn_run_with_every_layer_stacked(monkeypatch, calls) -> None:
     monkeypatch.setattr(functional_module, "STACKED_CONV_MIN_NUMEL", 0)
     ours_ = radbo.run(config, progress=False, save=False)
     assert calls["stacked"][0] > 0 and calls["pool"][0] > 0
-    assert ours_.ledger == vmaps.ledger
-    for a, b in zip(ours_.rounds, vmaps.rounds, strict=True):
-        assert a.keys() == b.keys()
-        for k in a:
-            if "wall" in k:
-                continue
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12, nan_ok=True), k
-            else:
-                assert a[k] == b[k], k
-    for part in ("x", "y"):
-        mine, ref = getattr(ours_.state, part), getattr(vmaps.state, part)
-        for name in mine:
-            torch.testing.assert_close(mine[name], ref[name], rtol=1e-9, atol=1e-12)
+    assert_runs_agree(ours_, vmaps, rtol=1e-9, atol=1e-12)

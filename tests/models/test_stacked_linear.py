@@ -25,7 +25,7 @@ from radbo.models import functional as functional_module
 from radbo.models.functional import STACKED_LINEAR_MIN_WEIGHTS, _StackedLinear, apply_layer
 from radbo.problem import forward, module_calls_only
 from tests.configs import small_config
-from tests.helpers import count_applies
+from tests.helpers import assert_runs_agree, count_applies
 
 pytestmark = pytest.mark.float_sensitive
 
@@ -182,24 +182,7 @@ def test_a_batched_run_with_every_layer_stacked_matches_to_rounding(monkeypatch,
     monkeypatch.setattr(functional_module, "STACKED_LINEAR_MIN_WEIGHTS", 1)
     stacked = radbo.run(config, progress=False, save=False)
     assert calls[0] > 0
-    assert stacked.ledger == plain.ledger
-    for a, b in zip(stacked.rounds, plain.rounds, strict=True):
-        assert a.keys() == b.keys()
-        for k in a:
-            if "wall" in k:
-                continue
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12, nan_ok=True), k
-            else:
-                assert a[k] == b[k], k
-    for name in stacked.state.x:
-        torch.testing.assert_close(
-            stacked.state.x[name], plain.state.x[name], rtol=1e-9, atol=1e-12
-        )
-    for name in stacked.state.y:
-        torch.testing.assert_close(
-            stacked.state.y[name], plain.state.y[name], rtol=1e-9, atol=1e-12
-        )
+    assert_runs_agree(stacked, plain, rtol=1e-9, atol=1e-12)
 
 
 def test_nested_vmap_over_points_of_a_stacked_cohort() -> None:
