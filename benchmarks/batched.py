@@ -81,7 +81,8 @@ def simple_cnn_sections(num_clients: int) -> dict[str, Any]:
     return {k: config[k] for k in ("data", "model", "task")}
 
 
-def experiment(algorithm: str, num_clients: int, model: str = "mlp") -> Experiment:
+def experiment_data(algorithm: str, num_clients: int, model: str = "mlp") -> dict[str, Any]:
+    """The config (a TOML document's dict) of one workload of the table."""
     data = tomllib.loads(DEMO.read_text())
     data["fleet"] = {"num_clients": num_clients, "capacities": [1.0]}
     data["mask"] = {"policy": "none"}
@@ -95,7 +96,11 @@ def experiment(algorithm: str, num_clients: int, model: str = "mlp") -> Experime
         data["algorithm"] = {**data["algorithm"], "batch_size": 7, "outer_batch_size": 3}
     if algorithm != "rabo":
         data.pop("estimator", None)
-    return build(parse_config(data))
+    return data
+
+
+def experiment(algorithm: str, num_clients: int, model: str = "mlp") -> Experiment:
+    return build(parse_config(experiment_data(algorithm, num_clients, model)))
 
 
 def first_phase_tasks(exp: Experiment) -> tuple[ClientWork, list[ClientTask]]:

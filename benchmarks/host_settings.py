@@ -10,10 +10,16 @@
   :func:`radbo.allocator.retain_freed_memory`) against the C library's own behaviour, which
   unmaps large freed blocks and trims its heap, so that the next round faults their pages
   in again.
+- ``--setting trim``: that kept heap with glibc's trimming off (``"retain"`` as it is) against
+  the same with a 1 GiB trim threshold (what ``"retain"`` set before): a threshold is a cliff,
+  at which glibc gives back the whole free top of its heap (:mod:`radbo.allocator`), which
+  only a round that frees more than the threshold at once reaches (``--workload
+  simple_cnn:rabo --clients 50``).
 
 For each ``--clients`` size, each side runs in a fresh process (the collector, the allocator
 and the memory they manage are the process's): it builds the demo fleet
-(:func:`benchmarks.gpu.demo_fleet`, ``--backend``), steps two warm-up rounds, then
+(:func:`benchmarks.gpu.demo_fleet`, ``--backend``; or, with ``--workload MODEL:ALGORITHM``, a
+workload of ``benchmarks/batched.py``), steps two warm-up rounds, then
 ``--rounds`` timed rounds. The sides alternate, ``--repeats`` times each (the side that goes
 first swaps every repetition). Per side: seconds per round as the mean of the timed rounds
 (a full collection or a trimmed heap lands in one round of several, which a median would
@@ -27,6 +33,8 @@ exits 1 if they differ.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_settings.py --setting gc
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_settings.py --setting allocator
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_settings.py --setting trim \\
+        --workload simple_cnn:rabo --clients 50 --rounds 3 --repeats 2
 """
 
 from __future__ import annotations
@@ -49,12 +57,49 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.batched import ALGORITHMS, MODELS, experiment_data  # noqa: E402
 from benchmarks.bitwise_reference import tensors  # noqa: E402
 from benchmarks.gpu import Runner, demo_fleet  # noqa: E402
-from radbo.allocator import retain_freed_memory  # noqa: E402
+from radbo.allocator import _glibc, retain_freed_memory  # noqa: E402
 
 #: per setting: (the side without it, the side with it)
-SIDES = {"gc": ("running", "paused"), "allocator": ("system", "retain")}
+SIDES = {
+    "gc": ("running", "paused"),
+    "allocator": ("system", "retain"),
+    "trim": ("trim_1gib", "no_trim"),
+}
+#: glibc's ``M_TRIM_THRESHOLD`` (mallopt(3))
+M_TRIM_THRESHOLD = -1
+
+
+def workload_data(workload: str, clients: int) -> dict[str, Any]:
+    """The config of ``"demo"`` or of ``"MODEL:ALGORITHM"`` (``benchmarks/batched.py``)."""
+    if workload == "demo":
+        return demo_fleet(clients)
+    model, _, algorithm = workload.partition(":")
+    return experiment_data(algorithm, clients, model)
+
+
+def check_workload(workload: str) -> str:
+    """``--workload``'s parser: ``demo`` or a model and algorithm of ``benchmarks/batched.py``."""
+    model, _, algorithm = workload.partition(":")
+    if workload != "demo" and (model not in {*MODELS, "simple_cnn"} or algorithm not in ALGORITHMS):
+        raise argparse.ArgumentTypeError(
+            f"{workload!r}: 'demo' or MODEL:ALGORITHM with MODEL in "
+            f"{sorted({*MODELS, 'simple_cnn'})} and ALGORITHM in {sorted(ALGORITHMS)}"
+        )
+    return workload
+
+
+def set_allocator(setting: str, side: str) -> None:
+    """This process's allocator for one side (see the module docstring)."""
+    if setting == "allocator" and side == "retain" or setting == "trim":
+        if not retain_freed_memory():
+            raise RuntimeError("glibc refused radbo's allocator setting")
+    if setting == "trim" and side == "trim_1gib":
+        libc = _glibc()
+        if libc is None or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
+            raise RuntimeError("glibc refused a 1 GiB trim threshold")
 
 
 class CollectorClock:
@@ -83,13 +128,14 @@ def digest(state: Any) -> str:
     return h.hexdigest()
 
 
-def child(setting: str, side: str, clients: int, backend: str, rounds: int) -> dict[str, Any]:
+def child(
+    setting: str, side: str, clients: int, backend: str, rounds: int, workload: str = "demo"
+) -> dict[str, Any]:
     """One side in this process (see the module docstring)."""
     torch.set_num_threads(1)
-    if setting == "allocator" and side == "retain":
-        retain_freed_memory()
-    data = demo_fleet(clients)
-    data["runtime"] = {"backend": backend}
+    set_allocator(setting, side)
+    data = workload_data(workload, clients)
+    data["runtime"] = {**data.get("runtime", {}), "backend": backend}
     runner = Runner(data, "cpu")
     runner.exp.simulation.pause_gc = not (setting == "gc" and side == "running")
     runner.step()
@@ -120,6 +166,7 @@ def child(setting: str, side: str, clients: int, backend: str, rounds: int) -> d
 def run_side(args: argparse.Namespace, clients: int, side: str) -> dict[str, Any]:
     command = [sys.executable, __file__, "--setting", args.setting, "--child", side]
     command += ["--clients", str(clients), "--backend", args.backend, "--rounds", str(args.rounds)]
+    command += ["--workload", args.workload]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -149,7 +196,8 @@ def summary(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     off, on = SIDES[args.setting]
     lines = [
-        f"setting {args.setting}; backend {args.backend}; torch {torch.__version__}; "
+        f"setting {args.setting}; workload {args.workload}; backend {args.backend}; "
+        f"torch {torch.__version__}; "
         f"{args.rounds} timed rounds per run, {args.repeats} run(s) per side; medians over "
         "the runs (range)",
         "",
@@ -192,11 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="batched", help='"batched" or "sequential"')
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
+    parser.add_argument(
+        "--workload",
+        type=check_workload,
+        default="demo",
+        help='"demo" (the demo fleet) or MODEL:ALGORITHM of benchmarks/batched.py, '
+        'e.g. "simple_cnn:rabo"',
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         (clients,) = args.clients
-        result = child(args.setting, args.child, clients, args.backend, args.rounds)
+        result = child(args.setting, args.child, clients, args.backend, args.rounds, args.workload)
         print(json.dumps(result))
         return 0
     rows = [measure(args, n) for n in args.clients]

@@ -66,6 +66,29 @@ def test_the_collector_benchmark_runs_both_sides_to_the_same_bits():
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="radbo.allocator sets glibc's")
+def test_the_trim_benchmark_runs_a_batched_workload_to_the_same_bits():
+    """``--setting trim`` on a workload of benchmarks/batched.py: both sides (a 1 GiB trim
+    threshold, trimming off) step the same rounds to bitwise equal states. Whether a round
+    reaches the threshold is measured in BENCHMARKS.md; tests/test_allocator.py pins the
+    cliff itself."""
+    out = run_script(
+        "benchmarks/host_settings.py", "--setting", "trim", "--workload", "cnn7:fedavg",
+        "--clients", "4", "--rounds", "1", "--repeats", "1",
+    )  # fmt: skip
+    assert "workload cnn7:fedavg" in out, out
+    row = re.search(r"\n\| 4 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| .* \| (True|False) \|\n", out)
+    assert row and row[1] == "True", out
+
+
+def test_the_trim_benchmark_names_its_workloads(capsys):
+    from benchmarks import host_settings
+
+    with pytest.raises(SystemExit):
+        host_settings.main(["--setting", "trim", "--workload", "simple_cnn:sgd"])
+    assert "'simple_cnn:sgd': 'demo' or MODEL:ALGORITHM" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="radbo.allocator sets glibc's")
 def test_a_kept_heap_spares_a_fleet_its_page_faults():
     """100 batched demo clients, each side in a fresh process: with freed memory kept
     (``[runtime] allocator = "retain"``) a round faults in a small fraction of the pages it

@@ -4,8 +4,8 @@ Stacking clients (:class:`~radbo.simulation.BatchedBackend`) saves per-operation
 one CPU thread it wins by 2.3-8.7x on the demo MLP and 1.4-3.5x on CNN7 at 10 and 50 clients
 (``benchmarks/batched.py``), but is only at par (0.91-1.05x) with FedAvg on pfl-research's
 CIFAR-10 CNN, whose operations are large enough that there is no overhead to save, and with
-RABO on it at 10 clients (0.98-1.00x), and slower at 50 (0.92-0.96x; BENCHMARKS.md, "Stacked
-convolutions and pooling without copies").
+RABO on it (0.96-1.00x at 10 clients, 1.03x at 50; BENCHMARKS.md, "A trim threshold is a
+cliff").
 Which side wins depends on the model, the group size and the machine, so :class:`AutoBackend`
 measures it, once per *workload family*: the client work's function,
 :func:`~radbo.client.stack_key` (phase, submodel shapes, received tensors, draws) and the group
