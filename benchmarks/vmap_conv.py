@@ -18,6 +18,12 @@ clients with a batch of ``--batch`` each:
   kernel (the stacked activations' trips through memory: ``clients`` times one client's
   activations, which stop fitting in the cache where one client's do).
 
+``--forward`` times the forward pass alone (RABO's inner steps train only the output layer, so
+they run a CNN body forward only), with ``own_concatenated`` in place of ``stacked_plain``: each
+client's own convolution, the outputs concatenated beside the channels, as
+:class:`radbo.models.functional._StackedConv2d` runs convolutions of few input channels on the
+CPU.
+
 The sides alternate, ``--repeats`` times; medians in ms. Freed memory is kept for reuse
 (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default, so that no
 side pays the kernel's page faults for its large blocks; ``--system-allocator`` leaves glibc
@@ -25,6 +31,7 @@ as it is (the stacked sides' tens-of-MB blocks are then unmapped when freed and 
 again at every call). Run with one thread:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vmap_conv.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vmap_conv.py --forward --batch 32
 """
 
 from __future__ import annotations
@@ -54,6 +61,36 @@ LAYERS: dict[str, tuple[int, int, int, int]] = {
 
 def loss(w: Tensor, x: Tensor) -> Tensor:
     return F.conv2d(x, w).square().mean()
+
+
+#: a side's column in the table
+LABELS = {
+    "loop": "loop (ms)",
+    "vmap": "vmap (ms)",
+    "grouped": "grouped (ms)",
+    "grouped_cl": "grouped, channels-last (ms)",
+    "stacked_plain": "stacked, plain kernels (ms)",
+    "own_concatenated": "own, concatenated (ms)",
+}
+
+
+def forward_sides(
+    clients: int, batch: int, c: int, o: int, k: int, size: int
+) -> dict[str, Callable]:
+    """The forward pass alone of each side (``--forward``)."""
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.randn(clients, o, c, k, k, generator=gen) * 0.1
+    xs = torch.randn(clients, batch, c, size, size, generator=gen)
+    wg = ws.reshape(clients * o, c, k, k)
+    xg = xs.transpose(0, 1).reshape(batch, clients * c, size, size)
+    xcl, wcl = (t.contiguous(memory_format=torch.channels_last) for t in (xg, wg))
+    return {
+        "loop": lambda: [F.conv2d(xs[i], ws[i]) for i in range(clients)],
+        "vmap": lambda: vmap(F.conv2d)(xs, ws),
+        "grouped": lambda: F.conv2d(xg, wg, groups=clients),
+        "grouped_cl": lambda: F.conv2d(xcl, wcl, groups=clients),
+        "own_concatenated": lambda: torch.cat([F.conv2d(xs[i], ws[i]) for i in range(clients)], 1),
+    }
 
 
 def sides(clients: int, batch: int, c: int, o: int, k: int, size: int) -> dict[str, Callable]:
@@ -101,21 +138,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--system-allocator", action="store_true", help="leave glibc as it is")
+    parser.add_argument("--forward", action="store_true", help="the forward pass alone")
     args = parser.parse_args()
     if not args.system_allocator:
         retain_freed_memory()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
+        f"{args.repeats}, batch {args.batch}, {'forward' if args.forward else 'forward + backward'}"
     )
     print()
-    print(
-        "| layer | clients | loop (ms) | vmap (ms) | grouped (ms) | grouped, channels-last (ms) "
-        "| stacked, plain kernels (ms) |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    make = forward_sides if args.forward else sides
+    keys = list(make(1, 1, *LAYERS[args.layers[0]]))
+    print("| layer | clients | " + " | ".join(LABELS[k] for k in keys) + " |")
+    print("|---|---:|" + "---:|" * len(keys))
     for name in args.layers:
         for n in args.clients:
-            runs = sides(n, args.batch, *LAYERS[name])
+            runs = make(n, args.batch, *LAYERS[name])
             times: dict[str, list[float]] = {k: [] for k in runs}
             for f in runs.values():
                 f()  # warm-up
@@ -125,11 +163,8 @@ def main() -> None:
                     f()
                     times[key].append(time.perf_counter() - start)
             ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-            print(
-                f"| {name} | {n} | {ms['loop']:.1f} | {ms['vmap']:.1f} | {ms['grouped']:.1f} "
-                f"| {ms['grouped_cl']:.1f} | {ms['stacked_plain']:.1f} |",
-                flush=True,
-            )
+            cells = " | ".join(f"{ms[k]:.1f}" for k in keys)
+            print(f"| {name} | {n} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":
