@@ -12,31 +12,24 @@ gain:
   per group and at least ``CLIENT_CONV_MIN_FLOPS`` per client);
 * other convolutions with at least ``STACKED_CONV_MIN_NUMEL`` output elements per client run
   the grouped convolution with the bias inside the kernel and the output left where it lies
-  (``_StackedConv2d``; on the CPU, with at most ``STACKED_CONV_CLIENT_MAX_IN_CHANNELS`` input
-  channels per group, each client's own convolution, concatenated in that layout), and
-  max-poolings of at least as many input elements per client pool it there
-  (``_StackedMaxPool2d``).
+  (``_StackedConv2d``), and max-poolings of at least as many input elements per client pool it
+  there (``_StackedMaxPool2d``).
 
 This times whole rounds (``Simulation.step``, every phase and the aggregation) of the
 workloads of ``benchmarks/batched.py`` for three sides:
 
 * ``seq``: the sequential backend;
-* a baseline: ``--baseline vmap`` (the default), the batched backend with radbo's rules
-  switched off (vmap's own rules everywhere); ``--baseline grouped``, radbo's rules with every
-  stacked convolution grouped (``STACKED_CONV_CLIENT_MAX_IN_CHANNELS`` 0);
+* ``vmap``: the batched backend with radbo's rules switched off (vmap's own rules everywhere);
 * ``radbo``: the batched backend as it runs (the rules on).
 
 The sides alternate, ``--repeats`` times; medians in ms, speed-ups over ``seq``. The last three
 columns count the calls each rule took in one round of the ``radbo`` side.
-``--max-in-channels``, ``--max-out-channels``, ``--min-flops``, ``--stacked-min-numel`` and
-``--stacked-client-in-channels`` replace the rules' bounds for the ``radbo`` side (to measure
-other rules). Freed memory is kept
+``--max-in-channels``, ``--max-out-channels``, ``--min-flops`` and ``--stacked-min-numel``
+replace the rules' bounds for the ``radbo`` side (to measure other rules). Freed memory is kept
 for reuse, as ``radbo run`` does. Run with one thread:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_conv.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_conv.py --models cnn7_32 --clients 10
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_conv.py --models simple_cnn \\
-        --baseline grouped
 """
 
 from __future__ import annotations
@@ -59,23 +52,14 @@ from radbo.simulation import BatchedBackend, SequentialBackend  # noqa: E402
 
 
 @contextmanager
-def baseline_rules(baseline: str) -> Iterator[None]:
-    """The baseline's rules: ``"vmap"``, every convolution and pooling of a stacked cohort left
-    to vmap (radbo's rules off); ``"grouped"``, radbo's rules with every stacked convolution
-    one grouped kernel."""
-    names = {
-        "vmap": ("CLIENT_CONV_MIN_FLOPS", "STACKED_CONV_MIN_NUMEL"),
-        "grouped": ("STACKED_CONV_CLIENT_MAX_IN_CHANNELS",),
-    }[baseline]
-    value = 1 << 62 if baseline == "vmap" else 0
-    saved = {name: getattr(functional, name) for name in names}
-    for name in names:
-        setattr(functional, name, value)
+def vmaps_rules() -> Iterator[None]:
+    """Every convolution and pooling of a stacked cohort left to vmap (radbo's rules off)."""
+    saved = functional.CLIENT_CONV_MIN_FLOPS, functional.STACKED_CONV_MIN_NUMEL
+    functional.CLIENT_CONV_MIN_FLOPS = functional.STACKED_CONV_MIN_NUMEL = 1 << 62
     try:
         yield
     finally:
-        for name, bound in saved.items():
-            setattr(functional, name, bound)
+        functional.CLIENT_CONV_MIN_FLOPS, functional.STACKED_CONV_MIN_NUMEL = saved
 
 
 RULES = {
@@ -106,9 +90,7 @@ def counted(box: dict[str, int]) -> Iterator[None]:
             rule.apply = originals[name]  # type: ignore[method-assign]
 
 
-def measure(
-    model: str, algorithm: str, clients: int, repeats: int, baseline: str = "vmap"
-) -> dict[str, float]:
+def measure(model: str, algorithm: str, clients: int, repeats: int) -> dict[str, float]:
     exp = experiment(algorithm, clients, model)
     sim = exp.simulation
     seq, bat = SequentialBackend(), BatchedBackend()
@@ -117,7 +99,7 @@ def measure(
         sim.backend = backend
         if rules:
             return sim.step(exp.initial_state, 0)
-        with baseline_rules(baseline):
+        with vmaps_rules():
             return sim.step(exp.initial_state, 0)
 
     step(seq, True)  # warm-up: the FLOP meter's counts, kernels
@@ -128,7 +110,7 @@ def measure(
     times = alternate(
         {
             "seq": lambda: step(seq, True),
-            "base": lambda: step(bat, False),
+            "vmap": lambda: step(bat, False),
             "radbo": lambda: step(bat, True),
         },
         repeats,
@@ -151,41 +133,32 @@ def main() -> None:
     )
     parser.add_argument("--min-flops", type=int, default=functional.CLIENT_CONV_MIN_FLOPS)
     parser.add_argument("--stacked-min-numel", type=int, default=functional.STACKED_CONV_MIN_NUMEL)
-    parser.add_argument(
-        "--stacked-client-in-channels",
-        type=int,
-        default=functional.STACKED_CONV_CLIENT_MAX_IN_CHANNELS,
-    )
-    parser.add_argument("--baseline", choices=["vmap", "grouped"], default="vmap")
     args = parser.parse_args()
     functional.CLIENT_CONV_MAX_IN_CHANNELS = args.max_in_channels
     functional.CLIENT_CONV_MAX_OUT_CHANNELS = args.max_out_channels
     functional.CLIENT_CONV_MIN_FLOPS = args.min_flops
     functional.STACKED_CONV_MIN_NUMEL = args.stacked_min_numel
-    functional.STACKED_CONV_CLIENT_MAX_IN_CHANNELS = args.stacked_client_in_channels
     retain_freed_memory()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
         f"{args.repeats}; rule: <= {functional.CLIENT_CONV_MAX_IN_CHANNELS} input and <= "
         f"{functional.CLIENT_CONV_MAX_OUT_CHANNELS} output channels per group, >= "
         f"{functional.CLIENT_CONV_MIN_FLOPS:,} FLOPs per client; stacked: >= "
-        f"{functional.STACKED_CONV_MIN_NUMEL:,} elements per client, client by client with "
-        f"<= {functional.STACKED_CONV_CLIENT_MAX_IN_CHANNELS} input channels per group; "
-        f"baseline {args.baseline}"
+        f"{functional.STACKED_CONV_MIN_NUMEL:,} elements per client"
     )
     print()
     print(
-        f"| model | algorithm | clients | round seq (ms) | {args.baseline} (ms) | speed-up "
+        "| model | algorithm | clients | round seq (ms) | vmap (ms) | speed-up "
         "| radbo (ms) | speed-up | client by client | stacked conv | stacked pool |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in args.models:
         for algorithm in args.algorithms:
             for n in args.clients:
-                m = measure(model, algorithm, n, args.repeats, args.baseline)
+                m = measure(model, algorithm, n, args.repeats)
                 print(
                     f"| {model} | {algorithm} | {n} | {1e3 * m['seq']:.1f} "
-                    f"| {1e3 * m['base']:.1f} | {m['seq'] / m['base']:.2f}x "
+                    f"| {1e3 * m['vmap']:.1f} | {m['seq'] / m['vmap']:.2f}x "
                     f"| {1e3 * m['radbo']:.1f} | {m['seq'] / m['radbo']:.2f}x "
                     f"| {m['client']:.0f} | {m['stacked']:.0f} | {m['pool']:.0f} |",
                     flush=True,

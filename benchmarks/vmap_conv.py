@@ -20,9 +20,10 @@ clients with a batch of ``--batch`` each:
 
 ``--forward`` times the forward pass alone (RABO's inner steps train only the output layer, so
 they run a CNN body forward only), with ``own_concatenated`` in place of ``stacked_plain``: each
-client's own convolution, the outputs concatenated beside the channels, as
-:class:`radbo.models.functional._StackedConv2d` runs convolutions of few input channels on the
-CPU.
+client's own convolution, the outputs concatenated beside the channels, where the next stacked
+convolution reads them in place (a rule that ran pfl-research's first convolution so, tried at
+commit 47d9cec, gained nothing in whole rounds: BENCHMARKS.md, "The first convolution client
+by client: tried, not kept").
 
 The sides alternate, ``--repeats`` times; medians in ms. Freed memory is kept for reuse
 (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default, so that no

@@ -149,19 +149,6 @@ def test_the_client_conv_benchmark_times_three_sides_and_counts_the_rules():
     assert found and int(found[1]) == 0 and int(found[2]) > 0 and int(found[3]) > 0, out
 
 
-def test_the_client_conv_benchmark_compares_with_every_convolution_grouped():
-    """``--baseline grouped``: radbo's rules with every stacked convolution one grouped kernel
-    against radbo as it runs; the header names the baseline."""
-    out = run_script(
-        "benchmarks/client_conv.py", "--models", "cnn7_32", "--algorithms", "fedavg",
-        "--clients", "2", "--repeats", "1", "--baseline", "grouped", "--stacked-min-numel", "0",
-        "--min-flops", str(1 << 62),
-    )  # fmt: skip
-    assert "| round seq (ms) | grouped (ms) | speed-up |" in out, out
-    assert "client by client with <= 4 input channels per group; baseline grouped" in out, out
-    assert re.search(r"\n\| cnn7_32 \| fedavg \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out), out
-
-
 @pytest.mark.parametrize("mode", [(), ("--forward",)], ids=["forward and backward", "forward"])
 def test_the_layer_benchmark_times_each_side(mode):
     """``benchmarks/vmap_conv.py`` at its smallest: a row per layer, a time per side (forward

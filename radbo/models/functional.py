@@ -312,15 +312,9 @@ class _StackedConv2d(_Conv2d):
     :func:`_conv` takes it only for outputs of at least :data:`STACKED_CONV_MIN_NUMEL`
     elements per client.
 
-    On the CPU, a convolution with at most :data:`STACKED_CONV_CLIENT_MAX_IN_CHANNELS` input
-    channels per group (an image's colour channels) runs each client's own convolution and
-    concatenates the outputs in the same layout: oneDNN's grouped kernel is slow for so few
-    channels per group, and the clients' inputs, clients first, need no copy then.
-
     The output equals ``F.conv2d`` of the clients' inputs laid side by side with their weights
-    and biases concatenated, bitwise (or, for the few-channel rule, each client's own
-    convolution, bitwise); each client's part equals its own convolution to the grouped
-    kernel's rounding, as vmap's rule does. Unlike the client-by-client rule it applies
+    and biases concatenated, bitwise; each client's part equals its own convolution to the
+    grouped kernel's rounding, as vmap's rule does. Unlike the client-by-client rule it applies
     on every device: it launches the kernel vmap's rule launches, without the bias pass and the
     copies (on a GPU that is fewer launches; not timed there, as no GPU was lent)."""
 
@@ -342,13 +336,6 @@ class _StackedConv2d(_Conv2d):
         b = None if bias is None else _clients_first(bias, bd, clients)
         x = _clients_first(x, xd, clients)
         one_image = x.dim() == 4  # (clients, channels, height, width)
-        if not one_image and _clients_convolutions(w):
-            # each client's own convolution, the outputs laid side by side (one copy)
-            parts = [
-                F.conv2d(x[c], w[c], None if b is None else b[c], stride, padding, dilation, groups)
-                for c in range(clients)
-            ]
-            return torch.cat(parts, 1).unflatten(1, (clients, -1)), 1
         # (images, clients x channels, ...): a view when the clients lie beside the channels
         side_by_side = x.unsqueeze(0) if one_image else x.movedim(0, 1)
         out = F.conv2d(
@@ -470,21 +457,6 @@ CLIENT_CONV_MIN_FLOPS = 1 << 22
 #: gain nothing when taken (``--stacked-min-numel 0``: FedAvg at 10 clients 1.48x -> 1.40x,
 #: RABO 1.90x -> 1.61x, at 50 clients 2.39x -> 2.32x and 3.30x -> 3.33x).
 STACKED_CONV_MIN_NUMEL = 1 << 18
-
-#: Of those (:data:`STACKED_CONV_MIN_NUMEL`), convolutions with at most this many input
-#: channels per group run each client's own convolution on the CPU, their outputs concatenated
-#: beside the channels as the grouped kernel lays them out (:class:`_StackedConv2d`). Forward
-#: alone, pfl-research's first convolution (3 -> 32 channels, 32x32 images, 32 per client), one
-#: thread: grouped 16.2 ms (vmap's rule 17.3) against 14.5 ms for the clients' own and the
-#: concatenation at 10 clients, 82.0 (85.5) against 70.6 ms at 50
-#: (``benchmarks/vmap_conv.py --forward --batch 32``).
-STACKED_CONV_CLIENT_MAX_IN_CHANNELS = 4
-
-
-def _clients_convolutions(weight: Tensor) -> bool:
-    """Whether a stacked convolution with these (clients-first) weights runs client by client
-    inside :class:`_StackedConv2d` (:data:`STACKED_CONV_CLIENT_MAX_IN_CHANNELS`)."""
-    return weight.device.type == "cpu" and weight.shape[2] <= STACKED_CONV_CLIENT_MAX_IN_CHANNELS
 
 
 def _conv_outputs(x: Tensor, weight: Tensor, stride: Any, pad: list[int], dilation: Any) -> int:

@@ -1,14 +1,13 @@
 """A stacked cohort's convolutions and max-poolings as radbo batches them
 (``radbo.models.functional._StackedConv2d`` and ``_StackedMaxPool2d``): the convolution is
-bitwise one grouped ``F.conv2d`` of the clients' inputs side by side, bias inside the kernel
-(or, for few input channels on the CPU, bitwise each client's own, laid out the same way);
+bitwise one grouped ``F.conv2d`` of the clients' inputs side by side, bias inside the kernel;
 it agrees with each client's own convolution and with vmap's rule to rounding, second
 derivatives included; the pooling is bitwise each client's own, values and gradients; a CNN
 body chain makes no copy of its activations; and the layer rules take them only inside vmap,
 for layers of at least ``STACKED_CONV_MIN_NUMEL`` elements per client.
 
 The bitwise claims hold on any CPU because both sides run the same aten operation on the same
-tensors (the grouped convolution, or each client's), or an operation that is exact (a maximum; its gradient
+tensors (the grouped convolution), or an operation that is exact (a maximum; its gradient
 routes each element to one place, in the same order per image and channel). The comparisons
 with each client's convolution and vmap's rule are in float64, where kernels sum the same
 products in orders of their choosing: an output sums ``C k^2 <= 27`` of them here (plus the
@@ -59,59 +58,26 @@ def ours(settings):
     return lambda x, w, b: _StackedConv2d.apply(x, w, b, *settings)
 
 
-@pytest.fixture(params=["grouped", "client by client"])
-def conv_path(request, monkeypatch) -> str:
-    """Each test of ``_StackedConv2d`` on both of its paths: one grouped convolution, and (on
-    the CPU, for few input channels per group) each client's own; the cases have at most 4
-    input channels per group, which the default bound sends client by client."""
-    bound = 0 if request.param == "grouped" else 1 << 30
-    monkeypatch.setattr(functional_module, "STACKED_CONV_CLIENT_MAX_IN_CHANNELS", bound)
-    return str(request.param)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("case", CASE_NAMES)
-def test_output_is_the_grouped_or_each_clients_convolution_bitwise(case, dtype, conv_path) -> None:
-    """Grouped: bitwise one ``F.conv2d`` of the clients' inputs side by side. Client by client:
-    bitwise each client's own ``F.conv2d``. Both leave the clients beside the channels: the
-    output, clients first, is a view of one contiguous (images, clients x channels, ...)
-    tensor. One image per client always takes the grouped kernel."""
+def test_output_is_one_grouped_convolution_of_the_clients_side_by_side_bitwise(case, dtype) -> None:
     x, w, b, (stride, padding, dilation, groups) = stacked(case, dtype)
-    settings = (stride, padding, dilation, groups)
-    out = torch.vmap(ours(settings))(x, w, b)
+    out = torch.vmap(ours((stride, padding, dilation, groups)))(x, w, b)
     clients = x.shape[0]
-    if conv_path == "client by client" and case != "one image":
-        ref = torch.stack([F.conv2d(x[c], w[c], b[c], *settings) for c in range(clients)])
-        assert torch.equal(out, ref)
-    else:
-        # by hand: images x (clients x channels) in, clients x out channels of weights, biases
-        side_by_side = x.unsqueeze(0) if case == "one image" else x.movedim(0, 1)
-        ref = F.conv2d(
-            side_by_side.flatten(1, 2),
-            w.flatten(0, 1),
-            b.flatten(),
-            stride,
-            padding,
-            dilation,
-            groups * clients,
-        ).unflatten(1, (clients, -1))
-        assert torch.equal(out, ref.squeeze(0) if case == "one image" else ref.movedim(1, 0))
-    if case != "one image":
-        assert out.movedim(0, 1).flatten(1, 2).is_contiguous()
+    # by hand: images x (clients x channels) in, clients x out channels of weights and biases
+    side_by_side = x.unsqueeze(0) if case == "one image" else x.movedim(0, 1)
+    ref = F.conv2d(
+        side_by_side.flatten(1, 2),
+        w.flatten(0, 1),
+        b.flatten(),
+        stride,
+        padding,
+        dilation,
+        groups * clients,
+    ).unflatten(1, (clients, -1))
+    assert torch.equal(out, ref.squeeze(0) if case == "one image" else ref.movedim(1, 0))
 
 
-def test_few_input_channels_on_the_cpu_take_each_clients_convolution() -> None:
-    """The bound (``STACKED_CONV_CLIENT_MAX_IN_CHANNELS``) is on one client's input channels per
-    group, and on the CPU only; pfl-research's first convolution (3 -> 32) is under it, its
-    second (32 -> 64) over it."""
-    assert functional_module.STACKED_CONV_CLIENT_MAX_IN_CHANNELS == 4
-    few = functional_module._clients_convolutions
-    assert few(torch.empty(10, 32, 3, 3, 3)) and few(torch.empty(10, 8, 4, 3, 3))
-    assert not few(torch.empty(10, 64, 32, 3, 3)) and not few(torch.empty(10, 8, 5, 3, 3))
-    assert not few(torch.empty(10, 32, 3, 3, 3, device="meta"))
-
-
-@pytest.mark.usefixtures("conv_path")
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_agrees_with_each_clients_convolution_and_vmaps_rule(case) -> None:
     x, w, b, settings = stacked(case)
@@ -127,12 +93,10 @@ def test_agrees_with_each_clients_convolution_and_vmaps_rule(case) -> None:
         torch.testing.assert_close(g, r, **TOL)
 
 
-@pytest.mark.usefixtures("conv_path")
 def test_hessian_vector_products_match_vmaps_rule() -> None:
     check_hessian_vector_products(ours)
 
 
-@pytest.mark.usefixtures("conv_path")
 def test_shared_input_shared_weight_and_no_bias() -> None:
     """One input for every client's weights, one weight for every client's inputs (in_dims
     None: expanded to the clients), and a layer without bias."""
@@ -155,7 +119,6 @@ def test_shared_input_shared_weight_and_no_bias() -> None:
     check(lambda conv: lambda x_: conv(x_, shared_w, None), x, (x, shared_w))
 
 
-@pytest.mark.usefixtures("conv_path")
 def test_nested_vmap_over_points_of_a_stacked_cohort() -> None:
     check_nested_vmap(ours)
 
@@ -223,20 +186,12 @@ def body_ops(monkeypatch, min_numel: int) -> Counter[str]:
     return Counter(name.removeprefix("aten::").split(".")[0] for name in ops.names)
 
 
-def test_a_cnn_body_copies_only_its_first_convolutions_output(monkeypatch) -> None:
-    """conv (3 -> 8) -> ReLU -> pool -> conv (8 -> 16) -> ReLU -> pool on a stacked cohort: one
-    copy and no separate bias addition, where vmap's rules make four copies (before each
-    pooling and each convolution) and two additions. The first convolution runs each client's
-    own (3 input channels) and concatenates the outputs beside the channels; the second is one
-    grouped convolution reading them there. With the grouped kernel for both, the one copy is
-    of the images (clients first, laid beside the channels)."""
+def test_a_cnn_body_copies_only_its_input_images(monkeypatch) -> None:
+    """conv -> ReLU -> pool -> conv -> ReLU -> pool on a stacked cohort: one copy (the images,
+    clients first, laid beside the channels) and no separate bias addition, where vmap's rules
+    make four copies (before each pooling and each convolution) and two additions."""
     ours_ = body_ops(monkeypatch, 0)
-    assert ours_["clone"] == 0 and ours_["cat"] == 1 and ours_["add"] == 0
-    assert ours_["convolution"] == 4 + 1  # the 4 clients' own, then one grouped
-    monkeypatch.setattr(functional_module, "STACKED_CONV_CLIENT_MAX_IN_CHANNELS", 0)
-    grouped = body_ops(monkeypatch, 0)
-    assert grouped["clone"] == 1 and grouped["cat"] == 0 and grouped["add"] == 0
-    assert grouped["convolution"] == 2
+    assert ours_["clone"] == 1 and ours_["add"] == 0 and ours_["convolution"] == 2
     vmaps = body_ops(monkeypatch, 1 << 62)
     assert vmaps["clone"] == 4 and vmaps["add"] == 2 and vmaps["convolution"] == 2
 
