@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.batched import ALGORITHMS, MODELS, experiment_data  # noqa: E402
 from benchmarks.bitwise_reference import tensors  # noqa: E402
 from benchmarks.gpu import Runner, demo_fleet  # noqa: E402
-from radbo.allocator import _glibc, retain_freed_memory  # noqa: E402
+from radbo.allocator import _M_TRIM_THRESHOLD, _glibc, retain_freed_memory  # noqa: E402
 
 #: per setting: (the side without it, the side with it)
 SIDES = {
@@ -68,8 +68,8 @@ SIDES = {
     "allocator": ("system", "retain"),
     "trim": ("trim_1gib", "no_trim"),
 }
-#: glibc's ``M_TRIM_THRESHOLD`` (mallopt(3))
-M_TRIM_THRESHOLD = -1
+#: the models ``--workload`` takes: those of ``benchmarks/batched.py``
+WORKLOAD_MODELS = sorted({*MODELS, "simple_cnn"})
 
 
 def workload_data(workload: str, clients: int) -> dict[str, Any]:
@@ -83,22 +83,22 @@ def workload_data(workload: str, clients: int) -> dict[str, Any]:
 def check_workload(workload: str) -> str:
     """``--workload``'s parser: ``demo`` or a model and algorithm of ``benchmarks/batched.py``."""
     model, _, algorithm = workload.partition(":")
-    if workload != "demo" and (model not in {*MODELS, "simple_cnn"} or algorithm not in ALGORITHMS):
+    if workload != "demo" and (model not in WORKLOAD_MODELS or algorithm not in ALGORITHMS):
         raise argparse.ArgumentTypeError(
-            f"{workload!r}: 'demo' or MODEL:ALGORITHM with MODEL in "
-            f"{sorted({*MODELS, 'simple_cnn'})} and ALGORITHM in {sorted(ALGORITHMS)}"
+            f"{workload!r}: 'demo' or MODEL:ALGORITHM with MODEL in {WORKLOAD_MODELS} and "
+            f"ALGORITHM in {sorted(ALGORITHMS)}"
         )
     return workload
 
 
 def set_allocator(setting: str, side: str) -> None:
     """This process's allocator for one side (see the module docstring)."""
-    if setting == "allocator" and side == "retain" or setting == "trim":
+    if (setting == "allocator" and side == "retain") or setting == "trim":
         if not retain_freed_memory():
             raise RuntimeError("glibc refused radbo's allocator setting")
     if setting == "trim" and side == "trim_1gib":
         libc = _glibc()
-        if libc is None or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
+        if libc is None or libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) != 1:
             raise RuntimeError("glibc refused a 1 GiB trim threshold")
 
 

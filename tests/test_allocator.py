@@ -97,7 +97,8 @@ libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "retain":
     assert allocator.retain_freed_memory()
 else:
-    assert libc.mallopt(-3, 1 << 30) == 1 and libc.mallopt(-1, 1 << 30) == 1
+    assert libc.mallopt(allocator._M_MMAP_THRESHOLD, 1 << 30) == 1
+    assert libc.mallopt(allocator._M_TRIM_THRESHOLD, 1 << 30) == 1
 SIZE, COUNT = 128 << 20, 9
 
 def write_blocks():
