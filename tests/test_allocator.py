@@ -86,18 +86,16 @@ def test_a_run_applies_the_setting_of_its_config(monkeypatch, tmp_path, setting,
 
 # Frees the heap's top in 128 MiB blocks, last allocated first, and counts the page faults of
 # allocating and writing the same blocks again. Run in a process of its own: the setting is the
-# process's for good. "retain" is radbo's setting; "cliff" is the 1 GiB trim threshold this
-# module set before, with the mmap threshold that keeps the blocks on the heap.
+# process's for good. "retain" is radbo's setting; "cliff" is radbo's setting with the 1 GiB
+# trim threshold it set before.
 HEAP_CYCLE = r"""
 import ctypes, json, resource, sys
 import radbo.allocator as allocator
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-if sys.argv[1] == "retain":
-    assert allocator.retain_freed_memory()
-else:
-    assert libc.mallopt(allocator._M_MMAP_THRESHOLD, 1 << 30) == 1
+assert allocator.retain_freed_memory()
+if sys.argv[1] == "cliff":
     assert libc.mallopt(allocator._M_TRIM_THRESHOLD, 1 << 30) == 1
 SIZE, COUNT = 128 << 20, 9
 

@@ -54,6 +54,15 @@ def test_the_compile_probe_compiles_double_backward_to_float64_rounding():
     assert len(re.findall(r"eager / compiled: [\d.]+x", out)) == 3
 
 
+def final_states_equal(out: str, clients: int) -> bool:
+    """Whether ``benchmarks/host_settings.py``'s row for ``clients`` says the two sides' final
+    states are bitwise equal (its last column)."""
+    row = re.search(
+        rf"\n\| {clients} \| [\d.]+ \| [\d.]+ \| [\d.]+x \| .* \| (True|False) \|\n", out
+    )
+    return bool(row) and row[1] == "True"
+
+
 def test_the_collector_benchmark_runs_both_sides_to_the_same_bits():
     """Each side in a process of its own; the final states' digests must agree (the script
     exits 1 otherwise)."""
@@ -61,8 +70,7 @@ def test_the_collector_benchmark_runs_both_sides_to_the_same_bits():
         "benchmarks/host_settings.py", "--setting", "gc", "--clients", "4", "--rounds", "1",
         "--repeats", "1",
     )  # fmt: skip
-    row = re.search(r"\n\| 4 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| .* \| (True|False) \|\n", out)
-    assert row and row[1] == "True", out
+    assert final_states_equal(out, clients=4), out
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="radbo.allocator sets glibc's")
@@ -76,8 +84,7 @@ def test_the_trim_benchmark_runs_a_batched_workload_to_the_same_bits():
         "--clients", "4", "--rounds", "1", "--repeats", "1",
     )  # fmt: skip
     assert "workload cnn7:fedavg" in out, out
-    row = re.search(r"\n\| 4 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| .* \| (True|False) \|\n", out)
-    assert row and row[1] == "True", out
+    assert final_states_equal(out, clients=4), out
 
 
 def test_the_trim_benchmark_names_its_workloads(capsys):
