@@ -21,8 +21,9 @@ Trimming is off rather than given a large threshold because glibc's threshold is
 not a cap: once the free memory at the top of the heap reaches it, a ``free`` gives *all* of
 that memory back (``systrim`` keeps only ``M_TOP_PAD``, 128 KiB). A 1 GiB threshold, which
 this module set before, let a batched 50-client RABO round of that CNN, whose tensors free
-more than 1 GiB at once, give its heap back and fault 430,000-530,000 pages in again every
-round (0.95-1.42 s of system time; BENCHMARKS.md, "A trim threshold is a cliff").
+more than 1 GiB at once, give its heap back and fault 78,000-314,000 pages in again per
+round (0.15-1.25 s of system time; ``benchmarks/host_settings.py --setting trim``, BENCHMARKS.md
+"A trim threshold is a cliff").
 ``tests/test_allocator.py`` measures both in a process of its own.
 
 The setting is the process's, and one way: glibc has no call that gives back its adaptive

@@ -314,7 +314,7 @@ class RuntimeConfig(Section):
     at the end of one round are not unmapped and faulted in again in the next, which at
     1,000 batched demo clients per round took about 25,000 page faults and 56 ms of system
     time a round (``benchmarks/host_settings.py --setting allocator``), and at 50 batched
-    clients of pfl-research's CIFAR-10 CNN 78,000-530,000 (``--setting trim``). The process's
+    clients of pfl-research's CIFAR-10 CNN 78,000-314,000 (``--setting trim``). The process's
     resident memory then stays at its high-water mark. This is the process's setting and
     lasts after the run (glibc cannot restore its adaptive thresholds); other C libraries
     are left as they are. ``"system"`` leaves the allocator alone. Results are the same
