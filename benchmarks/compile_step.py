@@ -16,7 +16,10 @@ against compiled (``torch.compile(fullgraph=True)``, ``--mode``):
   compiled function does;
 - ``--products`` products on one gradient: the gradient with ``create_graph=True`` once, then
   that many products on its graph, what a CG solve of that many iterations runs, against
-  radbo's eager build of the same graph plus the same products.
+  radbo's eager build of the same graph plus the same products;
+- ``inner phase``: the whole of RABO's phase 1 on the cohort (``run_inner``: every local step
+  on its own minibatch, the summed gradients), eager only: on a GPU with ``--graphs`` it shows
+  what one CUDA graph replay per phase would cost against the phase's launches from Python.
 
 Dynamo traces ``torch.autograd.grad`` only with ``torch._dynamo.config.trace_autograd_ops``
 (off by default in torch 2.13; with it off, ``fullgraph=True`` refuses the call). A compiled
@@ -95,6 +98,7 @@ class Workload:
         self.y = cohort.params(self.y_names, clone=True)
         self.buffers = cohort.params(algorithm.buffer_names, clone=True)
         self.batch = runtime.batch(cohort.step_data("inner", 0))
+        self.steps = [runtime.batch(cohort.step_data("inner", t)) for t in range(cohort.max_steps)]
         gen = torch.Generator().manual_seed(0)
         self.u = tuple(
             torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in self.y.values()
@@ -134,6 +138,20 @@ class Workload:
             out = torch.autograd.grad(g, list(y), list(u), retain_graph=True)
             total = tuple(s + t for s, t in zip(total, out, strict=True))
         return tuple(t.detach() for t in total)
+
+    def phase(self, state: State) -> Tensors:
+        """RABO's whole inner phase (``run_inner``) on the cohort: every local step of eq. (5)
+        on its own minibatch, and the summed gradients ``G`` (every client assumed to run all
+        steps: the engine masks clients past their last step); returns ``(y, G)``."""
+        x, y, buffers = state[:3]
+        total = tuple(torch.zeros_like(p) for p in y)
+        for batch in self.steps:
+            y = tuple(p.detach().requires_grad_(True) for p in y)
+            loss = self.inner_loss((x, y, buffers, batch.inputs, batch.targets))
+            grads = torch.autograd.grad(loss, list(y))
+            y = tuple(p - self.lr * g for p, g in zip(y, grads, strict=True))
+            total = tuple(s + g for s, g in zip(total, grads, strict=True))
+        return tuple(t.detach() for t in (*y, *total))
 
     def state(self, drop_last: bool = False) -> State:
         """The cohort's (x, y, buffers, inputs, targets); ``drop_last``: less its last client."""
@@ -201,7 +219,7 @@ def relative_difference(a: Tensors, b: Tensors) -> float:
 def compare(
     name: str,
     eager: dict[str, Callable[[], Tensors]],
-    compiled: Callable[[], Tensors],
+    compiled: Callable[[], Tensors] | None,
     smaller: Callable[[], Tensors] | None,
     args: argparse.Namespace,
     cuda: bool,
@@ -210,13 +228,16 @@ def compare(
     sides = dict(eager)
     start = time.perf_counter()
     try:
-        got = tuple(t.clone() for t in compiled())  # CUDA graphs reuse their output memory
-        if cuda:
-            torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        diff = relative_difference(got, reference)
-        print(f"  {name}: first compiled call {first:.2f} s; relative difference {diff:.1e}")
-        sides["compiled"] = compiled
+        if compiled is None:  # the eager sides only (and, with --graphs, their CUDA graphs)
+            print(f"  {name}: not compiled")
+        else:
+            got = tuple(t.clone() for t in compiled())  # CUDA graphs reuse their output memory
+            if cuda:
+                torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            diff = relative_difference(got, reference)
+            print(f"  {name}: first compiled call {first:.2f} s; relative difference {diff:.1e}")
+            sides["compiled"] = compiled
     except Exception as error:  # a benchmark: report it, time the other sides
         print(f"  {name}: compiling failed: {first_line(error)}")
     if cuda and args.graphs:  # the eager code itself replayed as a CUDA graph
@@ -236,6 +257,10 @@ def compare(
     medians = {side: statistics.median(ts) for side, ts in times.items()}
     for side, ms in medians.items():
         print(f"    {side:>16s}: {ms:8.3f} ms per call")
+    for side in eager:
+        if f"{side}, graph" in medians:
+            ratio = medians[side] / medians[f"{side}, graph"]
+            print(f"    {side} / its CUDA graph: {ratio:.2f}x")
     if "compiled" not in medians:
         return medians
     best_eager = min(ms for side, ms in medians.items() if side in eager)
@@ -342,6 +367,15 @@ def main(argv: list[str] | None = None) -> int:
             args,
             cuda,
         )
+    # not compiled: dynamo would unroll the steps into one graph of T times the step's size
+    compare(
+        f"inner phase ({len(work.steps)} steps)",
+        {"eager": lambda: work.phase(full)},
+        None,
+        None,
+        args,
+        cuda,
+    )
     return 0
 
 

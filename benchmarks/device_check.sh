@@ -17,8 +17,8 @@
 # step cannot starve the rest; a step's output goes to $OUT/session.log and to the terminal,
 # tables and figures to $OUT. STEPS (a comma list) picks the steps; the default,
 # test_cuda,compile,gpu,profile, has limits summing to 560 s (compile has not run on a GPU
-# yet); scatter, vs_pfl, fd_batch and fewshot (measured already: BENCHMARKS.md) run when
-# named.
+# yet); scatter, graphs, vs_pfl, fd_batch and fewshot (measured already: BENCHMARKS.md) run
+# when named.
 set -u
 OUT=${OUT:-runs/device}
 SCALE=${STEP_SCALE:-1}
@@ -75,6 +75,11 @@ step fd_batch 60 $PY benchmarks/fd_batch.py --device cuda --batches 1 32 128 --r
 # (reduce-overhead), and the eager code captured as CUDA graphs (--graphs)
 step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
     --mode reduce-overhead --graphs --no-new-shape --repeats 50
+
+# item 3: [runtime] cuda_graphs on and off, seconds per round (float32), then an equivalence
+# check in float64
+step graphs 150 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
+step graphs 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 3 --dtype float64
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)
 if $PY -c "import pfl" 2>/dev/null; then

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from radbo.cost import FlopMeter, shape_signature, tensor_bytes
+from radbo.graphs import PhaseGraphs
 from radbo.loops import LocalSteps, Work, cg_iteration_flops, local_steps
 from radbo.problem import (
     PAD_INDEX,
@@ -175,6 +176,10 @@ class ClientRuntime:
     :meth:`batch` gives a padded example) and the model mixes no examples (no BatchNorm, no
     dropout); :func:`pads_minibatches` decides it.
 
+    ``graphs``: where set (``[runtime] cuda_graphs``), client work that supports it replays
+    a stacked cohort's phase from a CUDA graph (:class:`radbo.graphs.PhaseGraphs`; RABO's and
+    RAFBO's inner phase).
+
     ``channels_last``: :meth:`batch` gives a client's image minibatches (``N x C x H x W``) in
     ``torch.channels_last`` layout (``[runtime] memory_format``); a stacked cohort's (one
     dimension more) keep theirs.
@@ -188,6 +193,8 @@ class ClientRuntime:
     sampler: Sampler = field(default_factory=MinibatchSampler)
     pads: bool = False
     channels_last: bool = False
+    #: CUDA graphs of stacked cohorts' phases (``[runtime] cuda_graphs``; ``None``: eager)
+    graphs: PhaseGraphs | None = None
     _cache: dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
 
     def module_for(self, index_set: IndexSet) -> nn.Module:
@@ -428,6 +435,18 @@ class Cohort:
             t = p.steps[key]
             entries.append(t[min(step, t.shape[0] - 1)])
         return self._draws(key, entries)
+
+    def steps_block(self, key: str, pad_to: int | None = None) -> Tensor:
+        """The per-step tensor ``key`` of every step, ``[steps, clients, ...]``, of a stacked
+        cohort whose clients run equally many steps; ``pad_to``: a :attr:`Prepared.ragged`
+        minibatch padded at the end with :data:`~radbo.problem.PAD_INDEX` to this length, so
+        that cohorts whose longest minibatch differs share one shape."""
+        if not self.stacked or len(set(self.num_steps)) != 1:
+            raise ValueError("Cohort.steps_block needs a stacked cohort of equal step counts")
+        whole = self._draws(key, [p.steps[key] for p in self.prepared], dim=1)
+        if pad_to is not None and key in self.prepared[0].ragged and whole.shape[-1] < pad_to:
+            whole = torch.nn.functional.pad(whole, (0, pad_to - whole.shape[-1]), value=PAD_INDEX)
+        return whole
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what

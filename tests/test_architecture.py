@@ -58,6 +58,7 @@ LAYERS: list[set[str]] = [
         "schema",
         "threads",
         "allocator",
+        "graphs",  # CUDA graphs of pure phase functions: torch alone
     }
     | {"_torch_private"},
     {"flops", "edge", "tomlfile"},

@@ -16,8 +16,9 @@ largest magnitude (at least 1) and of the test loss, 1e4 x that. (Runs of one co
 CPU kernels are no measure of it: PyTorch's seeded ``uniform_`` and ``randn`` differ in the
 last float32 bit between the default and AVX2 kernels, so such runs start 7e-9 apart.) These
 tests skip without a GPU (CI has none) and carry the ``float_sensitive`` marker for machines
-that have one. Last run on a GPU on 2026-11-27, a lent H100 (torch 2.11.0+cu130): 24 passed,
-1 skipped (the no-GPU check) in 52-57 s (BENCHMARKS.md, section GPU).
+that have one. Last run on a GPU on 2026-11-28, a lent H200 (torch 2.11.0+cu130): 25 passed,
+1 skipped (the no-GPU check) in 55 s (BENCHMARKS.md, section GPU), before the test of
+``[runtime] cuda_graphs`` (the last test here) was written: that one has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -252,3 +253,51 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
     for ref in (outputs("cuda", 1 << 62), outputs("cpu", 0)):
         for a, b in zip(ours, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.float_sensitive
+@needs_cuda
+def test_cuda_graphs_replay_rabos_inner_phase_like_the_eager_run(monkeypatch):
+    """``[runtime] cuda_graphs``: RABO's inner phase captured once per padded cohort shape and
+    replayed in later rounds gives the eager batched GPU run's states, float64, 40 non-iid demo
+    clients (ragged minibatches padded) over 4 rounds. The bound is the module's 1e-9 of a
+    state's largest magnitude: a padded cohort runs kernels of another batch size, which may
+    sum in another order (rounding of ~1e3 terms, ~1e-13). Ledgers are identical; every
+    stacked inner cohort went through the cache, and later rounds replayed earlier captures
+    (a replay that read stale inputs would differ by far more than the bound)."""
+    from radbo.graphs import PhaseGraphs
+
+    calls: list[int] = []
+    captures: list[int] = []
+    run_phase, record = PhaseGraphs.run, PhaseGraphs._record
+
+    def spy_run(self, key, fn, inputs, clients):
+        calls.append(clients)
+        return run_phase(self, key, fn, inputs, clients)
+
+    def spy_record(self, fn, inputs):
+        captures.append(1)
+        return record(self, fn, inputs)
+
+    monkeypatch.setattr(PhaseGraphs, "run", spy_run)
+    monkeypatch.setattr(PhaseGraphs, "_record", spy_record)
+    fleet = {**demo_dict()["fleet"], "num_clients": 40}
+    eager = run(
+        _config("cuda", runtime={"backend": "batched"}, fleet=fleet, rounds=4),
+        progress=False,
+        save=False,
+    )
+    assert calls == [] and captures == []
+    graphed = run(
+        _config("cuda", runtime={"backend": "batched", "cuda_graphs": True}, fleet=fleet, rounds=4),
+        progress=False,
+        save=False,
+    )
+    assert len(calls) >= 8 and 1 <= len(captures) < len(calls)
+    for block in ("x", "y"):
+        for name, t in getattr(eager.state, block).items():
+            other = getattr(graphed.state, block)[name]
+            tol = 1e-9 * max(1.0, float(t.abs().max()))
+            assert float((t - other).abs().max()) <= tol, f"{block}/{name}"
+    for key in ("flops", "bytes_up", "bytes_down", "sim_time_s"):
+        assert eager.totals[key] == graphed.totals[key], key

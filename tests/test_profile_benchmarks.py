@@ -52,6 +52,7 @@ def test_the_compile_probe_compiles_double_backward_to_float64_rounding():
     assert len(differences) == 3
     assert all(float(d) <= 1e-12 for d in differences), differences
     assert len(re.findall(r"eager / compiled: [\d.]+x", out)) == 3
+    assert re.search(r"inner phase \(\d+ steps\)", out)  # timed eager only (no GPU here)
 
 
 def final_states_equal(out: str, clients: int) -> bool:

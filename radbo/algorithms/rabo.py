@@ -80,7 +80,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Estimator, FiniteDifference, ImplicitCG, init_state
 from radbo.limits import BatchSize, Steps, StepSize
-from radbo.loops import Work, local_steps
+from radbo.loops import LocalSteps, Work, local_steps
 from radbo.masks.index import alias, extract, extract_many
 from radbo.typing import IndexSet, Params
 
@@ -214,22 +214,67 @@ class RABO(RABOConfig, AlgorithmBase):
         return Prepared(steps={"inner": batches}, num_steps=steps, ragged=frozenset({"inner"}))
 
     def run_inner(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
-        """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers."""
-        lead = cohort.lead
+        """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers.
+
+        A stacked cohort whose clients run equally many steps replays its phase from a CUDA
+        graph where the runtime has :attr:`~radbo.client.ClientRuntime.graphs`
+        (``[runtime] cuda_graphs``): the steps as one pure function of x, y, buffers and the
+        steps' minibatches (:meth:`_inner_phase`), on the device."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
+        steps = cohort.num_steps
+        if runtime.graphs is not None and cohort.stacked and len(set(steps)) == 1:
+            minibatches = cohort.steps_block("inner", self.batch_size if runtime.pads else None)
+            device = next(iter(y.values())).device
+            inputs = (x, y, buffers, minibatches.transpose(0, 1).to(device))
+            key = ("rabo.inner", id(self), self.inner_lr, id(module), steps[0])
+            phase = self._inner_phase(runtime, cohort, module, steps[0])
+            _, total, buffers, loss_value = runtime.graphs.run(key, phase, inputs, cohort.size)
+            n_grad = steps
+        else:
+            done = self._inner_steps(
+                runtime,
+                cohort,
+                module,
+                x,
+                y,
+                buffers,
+                lambda t: cohort.step_data("inner", t),
+                steps,
+            )
+            _, total, buffers, loss_value = done.carry
+            n_grad = done.n_grad
+        update = {**total, **(buffers if self.aggregate_buffers else {})}
+        samples = cohort.step_samples("inner")
+        return cohort.replies(update, {"inner_loss": loss_value}, n_grad=n_grad, samples=samples)
+
+    def _inner_steps(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        x: Params,
+        y: Params,
+        buffers: Params,
+        minibatch: Callable[[int], torch.Tensor],
+        steps: int | list[int],
+    ) -> LocalSteps[Any]:
+        """Eq. (5) ``steps`` times from ``y`` (each client its number of steps), step t on the
+        example indices ``minibatch(t)``; the carry ends as ``(y, G, buffers, loss)``."""
         total = {n: torch.zeros_like(t) for n, t in y.items()}
         Carry = tuple[Params, Params, Params, Any]  # y, summed gradients G, buffers, loss
 
         def step(t: int, carry: Carry) -> tuple[Carry, Work]:
             y, total, buffers, _ = carry
-            batch = runtime.batch(cohort.step_data("inner", t))
+            batch = runtime.batch(minibatch(t))
             y_var = {n: p.requires_grad_(True) for n, p in y.items()}
             # updates the BatchNorm running statistics in ``buffers`` in place
             loss = cohort.loss(runtime.problem.inner_loss, module, x, y_var, buffers, batch)
-            grads = torch.autograd.grad(scalar("inner_loss", loss, lead), list(y_var.values()))
+            grads = torch.autograd.grad(
+                scalar("inner_loss", loss, cohort.lead), list(y_var.values())
+            )
             stepped = {
                 n: (p - self.inner_lr * g).detach()
                 for (n, p), g in zip(y_var.items(), grads, strict=True)
@@ -238,13 +283,26 @@ class RABO(RABOConfig, AlgorithmBase):
             return (stepped, total, buffers, loss.detach()), Work(n_grad=1)
 
         # every step does the same work (on a slice of the stacked minibatches)
-        steps = cohort.local_steps(step, (y, total, buffers, float("nan")), name="rabo.inner")
-        _, total, buffers, loss_value = steps.carry
-        update = {**total, **(buffers if self.aggregate_buffers else {})}
-        samples = cohort.step_samples("inner")
-        return cohort.replies(
-            update, {"inner_loss": loss_value}, n_grad=steps.n_grad, samples=samples
-        )
+        return local_steps(step, (y, total, buffers, float("nan")), steps, name="rabo.inner")
+
+    def _inner_phase(
+        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
+    ) -> Callable[[Any], Any]:
+        """The inner phase of a stacked cohort whose clients all run ``steps`` steps, as a
+        pure function of ``(x, y, buffers, minibatches)`` (minibatches ``[clients, steps,
+        batch]``) returning ``(y, G, buffers, loss)``: what :class:`radbo.graphs.PhaseGraphs`
+        captures. It reads nothing else that changes between rounds (``inner_lr``, the
+        module and ``steps`` are in its key)."""
+
+        def phase(inputs: Any) -> Any:
+            x, y, buffers, minibatches = inputs
+            y = {n: t.clone() for n, t in y.items()}  # the steps set requires_grad on y
+            done = self._inner_steps(
+                runtime, cohort, module, x, y, buffers, lambda t: minibatches[:, t], steps
+            )
+            return done.carry
+
+        return phase
 
     def server_inner(
         self,

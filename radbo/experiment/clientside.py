@@ -26,6 +26,7 @@ from radbo.algorithms import AlgorithmConfig, Wiring
 from radbo.client import Algorithm, ClientRuntime, Phase, pads_minibatches
 from radbo.config import ConfigError, RunConfig
 from radbo.data import Dataset, DatasetSummary
+from radbo.graphs import PhaseGraphs
 from radbo.masks.structure import StructurePlan
 from radbo.models import BilevelModel, ModelConfig
 from radbo.problem import BilevelProblem, Sampler
@@ -195,5 +196,6 @@ def client_side(
         sampler=sampler,
         pads=pads_minibatches(problem, model.model),
         channels_last=config.runtime.memory_format == "channels_last",
+        graphs=PhaseGraphs() if config.runtime.cuda_graphs else None,
     )
     return ClientSide(model, algorithm, runtime)

@@ -1,0 +1,120 @@
+"""Seconds per round with ``[runtime] cuda_graphs`` on and off: demo fleets on a GPU (issue 30).
+
+    .venv/bin/python benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
+    .venv/bin/python benchmarks/cuda_graphs.py --clients 100 --dtype float64   # equivalence
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cuda_graphs.py --device cpu --clients 20
+
+For each fleet size, the demo fleet of that many clients on the batched backend
+(:func:`benchmarks.gpu.demo_fleet`, RABO with CG) is built twice: ``cuda_graphs`` off (each
+stacked cohort's phases launched from Python) and on (RABO's inner phase captured once per
+padded cohort shape and replayed, :class:`radbo.graphs.PhaseGraphs`). Both step rounds 0 and 1
+(round 0 measures FLOPs, round 1 loads kernels), then ``--rounds`` rounds alternated, the
+first side switching every round; a round is one ``Simulation.step`` with the GPU's work
+finished before the clock stops. A round that meets a new cohort shape captures it (a few
+eager runs of the phase): the medians show the steady rounds, the captures are counted.
+
+Reported per fleet size: each side's median seconds per round (and its fastest and slowest
+round), the speed-up, the phases captured, and the largest difference of the two sides' final
+x and y relative to the tensor's largest magnitude (float32 kernels of another batch size
+round differently; ``--dtype float64`` for an equivalence check). ``--device cpu`` runs the
+cache's eager path (``PhaseGraphs(capture=False)``: the same padding and copies without a
+graph; a CPU has no CUDA graphs), for the smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu import Runner, demo_fleet  # noqa: E402
+from radbo.graphs import PhaseGraphs  # noqa: E402
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    out = 0.0
+    for name, t in a.items():
+        scale = max(float(t.abs().max()), 1e-300)
+        out = max(out, float((t - b[name]).abs().max()) / scale)
+    return out
+
+
+def measure(clients: int, rounds: int, device: str, dtype: str) -> dict[str, float]:
+    data = demo_fleet(clients)
+    data["runtime"]["dtype"] = dtype
+    plain = Runner(data, device)
+    if device == "cpu":  # the config refuses cuda_graphs off a GPU: the cache's eager path
+        graphed = Runner(data, device)
+        graphs = graphed.exp.simulation.runtime.graphs = PhaseGraphs(capture=False)
+    else:
+        graphed = Runner({**data, "runtime": {**data["runtime"], "cuda_graphs": True}}, device)
+        graphs = graphed.exp.simulation.runtime.graphs
+        assert graphs is not None
+    sides = {"off": plain, "on": graphed}
+    for runner in sides.values():
+        runner.step()
+        runner.step()
+    warm = len(graphs)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for q in range(rounds):
+        for side in list(sides) if q % 2 == 0 else list(sides)[::-1]:
+            times[side].append(sides[side].step())
+    difference = max(
+        relative_difference(getattr(plain.state, block), getattr(graphed.state, block))
+        for block in ("x", "y")
+    )
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {
+        "off": off,
+        "off_min": min(times["off"]),
+        "off_max": max(times["off"]),
+        "on": on,
+        "on_min": min(times["on"]),
+        "on_max": max(times["on"]),
+        "speedup": off / on,
+        "captures_warm": warm,
+        "captures": len(graphs),
+        "difference": difference,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per side")
+    parser.add_argument("--device", default="cuda", help='"cuda" (default) or "cpu"')
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    args = parser.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print("benchmarks/cuda_graphs.py: no CUDA device is available to torch here")
+        return 0
+    name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (cache's eager path)"
+    print(
+        f"## {name}, torch {torch.__version__}, {args.dtype}; median of {args.rounds} steady "
+        "rounds per side after rounds 0 and 1, alternated"
+    )
+    print(
+        "| demo fleet, RABO, batched | cuda_graphs off (s/round) | on (s/round) | speed-up | "
+        "phases captured (after round 1 / end) | final x, y relative difference |"
+    )
+    print("|---|---|---|---:|---:|---:|")
+    for clients in args.clients:
+        row = measure(clients, args.rounds, args.device, args.dtype)
+        print(
+            f"| {clients} clients | {row['off']:.4f} ({row['off_min']:.4f}-{row['off_max']:.4f}) "
+            f"| {row['on']:.4f} ({row['on_min']:.4f}-{row['on_max']:.4f}) | "
+            f"{row['speedup']:.2f}x | {row['captures_warm']} / {row['captures']} | "
+            f"{row['difference']:.1e} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

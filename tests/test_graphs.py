@@ -1,0 +1,206 @@
+"""``radbo.graphs.PhaseGraphs`` and ``[runtime] cuda_graphs`` without a GPU.
+
+A CPU has no CUDA graphs: these tests run the cache's eager path (``capture=False``), which
+pads the cohort, copies the inputs into the capture's own tensors, runs the phase on them and
+cuts the outputs back exactly as a replay does; tests/test_cuda.py replays real graphs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from radbo.client import Cohort
+from radbo.config import ConfigError, parse_config
+from radbo.experiment import build
+from radbo.graphs import PhaseGraphs
+from radbo.simulation import BatchedBackend
+from tests.configs import demo_dict, small_config
+from tests.simulation.test_batched import assert_runs_agree
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    label: str
+
+
+def phase(inputs):
+    """Per client: ``2 a + sum(b)``, and ``b`` reversed; a label passed through."""
+    a, rest = inputs["a"], inputs["rest"]
+    return {"sum": Pair(2 * a + rest[0].sum(-1), "kept"), "flipped": [rest[0].flip(-1)]}
+
+
+def test_padded_sizes_are_multiples_of_the_granule():
+    """Multiples of 8, or of an eighth of the cohort rounded down to a power of two where that
+    is larger (130: 16; 300: 32; 1,000: 64): less than 1/8 more clients."""
+    graphs = PhaseGraphs(granule=8)
+    sizes = [1, 7, 8, 9, 37, 130, 300, 1000]
+    assert [graphs.padded_size(n) for n in sizes] == [8, 8, 8, 16, 40, 144, 320, 1024]
+    assert [PhaseGraphs(granule=1).padded_size(n) for n in (5, 37)] == [5, 40]
+    assert all(n <= graphs.padded_size(n) <= max(n + 7, n * 9 / 8) for n in range(1, 5000))
+
+
+@pytest.mark.parametrize("settings", [(0, 2, 64), (8, 0, 64), (8, 2, 0)])
+def test_bad_settings_are_refused(settings: tuple[int, int, int]):
+    with pytest.raises(ValueError, match="granule, warmup and max_captures >= 1"):
+        granule, warmup, most = settings
+        PhaseGraphs(granule=granule, warmup=warmup, max_captures=most)
+
+
+def test_the_least_recently_used_capture_goes_beyond_the_limit():
+    graphs = PhaseGraphs(capture=False, max_captures=2)
+    for key in ("one", "two", "one", "three"):
+        graphs.run(key, phase, {"a": torch.ones(3), "rest": (torch.ones(3, 2),)}, 3)
+    assert [k[0] for k in graphs._captures] == ["one", "three"]
+
+
+def test_a_phase_runs_padded_and_comes_back_cut_to_the_cohort():
+    """Cohorts of 3 and then 5 clients share one capture (both pad to 8); each gets its own
+    clients' results, exactly, and the capture's inputs are not the caller's tensors."""
+    graphs = PhaseGraphs(granule=8, capture=False)
+    for clients in (3, 5):
+        a = torch.arange(clients, dtype=torch.float64)
+        b = torch.arange(clients * 4, dtype=torch.float64).view(clients, 4) * 0.5
+        out = graphs.run("phase", phase, {"a": a, "rest": (b,)}, clients)
+        assert out["sum"].label == "kept"
+        assert torch.equal(out["sum"].a, 2 * a + b.sum(-1))
+        assert torch.equal(out["flipped"][0], b.flip(-1))
+        assert len(graphs) == 1
+    a[0] = 100.0  # the caller's tensors stay theirs
+    assert out["sum"].a[0] == 2 * 0 + b[0].sum()
+
+
+def test_another_key_or_shape_is_another_capture():
+    graphs = PhaseGraphs(granule=4, capture=False)
+    b = torch.ones(3, 2)
+    graphs.run("one", phase, {"a": torch.ones(3), "rest": (b,)}, 3)
+    graphs.run("two", phase, {"a": torch.ones(3), "rest": (b,)}, 3)
+    graphs.run("one", phase, {"a": torch.ones(5), "rest": (torch.ones(5, 2),)}, 5)  # pads to 8
+    graphs.run("one", phase, {"a": torch.ones(3), "rest": (torch.ones(3, 6),)}, 3)  # wider b
+    graphs.run("one", phase, {"a": torch.ones(2), "rest": (torch.ones(2, 2),)}, 2)  # as first
+    assert len(graphs) == 4
+
+
+@pytest.mark.float_sensitive
+def test_rabo_through_the_phase_cache_agrees_with_the_batched_run():
+    """RABO's inner phase through the cache (cohorts padded to multiples of 8, minibatches to
+    the full batch) against the plain batched run, float64, 3 rounds of the demo fleet: the
+    states to 1e-10 relative, as test_batched.py allows batched against sequential (the padded
+    clients change the kernels' batch sizes, which changes summation orders: rounding of
+    ~1e3 terms, ~1e-13), ledgers exactly. Every stacked inner cohort went through the cache."""
+    overrides = dict(rounds=3, runtime={"dtype": "float64"})
+    plain = build(small_config(**overrides))
+    plain.simulation.backend = BatchedBackend()
+    graphed = build(small_config(**overrides))
+    graphed.simulation.backend = BatchedBackend()
+    graphs = graphed.simulation.runtime.graphs = PhaseGraphs(capture=False)
+    calls: list[int] = []
+    original = PhaseGraphs.run
+
+    def spy(self, key, fn, inputs, clients):
+        calls.append(clients)
+        return original(self, key, fn, inputs, clients)
+
+    sizes: list[tuple[bool, int]] = []
+    stack = Cohort.stack.__func__  # type: ignore[attr-defined]
+
+    def spy_stack(cls, tasks, prepared):
+        sizes.append(("inner" in prepared[0].steps, len(tasks)))
+        return stack(cls, tasks, prepared)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PhaseGraphs, "run", spy)
+        patch.setattr(Cohort, "stack", classmethod(spy_stack))
+        a = list(plain.simulation.iterate(plain.initial_state, 3))
+        sizes.clear()
+        b = list(graphed.simulation.iterate(graphed.initial_state, 3))
+    assert calls and calls == [n for inner, n in sizes if inner]
+    assert 1 <= len(graphs) <= len(calls)
+    assert_runs_agree(a, b)
+
+
+def test_clients_with_unequal_step_counts_run_eagerly():
+    """The cache needs equal step counts (a replayed phase has no per-client masks): cohorts of
+    clients whose step counts were drawn apart take the eager loop, the others the cache."""
+    fleet = {**demo_dict()["fleet"], "local_steps": "uniform", "local_steps_range": [1, 4]}
+    exp = build(small_config(rounds=2, fleet=fleet))
+    exp.simulation.backend = BatchedBackend()
+    exp.simulation.runtime.graphs = PhaseGraphs(capture=False)
+    steps: list[list[int]] = []
+    calls: list[int] = []
+    stack = Cohort.stack.__func__  # type: ignore[attr-defined]
+    original = PhaseGraphs.run
+
+    def spy_stack(cls, tasks, prepared):
+        cohort = stack(cls, tasks, prepared)
+        if "inner" in prepared[0].steps:
+            steps.append(cohort.num_steps)
+        return cohort
+
+    def spy(self, key, fn, inputs, clients):
+        calls.append(clients)
+        return original(self, key, fn, inputs, clients)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Cohort, "stack", classmethod(spy_stack))
+        patch.setattr(PhaseGraphs, "run", spy)
+        list(exp.simulation.iterate(exp.initial_state, 2))
+    assert any(len(set(s)) > 1 for s in steps)  # drawn apart
+    assert calls == [len(s) for s in steps if len(set(s)) == 1]
+
+
+def test_a_cohort_of_unequal_step_counts_has_no_block_of_steps():
+    exp = build(small_config(rounds=1))
+    with pytest.raises(ValueError, match="stacked cohort of equal step counts"):
+        Cohort.single(*_one_task(exp)).steps_block("inner")
+
+
+def _one_task(exp):
+    from tests.simulation.test_batched import inner_tasks
+
+    task = inner_tasks(exp, [0])[0]
+    work = exp.simulation.algorithm.phases()[0].client
+    return task, work.prepare(exp.simulation.runtime, task)
+
+
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        {"cuda_graphs": True},
+        {"cuda_graphs": True, "device": "cuda"},
+        {"cuda_graphs": True, "backend": "batched"},
+    ],
+)
+def test_cuda_graphs_need_a_gpu_and_the_batched_backend(runtime: dict):
+    data = demo_dict()
+    data["runtime"] = runtime
+    with pytest.raises(ConfigError, match='cuda_graphs = true needs device = "cuda" and backend'):
+        parse_config(data)
+
+
+def test_cuda_graphs_are_off_by_default_and_left_out_of_dumps():
+    config = parse_config(demo_dict())
+    assert config.runtime.cuda_graphs is False
+    assert "cuda_graphs" not in config.model_dump()["runtime"]
+    exp = build(config)
+    assert exp.simulation.runtime.graphs is None
+
+
+def test_a_phase_that_cannot_be_captured_warns_once_and_runs_eagerly(monkeypatch):
+    graphs = PhaseGraphs(granule=8)
+
+    def refuse(self, fn, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(PhaseGraphs, "_record", refuse)
+    a, b = torch.arange(3.0), torch.ones(3, 2)
+    with pytest.warns(RuntimeWarning, match=r"capturing phase 'phase' .* not permitted when"):
+        out = graphs.run("phase", phase, {"a": a, "rest": (b,)}, 3)
+    assert torch.equal(out["sum"].a, 2 * a + 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = graphs.run("phase", phase, {"a": a + 1, "rest": (b,)}, 3)
+    assert torch.equal(again["sum"].a, 2 * a + 4) and len(graphs) == 0
