@@ -168,3 +168,17 @@ def test_the_layer_benchmark_times_each_side(mode):
     last = "own, concatenated (ms)" if mode else "stacked, plain kernels (ms)"
     assert f"| grouped, channels-last (ms) | {last} |" in out, out
     assert re.search(r"\n\| cnn7 conv2 \(6->16, 5x5, 6x6\) \| 2 \|( [\d.]+ \|){5}\n", out), out
+
+
+def test_the_cuda_graphs_benchmark_runs_the_caches_eager_path_on_the_cpu():
+    """``benchmarks/cuda_graphs.py --device cpu`` (no CUDA graphs on a CPU: the cache's eager
+    path, the same padding and copies): one row, three inner cohorts captured, and the two
+    sides' float64 states as close as tests/test_graphs.py requires (1e-10 relative)."""
+    out = run_script(
+        "benchmarks/cuda_graphs.py", "--device", "cpu", "--clients", "20", "--rounds", "1",
+        "--dtype", "float64",
+    )  # fmt: skip
+    row = re.search(r"\| 20 clients \| .* \| ([\d.]+)x \| (\d+) / (\d+) \| (\S+) \|", out)
+    assert row, out
+    assert int(row[2]) >= 1 and int(row[3]) >= int(row[2])
+    assert float(row[4]) <= 1e-10
