@@ -6,7 +6,7 @@
 
 For each fleet size, the demo fleet of that many clients on the batched backend
 (:func:`benchmarks.gpu.demo_fleet`, RABO with CG) is built twice: ``cuda_graphs`` off (each
-stacked cohort's phases launched from Python) and on (RABO's inner phase captured once per
+stacked cohort's phases launched from Python) and on (RABO's two phases captured once per
 padded cohort shape and replayed, :class:`radbo.graphs.PhaseGraphs`). Both step rounds 0 and 1
 (round 0 measures FLOPs, round 1 loads kernels), then ``--rounds`` rounds alternated, the
 first side switching every round; a round is one ``Simulation.step`` with the GPU's work

@@ -52,6 +52,7 @@ __all__ = [
     "axpy",
     "bilevel_directions",
     "broadcast",
+    "capturing_graph",
     "check_finite",
     "check_int",
     "loss_grads",
@@ -542,6 +543,12 @@ class _CGIterate(NamedTuple):
     active: Tensor
 
 
+def capturing_graph(t: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``t``'s GPU (then no
+    value may be read on the host; ``False`` for a tensor on the CPU)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _damped(
     matvec: Callable[[TensorTuple], TensorTuple], damping: float
 ) -> Callable[[TensorTuple], TensorTuple]:
@@ -660,8 +667,12 @@ def solve_cg(
     rs = tuple_dot(r, r, lead)
     it = _CGIterate(sol, r, r, rs, rs.double() > threshold)  # active: per client, iterating
     counts = torch.full(it.active.shape, calls, dtype=torch.int64, device=it.active.device)
+    # Inside a CUDA graph's capture nothing may be read on the host: a cohort's solve then
+    # runs every iteration, clients that stopped masked as they are once some stop (the same
+    # values, and the same counts, as stopping when all have).
+    capturing = lead > 0 and capturing_graph(it.active)
     for _ in range(max_iter):
-        if not bool(it.active.any()):
+        if not capturing and not bool(it.active.any()):
             break
         ap = apply(it.p)
         counts = counts + it.active.long()

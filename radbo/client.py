@@ -178,7 +178,7 @@ class ClientRuntime:
 
     ``graphs``: where set (``[runtime] cuda_graphs``), client work that supports it replays
     a stacked cohort's phase from a CUDA graph (:class:`radbo.graphs.PhaseGraphs`; RABO's and
-    RAFBO's inner phase).
+    RAFBO's two phases).
 
     ``channels_last``: :meth:`batch` gives a client's image minibatches (``N x C x H x W``) in
     ``torch.channels_last`` layout (``[runtime] memory_format``); a stacked cohort's (one
@@ -308,6 +308,16 @@ def padded_stack(tensors: Sequence[Tensor], longest: int) -> Tensor:
     return out.view(*lead, clients, longest)
 
 
+def _pad_to(t: Tensor, key: str, length: int | None, cohort: Cohort) -> Tensor:
+    """A stacked cohort's :attr:`Prepared.ragged` minibatch ``t`` padded at the end with
+    :data:`~radbo.problem.PAD_INDEX` to ``length`` (``None``, or another key: ``t`` itself)."""
+    if length is None or not cohort.stacked or key not in cohort.prepared[0].ragged:
+        return t
+    if t.shape[-1] >= length:
+        return t
+    return torch.nn.functional.pad(t, (0, length - t.shape[-1]), value=PAD_INDEX)
+
+
 @dataclass(frozen=True)
 class Cohort:
     """Clients that run one phase's work together: one client, or several whose tensors have
@@ -408,9 +418,10 @@ class Cohort:
     def has(self, name: str) -> bool:
         return name in self.tasks[0].params
 
-    def data(self, key: str) -> Tensor:
-        """A once-drawn tensor of :attr:`Prepared.data` (a ragged minibatch padded)."""
-        return self._draws(key, [p.data[key] for p in self.prepared])
+    def data(self, key: str, pad_to: int | None = None) -> Tensor:
+        """A once-drawn tensor of :attr:`Prepared.data` (a ragged minibatch padded; with
+        ``pad_to``, of a stacked cohort, to that length at least: see :meth:`steps_block`)."""
+        return _pad_to(self._draws(key, [p.data[key] for p in self.prepared]), key, pad_to, self)
 
     @property
     def num_steps(self) -> list[int]:
@@ -444,9 +455,7 @@ class Cohort:
         if not self.stacked or len(set(self.num_steps)) != 1:
             raise ValueError("Cohort.steps_block needs a stacked cohort of equal step counts")
         whole = self._draws(key, [p.steps[key] for p in self.prepared], dim=1)
-        if pad_to is not None and key in self.prepared[0].ragged and whole.shape[-1] < pad_to:
-            whole = torch.nn.functional.pad(whole, (0, pad_to - whole.shape[-1]), value=PAD_INDEX)
-        return whole
+        return _pad_to(whole, key, pad_to, self)
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what

@@ -319,13 +319,14 @@ class RuntimeConfig(Section):
     lasts after the run (glibc cannot restore its adaptive thresholds); other C libraries
     are left as they are. ``"system"`` leaves the allocator alone. Results are the same
     either way.
-    ``cuda_graphs``: on a GPU with the batched backend, a stacked cohort's phase is captured
-    once as a CUDA graph per shape (cohorts padded to a multiple of 8 clients) and replayed
-    in later rounds (:class:`radbo.graphs.PhaseGraphs`); so far RABO's and RAFBO's inner
-    phase, the rest runs as without. On an H200 that phase for 37 demo clients took 23.1 ms
-    eager and 0.98 ms replayed (``benchmarks/compile_step.py --device cuda --graphs``).
-    Results differ from ``false`` by float rounding only (padded cohorts run kernels of
-    another batch size).
+    ``cuda_graphs`` (experimental): on a GPU with the batched backend, a stacked cohort's
+    phase is captured once as a CUDA graph per shape (cohorts padded to a multiple of 8
+    clients) and replayed in later rounds (:class:`radbo.graphs.PhaseGraphs`); so far RABO's
+    and RAFBO's inner phase (clients with equal step counts) and outer phase, the rest runs as
+    without. On an H200 the inner phase of 37 demo clients took 23.1 ms eager and 0.98 ms
+    replayed (``benchmarks/compile_step.py --device cuda --graphs``); the engine's path has not
+    run on a GPU yet. Results differ from ``false`` by float rounding only (padded cohorts run
+    kernels of another batch size).
     """
 
     backend: Annotated[str, BACKENDS] = Field(
@@ -363,7 +364,7 @@ class RuntimeConfig(Section):
     cuda_graphs: bool = Field(
         False,
         description="replay stacked cohorts' phases from CUDA graphs (device = cuda, backend = "
-        "batched; RABO's and RAFBO's inner phase)",
+        "batched; RABO's and RAFBO's phases; experimental)",
     )
     dump_omits_defaults: ClassVar[tuple[str, ...]] = (
         "workers",

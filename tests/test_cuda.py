@@ -256,14 +256,17 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
 
 
 @pytest.mark.float_sensitive
+@pytest.mark.filterwarnings("error:.*capturing phase:RuntimeWarning")
 @needs_cuda
-def test_cuda_graphs_replay_rabos_inner_phase_like_the_eager_run(monkeypatch):
-    """``[runtime] cuda_graphs``: RABO's inner phase captured once per padded cohort shape and
-    replayed in later rounds gives the eager batched GPU run's states, float64, 40 non-iid demo
+def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch):
+    """``[runtime] cuda_graphs``: RABO's two phases captured once per padded cohort shape and
+    replayed in later rounds (CG masked, not stopped, inside the capture) give the eager
+    batched GPU run's states, float64, 40 non-iid demo
     clients (ragged minibatches padded) over 4 rounds. The bound is the module's 1e-9 of a
     state's largest magnitude: a padded cohort runs kernels of another batch size, which may
-    sum in another order (rounding of ~1e3 terms, ~1e-13). Ledgers are identical; every
-    stacked inner cohort went through the cache, and later rounds replayed earlier captures
+    sum in another order (rounding of ~1e3 terms, ~1e-13). Ledgers are identical; stacked
+    cohorts went through the cache, no capture fell back to eager (a warning would fail the
+    test: it runs with warnings as errors), and later rounds replayed earlier captures
     (a replay that read stale inputs would differ by far more than the bound)."""
     from radbo.graphs import PhaseGraphs
 

@@ -85,30 +85,41 @@ def test_another_key_or_shape_is_another_capture():
 
 
 @pytest.mark.float_sensitive
-def test_rabo_through_the_phase_cache_agrees_with_the_batched_run():
-    """RABO's inner phase through the cache (cohorts padded to multiples of 8, minibatches to
-    the full batch) against the plain batched run, float64, 3 rounds of the demo fleet: the
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        {"name": "cg"},
+        {"name": "neumann"},
+        {"name": "first_order"},
+        # every coordinate of x, 64 per gradient: 2 minutes on a 2-core EPYC
+        pytest.param({"name": "finite_difference", "coordinate_batch": 64}, marks=pytest.mark.slow),
+    ],
+    ids=lambda e: e["name"],
+)
+def test_rabo_through_the_phase_cache_agrees_with_the_batched_run(estimator: dict):
+    """RABO's inner and outer phases through the cache (cohorts padded to multiples of 8,
+    minibatches to the full batch) against the plain batched run, float64, 3 rounds of the demo fleet: the
     states to 1e-10 relative, as test_batched.py allows batched against sequential (the padded
     clients change the kernels' batch sizes, which changes summation orders: rounding of
-    ~1e3 terms, ~1e-13), ledgers exactly. Every stacked inner cohort went through the cache."""
-    overrides = dict(rounds=3, runtime={"dtype": "float64"})
+    ~1e3 terms, ~1e-13), ledgers exactly. Every stacked cohort went through the cache."""
+    overrides = dict(rounds=3, runtime={"dtype": "float64"}, estimator=estimator)
     plain = build(small_config(**overrides))
     plain.simulation.backend = BatchedBackend()
     graphed = build(small_config(**overrides))
     graphed.simulation.backend = BatchedBackend()
     graphs = graphed.simulation.runtime.graphs = PhaseGraphs(capture=False)
-    calls: list[int] = []
+    calls: list[tuple[str, int]] = []
     original = PhaseGraphs.run
 
     def spy(self, key, fn, inputs, clients):
-        calls.append(clients)
+        calls.append((key[0], clients))
         return original(self, key, fn, inputs, clients)
 
-    sizes: list[tuple[bool, int]] = []
+    sizes: list[tuple[str, int]] = []
     stack = Cohort.stack.__func__  # type: ignore[attr-defined]
 
     def spy_stack(cls, tasks, prepared):
-        sizes.append(("inner" in prepared[0].steps, len(tasks)))
+        sizes.append(("rabo.inner" if "inner" in prepared[0].steps else "rabo.outer", len(tasks)))
         return stack(cls, tasks, prepared)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -117,14 +128,15 @@ def test_rabo_through_the_phase_cache_agrees_with_the_batched_run():
         a = list(plain.simulation.iterate(plain.initial_state, 3))
         sizes.clear()
         b = list(graphed.simulation.iterate(graphed.initial_state, 3))
-    assert calls and calls == [n for inner, n in sizes if inner]
-    assert 1 <= len(graphs) <= len(calls)
+    assert calls == sizes and {"rabo.inner", "rabo.outer"} <= {name for name, _ in calls}
+    assert 2 <= len(graphs) <= len(calls)
     assert_runs_agree(a, b)
 
 
 def test_clients_with_unequal_step_counts_run_eagerly():
-    """The cache needs equal step counts (a replayed phase has no per-client masks): cohorts of
-    clients whose step counts were drawn apart take the eager loop, the others the cache."""
+    """The inner phase's capture needs equal step counts (a replayed phase has no per-client
+    masks): cohorts of clients whose step counts were drawn apart take the eager loop, the
+    others the cache."""
     fleet = {**demo_dict()["fleet"], "local_steps": "uniform", "local_steps_range": [1, 4]}
     exp = build(small_config(rounds=2, fleet=fleet))
     exp.simulation.backend = BatchedBackend()
@@ -141,7 +153,8 @@ def test_clients_with_unequal_step_counts_run_eagerly():
         return cohort
 
     def spy(self, key, fn, inputs, clients):
-        calls.append(clients)
+        if key[0] == "rabo.inner":
+            calls.append(clients)
         return original(self, key, fn, inputs, clients)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -204,3 +217,36 @@ def test_a_phase_that_cannot_be_captured_warns_once_and_runs_eagerly(monkeypatch
         warnings.simplefilter("error")
         again = graphs.run("phase", phase, {"a": a + 1, "rest": (b,)}, 3)
     assert torch.equal(again["sum"].a, 2 * a + 4) and len(graphs) == 0
+
+
+def test_a_cohorts_cg_solve_inside_a_capture_runs_every_iteration_to_the_same_values(
+    monkeypatch,
+):
+    """Inside a capture (forced here: a CPU has none) ``solve_cg`` reads nothing on the host:
+    it runs all ``max_iter`` iterations with converged clients masked. Clients whose systems
+    have 1, 2, 3 and 4 distinct eigenvalues converge after that many iterations; the eager
+    solve stops once all have, the captured one goes on to 10: bitwise the same solutions
+    and counts (the masked iterations compute only what ``torch.where`` then drops)."""
+    import radbo.autodiff as autodiff
+
+    gen = torch.Generator().manual_seed(0)
+    eigen = [[2.0] * 4, [1.0, 3.0, 1.0, 3.0], [1.0, 2.0, 5.0, 5.0], [1.0, 2.0, 4.0, 8.0]]
+    q = torch.linalg.qr(torch.randn(4, 4, 4, generator=gen, dtype=torch.float64))[0]
+    a = q @ torch.diag_embed(torch.tensor(eigen, dtype=torch.float64)) @ q.transpose(1, 2)
+    b = (torch.randn(4, 4, generator=gen, dtype=torch.float64),)
+    products: list[int] = []
+
+    def matvec(u):
+        products.append(1)
+        return ((a @ u[0].unsqueeze(-1)).squeeze(-1),)
+
+    eager, eager_counts = autodiff.solve_cg(matvec, b, max_iter=10, tol=1e-24, lead=1)
+    eager_products = len(products)
+    monkeypatch.setattr(autodiff, "capturing_graph", lambda t: True)
+    products.clear()
+    graphed, graphed_counts = autodiff.solve_cg(matvec, b, max_iter=10, tol=1e-24, lead=1)
+    assert eager_counts.tolist() == [1, 2, 3, 4] and eager_products == 4  # stopped early
+    assert len(products) == 10
+    assert torch.equal(graphed[0], eager[0]) and torch.equal(graphed_counts, eager_counts)
+    expected = torch.linalg.solve(a, b[0].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(eager[0], expected, rtol=1e-10, atol=1e-12)

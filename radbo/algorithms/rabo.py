@@ -354,34 +354,33 @@ class RABO(RABOConfig, AlgorithmBase):
         return Prepared(data=data, ragged=frozenset({"inner", "outer"}))
 
     def run_outer(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
-        """Local hypergradient on the submodel (eq. (7)) with the configured estimator."""
-        lead = cohort.lead
+        """Local hypergradient on the submodel (eq. (7)) with the configured estimator.
+
+        Where the runtime has :attr:`~radbo.client.ClientRuntime.graphs`, a stacked cohort
+        replays the phase (:meth:`_outer_phase`) from a CUDA graph, as the inner phase does."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names)
         buffers = cohort.params(self.buffer_names)
-        inner_idx, outer_idx = cohort.data("inner"), cohort.data("outer")
-        outer, inner = cohort.bind(
-            runtime.problem, module, buffers, runtime.batch(inner_idx), runtime.batch(outer_idx)
-        )
         aux_names = list(self._aux_index(cohort.index_set))
         aux = cohort.params(aux_names)
         prefix = "estimator:"
-        draws = {
-            k[len(prefix) :]: cohort.data(k)
-            for k in cohort.prepared[0].data
-            if k.startswith(prefix)
-        }
-        if self.refit_steps:
-            y = self._refit(module, inner, x, y, lead)
-        result = self.estimator(outer, inner, x, y, state=aux or None, draws=draws, lead=lead)
-        grad = result.grad
-        norm = params_norm(grad, lead)
-        if self.max_hypergrad_norm is not None:
-            grad = project_ball(grad, self.max_hypergrad_norm, lead)  # clipping = projection
-        with torch.no_grad():
-            outer_value = outer(x, y)
-        update = {**grad, **result.state}
+        keys = [k for k in cohort.prepared[0].data if k.startswith(prefix)]
+        phase = self._outer_phase(runtime, cohort, module)
+        if runtime.graphs is not None and cohort.stacked:
+            device = next(iter(y.values())).device
+            inner_idx = cohort.data("inner", self.batch_size if runtime.pads else None)
+            outer_idx = cohort.data("outer", self.outer_batch_size if runtime.pads else None)
+            draws = {k[len(prefix) :]: cohort.data(k).to(device) for k in keys}
+            inputs = (x, y, buffers, inner_idx.to(device), outer_idx.to(device), aux, draws)
+            key = ("rabo.outer", id(self), id(module))
+            out = runtime.graphs.run(key, phase, inputs, cohort.size)
+        else:
+            inner_idx, outer_idx = cohort.data("inner"), cohort.data("outer")
+            draws = {k[len(prefix) :]: cohort.data(k) for k in keys}
+            out = phase((x, y, buffers, inner_idx, outer_idx, aux, draws))
+        grad, state, norm, outer_value, n_grad, n_hvp = out
+        update = {**grad, **state}
         samples = cohort.sizes("inner", "outer")
         # x is already on the client from the inner phase; so are the buffers unless the
         # inner phase re-averaged them (then the client needs the server's new ones)
@@ -390,10 +389,41 @@ class RABO(RABOConfig, AlgorithmBase):
             update,
             {"outer_loss": outer_value, "hypergrad_norm": norm},
             received=[*self.inner_names, *fresh, *aux_names],
-            n_grad=result.n_grad + self.refit_steps,
-            n_hvp=result.n_hvp,
+            n_grad=n_grad,
+            n_hvp=n_hvp,
             samples=samples,
         )
+
+    def _outer_phase(
+        self, runtime: ClientRuntime, cohort: Cohort, module: nn.Module
+    ) -> Callable[[Any], Any]:
+        """The outer phase as a pure function of ``(x, y, buffers, inner minibatch, outer
+        minibatch, estimator state, estimator draws)`` returning ``(hypergradient, estimator
+        state, its norm before clipping, outer loss, n_grad, n_hvp)``: what
+        :class:`radbo.graphs.PhaseGraphs` captures for a stacked cohort (the estimator, the
+        refit and the clipping are this algorithm's settings, in its key). Inside a capture,
+        CG runs its full iteration count with converged clients masked
+        (:func:`radbo.autodiff.solve_cg`): the same values."""
+        lead = cohort.lead
+
+        def phase(inputs: Any) -> Any:
+            x, y, buffers, inner_idx, outer_idx, aux, draws = inputs
+            outer, inner = cohort.bind(
+                runtime.problem, module, buffers, runtime.batch(inner_idx), runtime.batch(outer_idx)
+            )
+            if self.refit_steps:
+                y = self._refit(module, inner, x, y, lead)
+            result = self.estimator(outer, inner, x, y, state=aux or None, draws=draws, lead=lead)
+            grad = result.grad
+            norm = params_norm(grad, lead)
+            if self.max_hypergrad_norm is not None:
+                grad = project_ball(grad, self.max_hypergrad_norm, lead)  # clipping = projection
+            with torch.no_grad():
+                outer_value = outer(x, y)
+            n_grad = result.n_grad + self.refit_steps
+            return grad, result.state, norm, outer_value, n_grad, result.n_hvp
+
+        return phase
 
     def _refit(
         self,
