@@ -80,6 +80,7 @@ step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
 # check in float64
 step graphs 150 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
 step graphs 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 3 --dtype float64
+step graphs 90 $PY benchmarks/round_profile.py --device cuda --clients 100 --top 15 --cuda-graphs
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)
 if $PY -c "import pfl" 2>/dev/null; then

@@ -22,6 +22,7 @@ loads the kernels), times ``--rounds`` more rounds, then profiles one round twic
   that spends it. cProfile's own cost inflates both columns; read them as shares.
 
     .venv/bin/python benchmarks/round_profile.py --device cuda --clients 100 1000
+    .venv/bin/python benchmarks/round_profile.py --device cuda --clients 100 --cuda-graphs
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/round_profile.py --clients 100
 """
 
@@ -169,14 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         default="aten::_local_scalar_dense,aten::nonzero,aten::_to_copy",
         help="comma list of aten operations whose radbo call sites are listed (empty: none)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with [runtime] cuda_graphs = true (RABO's phases replayed; needs --device cuda)",
+    )
     args = parser.parse_args(argv)
+    if args.cuda_graphs and args.device == "cpu":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.device != "cpu" and not torch.cuda.is_available():
         print("benchmarks/round_profile.py: no CUDA device is available to torch here")
         return 0
     name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"device: {name}; torch {torch.__version__}; {torch.get_num_threads()} thread(s)")
     for clients in args.clients:
-        runner = Runner(demo_fleet(clients), args.device)
+        data = demo_fleet(clients)
+        data["runtime"]["cuda_graphs"] = args.cuda_graphs
+        runner = Runner(data, args.device)
         runner.step()
         runner.step()
         times = [runner.step() for _ in range(args.rounds)]

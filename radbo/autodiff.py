@@ -635,7 +635,10 @@ def solve_cg(
             costs one extra ``matvec``.
         lead: 1 for a cohort (clients stacked on dim 0, ``A`` block diagonal over clients):
             every client has its own step sizes and stops on its own; a client that stopped
-            keeps its solution while the others go on.
+            keeps its solution while the others go on. Inside a CUDA graph's capture
+            (:func:`capturing_graph`, where nothing may be read on the host) a cohort's solve
+            runs all ``max_iter`` iterations, stopped clients masked: the same solution and
+            counts as stopping once every client has.
 
     Returns:
         ``(v, n_matvec)``: the solution and the number of ``matvec`` calls made (the CG
