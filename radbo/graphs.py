@@ -29,7 +29,10 @@ A phase whose capture fails (an operation that synchronises with the host, say) 
 and runs eagerly from then on, for that key and shape.
 
 ``capture=False`` runs the same padding and copying eagerly, without a graph: the path the
-CPU tests check (a CPU has no graphs).
+CPU tests check (a CPU has no graphs). Like a replay, which runs the kernels the first call
+launched, it runs the *first* call's function for every later call of the same key and
+shape, so that a phase whose function bakes in something of its round that the key does not
+name gives wrong results on the CPU too.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class _Capture:
     graph: Any  # torch.cuda.CUDAGraph, or None with capture=False
     inputs: list[Tensor]  # the tensors the graph reads: each call copies its inputs in
     outputs: Tree  # the tensors the graph writes (overwritten by the next replay)
+    #: with capture=False, the function of the first call, which every later call runs again
+    #: (as a replay runs the first call's kernels, whatever the caller's function is now)
+    fn: Callable[[Tree], Tree] | None = None
 
 
 @dataclass
@@ -170,7 +176,8 @@ class PhaseGraphs:
         for static, value in zip(entry.inputs, leaves, strict=True):
             static.copy_(value)
         if entry.graph is None:
-            outputs = fn(_rebuild(full, iter(entry.inputs)))
+            assert entry.fn is not None
+            outputs = entry.fn(_rebuild(full, iter(entry.inputs)))
         else:
             with torch.cuda.device(entry.inputs[0].device):
                 entry.graph.replay()
@@ -183,7 +190,7 @@ class PhaseGraphs:
         each call)."""
         static = [t.detach().clone() for t in _leaves(inputs)]
         if not self.capture:
-            return _Capture(None, static, None)
+            return _Capture(None, static, None, fn)
         tree = _rebuild(inputs, iter(static))
         with torch.cuda.device(static[0].device):  # cuda:N, where N need not be current
             side = torch.cuda.Stream()

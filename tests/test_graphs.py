@@ -73,6 +73,20 @@ def test_a_phase_runs_padded_and_comes_back_cut_to_the_cohort():
     assert out["sum"].a[0] == 2 * 0 + b[0].sum()
 
 
+def test_later_calls_run_the_first_calls_function_as_a_replay_would():
+    """A replay runs what the capture recorded; the eager twin runs the first call's function
+    again, so a function that baked in a value its key does not name is caught on the CPU."""
+    graphs = PhaseGraphs(capture=False)
+    inputs = {"a": torch.ones(2), "rest": (torch.ones(2, 3),)}
+    for scale in (1.0, 5.0):  # the second function differs, under the same key
+
+        def scaled(tree, scale=scale):
+            return {"out": scale * tree["a"]}
+
+        out = graphs.run("phase", scaled, inputs, 2)
+        assert torch.equal(out["out"], torch.ones(2))  # the first function's result, twice
+
+
 def test_another_key_or_shape_is_another_capture():
     graphs = PhaseGraphs(granule=4, capture=False)
     b = torch.ones(3, 2)
