@@ -28,6 +28,11 @@ every real client what it gives unpadded, up to the rounding of kernels of anoth
 A phase whose capture fails (an operation that synchronises with the host, say) warns once
 and runs eagerly from then on, for that key and shape.
 
+Written here rather than taken from ``torch.cuda.make_graphed_callables``, which graphs a
+callable's forward and backward for use inside autograd, on one set of sample shapes: a phase
+runs autograd itself (double backward included) and meets a new shape whenever its cohort
+changes. The trees are walked by hand, not with ``torch.utils._pytree``, a private module.
+
 ``capture=False`` runs the same padding and copying eagerly, without a graph: the path the
 CPU tests check (a CPU has no graphs). Like a replay, which runs the kernels the first call
 launched, it runs the *first* call's function for every later call of the same key and
