@@ -308,16 +308,6 @@ def padded_stack(tensors: Sequence[Tensor], longest: int) -> Tensor:
     return out.view(*lead, clients, longest)
 
 
-def _pad_to(t: Tensor, key: str, length: int | None, cohort: Cohort) -> Tensor:
-    """A stacked cohort's :attr:`Prepared.ragged` minibatch ``t`` padded at the end with
-    :data:`~radbo.problem.PAD_INDEX` to ``length`` (``None``, or another key: ``t`` itself)."""
-    if length is None or not cohort.stacked or key not in cohort.prepared[0].ragged:
-        return t
-    if t.shape[-1] >= length:
-        return t
-    return torch.nn.functional.pad(t, (0, length - t.shape[-1]), value=PAD_INDEX)
-
-
 @dataclass(frozen=True)
 class Cohort:
     """Clients that run one phase's work together: one client, or several whose tensors have
@@ -374,12 +364,15 @@ class Cohort:
     def _gather(self, tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         return torch.stack(list(tensors), dim=dim) if self.stacked else tensors[0]
 
-    def _draws(self, key: str, tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    def _draws(
+        self, key: str, tensors: Sequence[Tensor], dim: int = 0, pad_to: int | None = None
+    ) -> Tensor:
         """Drawn ``tensors`` gathered; a :attr:`Prepared.ragged` minibatch's shorter entries
         padded at the end with :data:`~radbo.problem.PAD_INDEX` (the cohort was grouped
-        with padding, :func:`stack_key`)."""
+        with padding, :func:`stack_key`) to the longest, or to ``pad_to`` where that is
+        longer."""
         if self.stacked and key in self.prepared[0].ragged:
-            longest = max(t.shape[-1] for t in tensors)
+            longest = max(max(t.shape[-1] for t in tensors), pad_to or 0)
             if any(t.shape[-1] != longest for t in tensors):
                 if dim == tensors[0].ndim - 1:  # clients just before the ragged axis
                     return padded_stack(tensors, longest)
@@ -421,7 +414,7 @@ class Cohort:
     def data(self, key: str, pad_to: int | None = None) -> Tensor:
         """A once-drawn tensor of :attr:`Prepared.data` (a ragged minibatch padded; with
         ``pad_to``, of a stacked cohort, to that length at least: see :meth:`steps_block`)."""
-        return _pad_to(self._draws(key, [p.data[key] for p in self.prepared]), key, pad_to, self)
+        return self._draws(key, [p.data[key] for p in self.prepared], pad_to=pad_to)
 
     @property
     def num_steps(self) -> list[int]:
@@ -454,8 +447,7 @@ class Cohort:
         that cohorts whose longest minibatch differs share one shape."""
         if not self.stacked or len(set(self.num_steps)) != 1:
             raise ValueError("Cohort.steps_block needs a stacked cohort of equal step counts")
-        whole = self._draws(key, [p.steps[key] for p in self.prepared], dim=1)
-        return _pad_to(whole, key, pad_to, self)
+        return self._draws(key, [p.steps[key] for p in self.prepared], dim=1, pad_to=pad_to)
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what

@@ -229,7 +229,9 @@ class RABO(RABOConfig, AlgorithmBase):
             minibatches = cohort.steps_block("inner", self.batch_size if runtime.pads else None)
             device = next(iter(y.values())).device
             inputs = (x, y, buffers, minibatches.transpose(0, 1).to(device))
-            key = ("rabo.inner", id(self), self.inner_lr, id(module), steps[0])
+            # a frozen algorithm (inner_lr) and the module skeleton; the step count is the
+            # minibatches' shape, part of every capture's key
+            key = ("rabo.inner", id(self), id(module))
             phase = self._inner_phase(runtime, cohort, module, steps[0])
             _, total, buffers, loss_value = runtime.graphs.run(key, phase, inputs, cohort.size)
             n_grad = steps
@@ -291,8 +293,9 @@ class RABO(RABOConfig, AlgorithmBase):
         """The inner phase of a stacked cohort whose clients all run ``steps`` steps, as a
         pure function of ``(x, y, buffers, minibatches)`` (minibatches ``[clients, steps,
         batch]``) returning ``(y, G, buffers, loss)``: what :class:`radbo.graphs.PhaseGraphs`
-        captures. It reads nothing else that changes between rounds (``inner_lr``, the
-        module and ``steps`` are in its key)."""
+        captures. It reads nothing else that changes between rounds (its key names this
+        frozen algorithm, whose ``inner_lr`` it reads, and the module; ``steps`` is the
+        minibatches' shape)."""
 
         def phase(inputs: Any) -> Any:
             x, y, buffers, minibatches = inputs
