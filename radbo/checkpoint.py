@@ -430,9 +430,12 @@ class Checkpoint:
 
 
 def has_checkpoint(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a checkpoint index (the newest or the previous one)."""
+    """Whether ``directory`` holds a checkpoint index (the newest or the previous one): a file
+    of that name, or anything else in its place (a folder, a link, a pipe), which
+    :func:`load_checkpoint` then refuses as damaged, naming it, rather than a resume calling
+    the folder empty."""
     directory = Path(directory)
-    return (directory / INDEX).is_file() or (directory / PREVIOUS).is_file()
+    return os.path.lexists(directory / INDEX) or os.path.lexists(directory / PREVIOUS)
 
 
 def save_checkpoint(
@@ -654,7 +657,7 @@ def load_checkpoint(
         raise CheckpointError(str(err)) from None
     except CheckpointError as err:
         refused = err
-    if not (directory / PREVIOUS).is_file():
+    if not os.path.lexists(directory / PREVIOUS):
         raise refused
     try:
         ckpt = _load(directory, PREVIOUS, template, config, ignore, restore, contents)
@@ -703,7 +706,7 @@ def _load(
     keys in ``ignore`` may differ), the tensors, the history, the counters, the state against
     ``template``, and last ``restore``."""
     path = directory / name
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything else in its place: not a regular file (_read)
         raise CheckpointCorruptError(f"{path} is missing")
     index, data = _parse_index(path, _read(path, contents.index_cap(config)), contents)
     if config is not None:
@@ -904,7 +907,7 @@ def _read(path: Path, cap: int) -> bytes:
 
 def _read_verified(path: Path, sha256: str, cap: int) -> bytes:
     """The bytes of ``path`` (at most ``cap``) after checking their SHA-256."""
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything else in its place: not a regular file (_read)
         raise CheckpointCorruptError(f"{path} is missing")
     content = _read(path, cap)
     if _sha256(content) != sha256:

@@ -537,7 +537,12 @@ def find_final_checkpoint(run_dir: str | Path, config: RunConfig) -> Path:
         if not has_checkpoint(candidate):
             continue
         if not (candidate / "checkpoint.json").is_file():
-            seen.append(f"{candidate} has no checkpoint.json")
+            index_path = candidate / "checkpoint.json"
+            seen.append(
+                f"{index_path} is not a regular file"
+                if os.path.lexists(index_path)
+                else f"{candidate} has no checkpoint.json"
+            )
             continue
         index = _read_json(candidate / "checkpoint.json", "checkpoint index")
         done = index.get("rounds_done") if isinstance(index, dict) else None

@@ -713,6 +713,9 @@ def check_case(bench: Bench, edits: list[Any], stats: dict[str, Any]) -> None:
         folder = out / "checkpoints" / "run"
         for edit in edits:
             edit.apply(folder)
+        # with no index left at all (both deleted) the resume is refused before it touches
+        # the folder; anything in an index's place is read, and refused as damaged
+        indexed = any(os.path.lexists(folder / name) for name in INDEXES)
         start = time.monotonic()
         with time_limit(CASE_SECONDS), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -729,9 +732,11 @@ def check_case(bench: Bench, edits: list[Any], stats: dict[str, Any]) -> None:
                 assert fell_back == (result.resumed_from_fallback is not None)
                 outcome = "fell back" if fell_back else "resumed"
         elapsed = time.monotonic() - start
-        if folder.is_dir():
+        if indexed:
             left = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
             assert not left, left  # removed at the start of the resume
+        else:
+            assert outcome == "refused", outcome  # nothing to resume: nothing started afresh
     event(outcome)
     stats["outcomes"][outcome] = stats["outcomes"].get(outcome, 0) + 1
     stats["cases"] += 1

@@ -207,6 +207,32 @@ def test_missing_newest_index_falls_back_to_the_previous(tmp_path):
         assert load(tmp_path).rounds_done == 1
 
 
+@pytest.mark.parametrize("kind", ["pipe", "folder", "device"])
+def test_something_else_in_place_of_both_indexes_is_refused_as_such(tmp_path, kind):
+    """Not "no checkpoint": a resume would then call the folder empty (CI, stop 49: the
+    long checkpoint battery met two pipes), so both are read and refused, naming each."""
+    import os
+
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    for name in ("checkpoint.json", "checkpoint-prev.json"):
+        path = tmp_path / name
+        path.unlink()
+        if kind == "pipe":
+            os.mkfifo(path)
+        elif kind == "folder":
+            path.mkdir()
+        else:
+            path.symlink_to("/dev/zero")
+    assert checkpoint.has_checkpoint(tmp_path)
+    with pytest.raises(CheckpointCorruptError) as err:
+        load(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / 'checkpoint.json'} is not a regular file; the previous checkpoint is "
+        f"refused too: {tmp_path / 'checkpoint-prev.json'} is not a regular file"
+    )
+
+
 def test_when_no_checkpoint_verifies_the_error_names_both(tmp_path):
     save(tmp_path, 1)
     save(tmp_path, 2)

@@ -332,7 +332,7 @@ def test_a_fifo_in_place_of_a_checkpoint_file_does_not_block(whole, cut):
     tensors.unlink()
     os.mkfifo(tensors)
     with time_limit(60):
-        assert_falls_back_to_equal_run(whole, cut, f"{tensors} is missing")
+        assert_falls_back_to_equal_run(whole, cut, f"{tensors} is not a regular file")
 
 
 def test_an_index_that_is_a_folder_falls_back_then_cannot_be_replaced(cut):
@@ -341,7 +341,9 @@ def test_an_index_that_is_a_folder_falls_back_then_cannot_be_replaced(cut):
     index = folder(cut) / "checkpoint.json"
     index.unlink()
     index.mkdir()
-    with pytest.warns(CheckpointWarning, match=f"{index} is missing; resuming from the previous"):
+    with pytest.warns(
+        CheckpointWarning, match=f"{index} is not a regular file; resuming from the previous"
+    ):
         with pytest.raises(CheckpointError) as err:
             resume(cut)
     assert str(err.value) == (

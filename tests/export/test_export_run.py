@@ -326,6 +326,11 @@ def test_refusals_are_one_line_with_exit_code_2(tiny, tmp_path: Path, capsys) ->
     shutil.rmtree(no_final / "checkpoints")
     empty = tmp_path / "empty"
     empty.mkdir()
+    odd_index = tmp_path / "odd-index"  # a folder where each checkpoint's index should be
+    shutil.copytree(folder, odd_index)
+    for index in (odd_index / "checkpoints").glob("*/checkpoint.json"):
+        index.unlink()
+        index.mkdir()
     seeds = tmp_path / "seeds"  # radbo run --seeds 0 1: one run folder per seed
     for seed in (0, 1):
         shutil.copytree(folder, seeds / f"seed-{seed}")
@@ -345,6 +350,11 @@ def test_refusals_are_one_line_with_exit_code_2(tiny, tmp_path: Path, capsys) ->
             [str(no_final)],
             f"export error: {no_final} holds no state after its last round 8 (it has no "
             "checkpoints/final or checkpoints/run)",
+        ),
+        "index not a file": (
+            [str(odd_index)],
+            f"export error: {odd_index} holds no state after its last round 8 "
+            f"({odd_index / 'checkpoints' / 'final' / 'checkpoint.json'} is not a regular file",
         ),
         "no checkpoint": (
             [str(other), "--checkpoint", str(folder)],
