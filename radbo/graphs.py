@@ -26,7 +26,10 @@ interact (radbo's: the stacked losses are summed, so each client's gradient is i
 every real client what it gives unpadded, up to the rounding of kernels of another batch size.
 
 A phase whose capture fails (an operation that synchronises with the host, say) warns once
-and runs eagerly from then on, for that key and shape.
+and runs eagerly from then on, for that key and shape. A check that must read a value to raise
+an error (a finite-difference step lost in rounding) calls :func:`check` instead: inside a
+phase the cache runs it is deferred to after the replay, whose values it then reads (one
+host read per replay, outside the graph); anywhere else it is made at once.
 
 Written here rather than taken from ``torch.cuda.make_graphed_callables``, which graphs a
 callable's forward and backward for use inside autograd, on one set of sample shapes: a phase
@@ -42,19 +45,57 @@ name gives wrong results on the CPU too.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["PhaseGraphs"]
+__all__ = ["PhaseGraphs", "check"]
 
 #: a tree of tensors: nested dicts, tuples and lists whose leaves are tensors (or other values,
 #: passed through unchanged)
 Tree = Any
+
+
+#: a deferred check: a one-element bool tensor, and what to call when it holds True
+Check = tuple[Tensor, Callable[[], object]]
+
+# the checks deferred by the phase each thread is running through PhaseGraphs (innermost last)
+_pending = threading.local()
+
+
+def check(failed: Tensor, fail: Callable[[], object]) -> None:
+    """Call ``fail()`` (which raises) when the one-element bool tensor ``failed`` holds True:
+    at once, or, inside a phase :class:`PhaseGraphs` runs, after the phase (after each replay
+    of its capture, ``failed`` and whatever ``fail`` reads holding that replay's values), so
+    that no value is read on the host inside a capture."""
+    stack = getattr(_pending, "stack", None)
+    if stack:
+        stack[-1].append((failed, fail))
+    elif bool(failed):
+        fail()
+
+
+@contextmanager
+def _deferring() -> Iterator[list[Check]]:
+    """The checks :func:`check` defers inside the block."""
+    stack = _pending.__dict__.setdefault("stack", [])
+    stack.append([])
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def _run_checks(checks: list[Check]) -> None:
+    for failed, fail in checks:
+        if bool(failed):
+            fail()
 
 
 def _leaves(tree: Tree) -> Iterator[Tensor]:
@@ -110,6 +151,8 @@ class _Capture:
     #: with capture=False, the function of the first call, which every later call runs again
     #: (as a replay runs the first call's kernels, whatever the caller's function is now)
     fn: Callable[[Tree], Tree] | None = None
+    #: the checks the captured call deferred (:func:`check`), made after every replay
+    checks: list[Check] = field(default_factory=list)
 
 
 @dataclass
@@ -182,11 +225,13 @@ class PhaseGraphs:
             static.copy_(value)
         if entry.graph is None:
             assert entry.fn is not None
-            outputs = entry.fn(_rebuild(full, iter(entry.inputs)))
+            with _deferring() as checks:
+                outputs = entry.fn(_rebuild(full, iter(entry.inputs)))
         else:
             with torch.cuda.device(entry.inputs[0].device):
                 entry.graph.replay()
-            outputs = entry.outputs
+            outputs, checks = entry.outputs, entry.checks
+        _run_checks(checks)
         cut = [t[:clients].clone() for t in _leaves(outputs)]
         return _rebuild(outputs, iter(cut))
 
@@ -200,11 +245,13 @@ class PhaseGraphs:
         with torch.cuda.device(static[0].device):  # cuda:N, where N need not be current
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            # the warm-ups' checks are dropped: the capture computes the same values, and its
+            # checks are made after its first replay
+            with torch.cuda.stream(side), _deferring():
                 for _ in range(self.warmup):
                     fn(tree)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), _deferring() as checks:
                 outputs = fn(tree)
-        return _Capture(graph, static, outputs)
+        return _Capture(graph, static, outputs, checks=checks)

@@ -267,3 +267,173 @@ def test_a_cohorts_cg_solve_inside_a_capture_runs_every_iteration_to_the_same_va
     assert torch.equal(graphed[0], eager[0]) and torch.equal(graphed_counts, eager_counts)
     expected = torch.linalg.solve(a, b[0].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(eager[0], expected, rtol=1e-10, atol=1e-12)
+
+
+# aten operations a captured phase must not issue. On a GPU each reads a device value on the
+# host or sizes its output by the data (item, bool(t), nonzero, boolean indexing, unique, ...):
+# a synchronisation, which a capture refuses; or draws random numbers, which a replay would
+# draw afresh where the eager run drew once per round from the task's generator (the phases
+# take their draws as inputs, made in prepare_inner / prepare_outer)
+NOT_IN_A_CAPTURE = frozenset(
+    {
+        "_local_scalar_dense",
+        "is_nonzero",
+        "equal",
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "repeat_interleave",
+        "bincount",
+        "randperm",
+        "rand",
+        "randn",
+        "randint",
+        "normal",
+        "normal_",
+        "uniform_",
+        "random_",
+        "bernoulli",
+        "bernoulli_",
+        "multinomial",
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        {"name": "cg"},
+        {"name": "neumann"},
+        {"name": "first_order"},
+        {"name": "finite_difference", "num_coordinates": 8, "coordinate_batch": 4},
+    ],
+    ids=lambda e: e["name"],
+)
+def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
+    """Every aten operation of RABO's phases, as the cache runs them (forward and backward,
+    every call, each estimator), is recorded; none of NOT_IN_A_CAPTURE may occur. This is what
+    a CPU can check of a capture's rules: it finds a host read (``.item()``, ``bool(t)``, a
+    boolean index) before a GPU session spends its minutes on a capture that fails."""
+    import radbo.autodiff as autodiff
+    from radbo._torch_private import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: dict[str, int] = {}
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            name = func.overloadpacket.__name__
+            if name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+            ):
+                name = "boolean index"  # a nonzero on a GPU: its output sized by the data
+            if name in NOT_IN_A_CAPTURE or name == "boolean index":
+                self.seen[name] = self.seen.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    watch = Watch()
+    record = PhaseGraphs._record
+    keys: set[str] = set()
+
+    inside = [False]  # in a phase the cache runs: as in a capture (forced: a CPU has none)
+
+    def watched_record(self, fn, inputs):
+        def watched(tree):
+            inside[0] = True
+            try:
+                with watch:
+                    return fn(tree)
+            finally:
+                inside[0] = False
+
+        return record(self, watched, inputs)
+
+    def spy(self, key, fn, inputs, clients):
+        keys.add(key[0])
+        return run(self, key, fn, inputs, clients)
+
+    run = PhaseGraphs.run
+    exp = build(small_config(rounds=2, runtime={"dtype": "float64"}, estimator=estimator))
+    exp.simulation.backend = BatchedBackend()
+    exp.simulation.runtime.graphs = PhaseGraphs(capture=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PhaseGraphs, "_record", watched_record)
+        patch.setattr(PhaseGraphs, "run", spy)
+        patch.setattr(autodiff, "capturing_graph", lambda t: inside[0])
+        list(exp.simulation.iterate(exp.initial_state, 2))
+    assert keys == {"rabo.inner", "rabo.outer"}
+    assert watch.ops > 1000  # the phases ran inside the mode, backward passes included
+    assert watch.seen == {}
+
+
+def test_a_check_is_made_at_once_outside_and_after_the_phase_inside_the_cache():
+    """radbo.graphs.check: outside a phase the cache runs, ``fail`` is called at once; inside,
+    after the phase has returned (and on every later call, with that call's values: what a
+    replay's deferred checks read)."""
+    from radbo.graphs import check
+
+    events: list[str] = []
+
+    def fail(value: torch.Tensor) -> None:
+        events.append(f"fail {value.tolist()}")
+        raise ValueError(f"negative entry in {value.tolist()}")
+
+    def guarded(inputs):
+        a = inputs["a"] * 2
+        check((a < 0).any(), lambda: fail(a))
+        events.append("phase done")
+        return {"a": a}
+
+    check(torch.tensor(False), lambda: fail(torch.zeros(1)))  # at once, holds: nothing
+    with pytest.raises(ValueError, match=r"negative entry in \[-2.0\]"):
+        check(torch.tensor(True), lambda: fail(torch.tensor([-1.0]) * 2))
+    events.clear()
+
+    graphs = PhaseGraphs(capture=False)
+    out = graphs.run("g", guarded, {"a": torch.tensor([1.0, 2.0, 3.0])}, clients=3)
+    assert out["a"].tolist() == [2.0, 4.0, 6.0] and events == ["phase done"]
+    events.clear()
+    with pytest.raises(ValueError, match=r"negative entry in \[2.0, -4.0, 6.0"):
+        graphs.run("g", guarded, {"a": torch.tensor([1.0, -2.0, 3.0])}, clients=3)
+    assert events[0] == "phase done"  # the phase ran to its end; the check came after
+    assert len(graphs) == 1
+
+
+def test_a_vanishing_finite_difference_step_is_the_same_error_through_the_cache():
+    """RABO with finite differences whose ``mu`` vanishes next to x: the plain batched run
+    raises the one-line error inside the phase, the cache after it (inside a capture no value
+    may be read), naming the same coordinate."""
+    overrides = dict(
+        rounds=1,
+        runtime={"dtype": "float64"},
+        estimator={"name": "finite_difference", "num_coordinates": 4, "mu": 1e-300},
+    )
+    import radbo.graphs as graphs_module
+
+    deferred: list[int] = []
+    run_checks = graphs_module._run_checks
+
+    def spy(checks):
+        deferred.append(len(checks))
+        return run_checks(checks)
+
+    errors = []
+    for graphs in (None, PhaseGraphs(capture=False)):
+        exp = build(small_config(**overrides))
+        exp.simulation.backend = BatchedBackend()
+        exp.simulation.runtime.graphs = graphs
+        with pytest.raises(ValueError, match="vanishes next to") as err:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(graphs_module, "_run_checks", spy)
+                list(exp.simulation.iterate(exp.initial_state, 1))
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "\n" not in errors[0]
+    assert deferred and deferred[-1] > 0  # the cache's phase deferred the checks it raised

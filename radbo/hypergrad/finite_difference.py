@@ -6,6 +6,7 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
@@ -25,6 +26,7 @@ from radbo.autodiff import (
     tuple_dot,
     tuple_norm,
 )
+from radbo.graphs import check
 from radbo.hypergrad.base import (
     ESTIMATORS,
     Estimator,
@@ -442,8 +444,11 @@ class FiniteDifference(Estimator):
             up = old + mu
             down = old - mu if central else old
             step = up - down  # the step actually taken in floating point
-            if bool((step == 0).any()):
-                self._vanishing_step(flat_x, grad_y_g.x_names, p, old, step, mu)
+            # a host read, deferred to after the replay inside a captured phase (radbo.graphs)
+            check(
+                (step == 0).any(),
+                partial(self._vanishing_step, flat_x, grad_y_g.x_names, p, old, step, mu),
+            )
             if stacked is None:  # one coordinate: the plain calls, bitwise as before the batch
                 shifted = grad_y_g(flat_x.unflat(flat.scatter(-1, p, up)), ys)
                 other = grad_y_g(flat_x.unflat(flat.scatter(-1, p, down)), ys) if central else base
