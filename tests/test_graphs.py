@@ -304,6 +304,23 @@ NOT_IN_A_CAPTURE = frozenset(
 )
 
 
+# factories that make their tensor on the default device (the CPU) unless given one; the
+# device is filled in before the aten operation, so they are watched as Python calls
+MADE_ON_THE_DEFAULT_DEVICE = (
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.empty_strided,
+    torch.full,
+    torch.eye,
+    torch.linspace,
+    torch.logspace,
+    torch.tensor,
+    torch.scalar_tensor,
+)
+
+
 @pytest.mark.parametrize(
     "estimator",
     [
@@ -316,9 +333,13 @@ NOT_IN_A_CAPTURE = frozenset(
 )
 def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
     """Every aten operation of RABO's phases, as the cache runs them (forward and backward,
-    every call, each estimator), is recorded; none of NOT_IN_A_CAPTURE may occur. This is what
-    a CPU can check of a capture's rules: it finds a host read (``.item()``, ``bool(t)``, a
-    boolean index) before a GPU session spends its minutes on a capture that fails."""
+    every call, each estimator), is recorded; none of NOT_IN_A_CAPTURE may occur, nor a
+    boolean index, a tensor made from Python data or a factory without a device (on a GPU
+    run, a tensor on the CPU). This is what a CPU can check of a capture's rules: it finds a
+    host read (``.item()``, ``bool(t)``, a boolean index) before a GPU session spends its
+    minutes on a capture that fails."""
+    from torch.overrides import TorchFunctionMode
+
     import radbo.autodiff as autodiff
     from radbo._torch_private import TorchDispatchMode
 
@@ -335,9 +356,18 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
             ):
                 name = "boolean index"  # a nonzero on a GPU: its output sized by the data
-            if name in NOT_IN_A_CAPTURE or name == "boolean index":
+            if name in ("lift_fresh", "lift_fresh_copy"):
+                name = "tensor from Python data"  # a copy from the host inside the capture
+            if name in NOT_IN_A_CAPTURE or " " in name:
                 self.seen[name] = self.seen.get(name, 0) + 1
             return func(*args, **(kwargs or {}))
+
+    class Factories(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in MADE_ON_THE_DEFAULT_DEVICE and kwargs.get("device") is None:
+                watch.seen[f"torch.{func.__name__} without a device"] = 1
+            return func(*args, **kwargs)
 
     watch = Watch()
     record = PhaseGraphs._record
@@ -349,7 +379,7 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
         def watched(tree):
             inside[0] = True
             try:
-                with watch:
+                with watch, Factories():
                     return fn(tree)
             finally:
                 inside[0] = False
