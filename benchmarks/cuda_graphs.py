@@ -16,7 +16,10 @@ eager runs of the phase): the medians show the steady rounds, the captures are c
 Reported per fleet size: each side's median seconds per round (and its fastest and slowest
 round), the speed-up, the phases captured, and the largest difference of the two sides' final
 x and y relative to the tensor's largest magnitude (float32 kernels of another batch size
-round differently; ``--dtype float64`` for an equivalence check). ``--device cpu`` runs the
+round differently; ``--dtype float64`` for an equivalence check), and on a GPU the memory
+the graphed side added to what the plain side holds after rounds 0 and 1 (``memory_reserved``:
+the captures' private pools, which nothing else can use, with that side's own state and data).
+``--device cpu`` runs the
 cache's eager path (``PhaseGraphs(capture=False)``: the same padding and copies without a
 graph; a CPU has no CUDA graphs), for the smoke test.
 """
@@ -49,6 +52,12 @@ def measure(clients: int, rounds: int, device: str, dtype: str) -> dict[str, flo
     data = demo_fleet(clients)
     data["runtime"]["dtype"] = dtype
     plain = Runner(data, device)
+    plain.step()
+    plain.step()
+    cuda = device != "cpu"
+    if cuda:  # what the plain side holds, its caching allocator warm
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
     if device == "cpu":  # the config refuses cuda_graphs off a GPU: the cache's eager path
         graphed = Runner(data, device)
         graphs = graphed.exp.simulation.runtime.graphs = PhaseGraphs(capture=False)
@@ -57,10 +66,12 @@ def measure(clients: int, rounds: int, device: str, dtype: str) -> dict[str, flo
         graphs = graphed.exp.simulation.runtime.graphs
         assert graphs is not None
     sides = {"off": plain, "on": graphed}
-    for runner in sides.values():
-        runner.step()
-        runner.step()
+    graphed.step()
+    graphed.step()
     warm = len(graphs)
+    # memory the graphed side added: its own state and data (as small as the plain side's)
+    # and its captures' private memory pools, which no other allocation can use
+    added = torch.cuda.memory_reserved() - before if cuda else float("nan")
     times: dict[str, list[float]] = {side: [] for side in sides}
     for q in range(rounds):
         for side in list(sides) if q % 2 == 0 else list(sides)[::-1]:
@@ -81,6 +92,7 @@ def measure(clients: int, rounds: int, device: str, dtype: str) -> dict[str, flo
         "captures_warm": warm,
         "captures": len(graphs),
         "difference": difference,
+        "added_mib": added / 2**20,
     }
 
 
@@ -101,16 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| demo fleet, RABO, batched | cuda_graphs off (s/round) | on (s/round) | speed-up | "
-        "phases captured (after round 1 / end) | final x, y relative difference |"
+        "phases captured (after round 1 / end) | final x, y relative difference | "
+        "GPU memory the graphed side added after round 1 (MiB, captures' pools included) |"
     )
-    print("|---|---|---|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|")
     for clients in args.clients:
         row = measure(clients, args.rounds, args.device, args.dtype)
         print(
             f"| {clients} clients | {row['off']:.4f} ({row['off_min']:.4f}-{row['off_max']:.4f}) "
             f"| {row['on']:.4f} ({row['on_min']:.4f}-{row['on_max']:.4f}) | "
             f"{row['speedup']:.2f}x | {row['captures_warm']} / {row['captures']} | "
-            f"{row['difference']:.1e} |",
+            f"{row['difference']:.1e} | {row['added_mib']:.0f} |",
             flush=True,
         )
     return 0

@@ -178,7 +178,10 @@ def test_the_cuda_graphs_benchmark_runs_the_caches_eager_path_on_the_cpu():
         "benchmarks/cuda_graphs.py", "--device", "cpu", "--clients", "20", "--rounds", "1",
         "--dtype", "float64",
     )  # fmt: skip
-    row = re.search(r"\| 20 clients \| .* \| ([\d.]+)x \| (\d+) / (\d+) \| (\S+) \|", out)
+    row = re.search(
+        r"\| 20 clients \| .* \| ([\d.]+)x \| (\d+) / (\d+) \| (\S+) \| (\S+) \|\n", out
+    )
     assert row, out
     assert int(row[2]) >= 1 and int(row[3]) >= int(row[2])
     assert float(row[4]) <= 1e-10
+    assert row[5] == "nan"  # GPU memory: none on the CPU
