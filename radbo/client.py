@@ -442,12 +442,22 @@ class Cohort:
 
     def steps_block(self, key: str, pad_to: int | None = None) -> Tensor:
         """The per-step tensor ``key`` of every step, ``[steps, clients, ...]``, of a stacked
-        cohort whose clients run equally many steps; ``pad_to``: a :attr:`Prepared.ragged`
+        cohort whose clients run at least one step each, up to the largest count (clients
+        past their last step see their last entry again, as :meth:`step_data` gives it;
+        :meth:`local_steps` masks what they compute); ``pad_to``: a :attr:`Prepared.ragged`
         minibatch padded at the end with :data:`~radbo.problem.PAD_INDEX` to this length, so
         that cohorts whose longest minibatch differs share one shape."""
-        if not self.stacked or len(set(self.num_steps)) != 1:
-            raise ValueError("Cohort.steps_block needs a stacked cohort of equal step counts")
-        return self._draws(key, [p.steps[key] for p in self.prepared], dim=1, pad_to=pad_to)
+        if not self.stacked or min(self.num_steps) < 1:
+            raise ValueError("Cohort.steps_block needs a stacked cohort of clients that step")
+        per_client = [p.steps[key] for p in self.prepared]
+        longest = max(t.shape[0] for t in per_client)
+        per_client = [
+            t
+            if t.shape[0] == longest
+            else torch.cat([t, t[-1:].expand(longest - len(t), *t.shape[1:])])
+            for t in per_client
+        ]
+        return self._draws(key, per_client, dim=1, pad_to=pad_to)
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what

@@ -322,11 +322,11 @@ class RuntimeConfig(Section):
     ``cuda_graphs`` (experimental): on a GPU with the batched backend, a stacked cohort's
     phase is captured once as a CUDA graph per shape (cohorts padded to a multiple of 8
     clients) and replayed in later rounds (:class:`radbo.graphs.PhaseGraphs`); so far RABO's
-    and RAFBO's inner phase (clients with equal step counts) and outer phase, the rest runs as
-    without. On an H200 the inner phase of 37 demo clients took 23.1 ms eager and 0.98 ms
-    replayed (``benchmarks/compile_step.py --device cuda --graphs``); the engine's path has not
-    run on a GPU yet. Results differ from ``false`` by float rounding only (padded cohorts run
-    kernels of another batch size).
+    and RAFBO's inner phase (clients of unequal step counts masked on the device) and outer
+    phase, the rest runs as without. On an H200 the inner phase of 37 demo clients took
+    23.1 ms eager and 0.98 ms replayed (``benchmarks/compile_step.py --device cuda
+    --graphs``); the engine's path has not run on a GPU yet. Results differ from ``false``
+    by float rounding only (padded cohorts run kernels of another batch size).
     """
 
     backend: Annotated[str, BACKENDS] = Field(

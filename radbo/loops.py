@@ -181,6 +181,7 @@ def local_steps(
     name: str,
     uniform: bool = True,
     reverse: bool = False,
+    counts: Tensor | None = None,
 ) -> LocalSteps[C]:
     """Run ``carry, work = step(t, carry)`` for ``t = 0, 1, ...`` (``reverse``: down to 0)
     up to the largest step count, for every client of a cohort at once.
@@ -204,12 +205,62 @@ def local_steps(
             block (steps whose products differ, e.g. a random number of them).
         reverse: run the steps from the last one down to step 0 (a backward sweep: a client
             takes part in step ``t`` when ``t`` is below its count).
+        counts: each client's number of steps as an integer tensor on the carry's device, for
+            a run that may not read them on the host (a phase captured as a CUDA graph, where
+            they change from one replay to the next): ``steps`` is then the number of steps
+            run, the largest count, and every step is masked by ``t < counts``, computed on
+            the device. A step every client runs gives the values it gives unmasked. The
+            work returned counts every step run for every client (the caller knows the
+            counts).
 
     Returns:
         The final carry, and per client (one entry for a single ``steps`` number) the
         gradients and products of the steps it ran.
     """
-    counts = [int(steps)] if isinstance(steps, int) else [int(n) for n in steps]
+    if counts is not None:
+        if not isinstance(steps, int):
+            raise TypeError("local_steps: with counts, steps is the number of steps run (an int)")
+        return _masked_steps(step, carry, steps, counts, name, uniform, reverse)
+    counts_ = [int(steps)] if isinstance(steps, int) else [int(n) for n in steps]
+    return _steps(step, carry, counts_, name, uniform, reverse)
+
+
+def _masked_steps(
+    step: Callable[[int, C], tuple[C, Work]],
+    carry: C,
+    total: int,
+    counts: Tensor,
+    name: str,
+    uniform: bool,
+    reverse: bool,
+) -> LocalSteps[C]:
+    """:func:`local_steps` with the clients' step ``counts`` read on the device only."""
+    n_grad = n_hvp = 0
+    mark = repeating(name) if uniform else None
+    order = reversed(range(total)) if reverse else range(total)
+    for t in order:
+        with mark(False) if mark is not None else _NO_BLOCK:
+            new, work = step(t, _copy(carry))
+            carry = _where(counts > t, new, carry)
+        n_grad += _most(work.n_grad)
+        n_hvp += _most(work.n_hvp)
+    size = counts.shape[0]
+    return LocalSteps(carry, [n_grad] * size, [n_hvp] * size)
+
+
+def _most(value: int | Sequence[int]) -> int:
+    return value if isinstance(value, int) else max((int(v) for v in value), default=0)
+
+
+def _steps(
+    step: Callable[[int, C], tuple[C, Work]],
+    carry: C,
+    counts: list[int],
+    name: str,
+    uniform: bool,
+    reverse: bool,
+) -> LocalSteps[C]:
+    """:func:`local_steps` with the clients' step ``counts`` known on the host."""
     total = max(counts, default=0)
     n_grad = [0] * len(counts)
     n_hvp = [0] * len(counts)

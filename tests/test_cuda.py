@@ -259,14 +259,19 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
 @pytest.mark.filterwarnings("error:.*capturing phase:RuntimeWarning")
 @pytest.mark.parametrize(
     "estimator",
-    [{"name": "cg"}, {"name": "finite_difference", "num_coordinates": 16, "coordinate_batch": 8}],
-    ids=lambda e: e["name"],
+    [
+        {"name": "cg"},
+        {"name": "finite_difference", "num_coordinates": 16, "coordinate_batch": 8},
+        {"name": "cg", "uneven": True},  # clients of 1 to 4 local steps: masked in the graph
+    ],
+    ids=lambda e: e["name"] + ("-uneven" if e.get("uneven") else ""),
 )
 @needs_cuda
 def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimator):
     """``[runtime] cuda_graphs``: RABO's two phases captured once per padded cohort shape and
     replayed in later rounds (CG masked, not stopped, inside the capture; finite differences'
-    check of a vanishing step deferred to after the replay) give the eager
+    check of a vanishing step deferred to after the replay; clients of unequal step counts
+    masked by counts on the device) give the eager
     batched GPU run's states, float64, 40 non-iid demo
     clients (ragged minibatches padded) over 4 rounds. The bound is the module's 1e-9 of a
     state's largest magnitude: a padded cohort runs kernels of another batch size, which may
@@ -290,7 +295,10 @@ def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimat
 
     monkeypatch.setattr(PhaseGraphs, "run", spy_run)
     monkeypatch.setattr(PhaseGraphs, "_record", spy_record)
+    estimator = dict(estimator)
     fleet = {**demo_dict()["fleet"], "num_clients": 40}
+    if estimator.pop("uneven", False):
+        fleet.update(local_steps="uniform", local_steps_range=[1, 4])
     eager = run(
         _config("cuda", runtime={"backend": "batched"}, fleet=fleet, rounds=4, estimator=estimator),
         progress=False,

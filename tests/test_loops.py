@@ -58,6 +58,38 @@ def test_one_count_for_every_client_and_reverse_sweeps():
     assert seen == [2, 1, 0] and out.carry.tolist() == [0.0, 3.0] and out.n_grad == [1, 3]
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_counts_on_the_device_mask_as_counts_on_the_host(reverse: bool):
+    """``counts`` (a captured phase's step counts, read on the device only): every step runs
+    masked by ``t < counts``, bitwise what host counts give, in-place updates and NaNs of
+    finished clients included; the work counts every step run (the caller knows the
+    counts); a step count that is not one number is refused."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    counts = [1, 4, 2, 4]
+
+    def step(t, carry):
+        w, stats, _ = carry
+        stats.add_(w.sum(-1))  # in place, as BatchNorm statistics move
+        w = torch.where(torch.arange(4).unsqueeze(-1) == t, w / 0.0, w * 1.5 + t)
+        return (w, stats, w.sum(-1)), Work(n_grad=2)  # per client, as a cohort's losses
+
+    host = local_steps(step, (start, torch.zeros(4), 0.0), counts, name="t", reverse=reverse)
+    device = local_steps(
+        step,
+        (start, torch.zeros(4), 0.0),
+        4,
+        name="t",
+        reverse=reverse,
+        counts=torch.tensor(counts),
+    )
+    for a, b in zip(host.carry, device.carry, strict=True):  # bitwise, NaNs where they are
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+    assert host.n_grad == [2, 8, 4, 8] and device.n_grad == [8] * 4
+    with pytest.raises(TypeError, match="with counts, steps is the number of steps run"):
+        local_steps(step, (start,), counts, name="t", counts=torch.tensor(counts))
+
+
 def test_a_step_naming_the_wrong_number_of_clients_is_refused():
     with pytest.raises(ValueError, match="names 3 clients, not 2"):
         local_steps(lambda t, c: (c, Work(n_grad=[1, 1, 1])), torch.zeros(2), [1, 1], name="x")

@@ -216,23 +216,27 @@ class RABO(RABOConfig, AlgorithmBase):
     def run_inner(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """T local SGD steps on g_i over y (eq. (5)); returns G = sum_t G_t and buffers.
 
-        A stacked cohort whose clients run equally many steps replays its phase from a CUDA
-        graph where the runtime has :attr:`~radbo.client.ClientRuntime.graphs`
-        (``[runtime] cuda_graphs``): the steps as one pure function of x, y, buffers and the
-        steps' minibatches (:meth:`_inner_phase`), on the device."""
+        A stacked cohort replays its phase from a CUDA graph where the runtime has
+        :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
+        one pure function of x, y, buffers and the steps' minibatches (:meth:`_inner_phase`),
+        on the device; clients with unequal step counts run the largest count, each masked
+        past its own by the counts on the device (as the eager loop masks them)."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
         steps = cohort.num_steps
-        if runtime.graphs is not None and cohort.stacked and len(set(steps)) == 1:
+        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
             minibatches = cohort.steps_block("inner", self.batch_size if runtime.pads else None)
             device = next(iter(y.values())).device
-            inputs = (x, y, buffers, minibatches.transpose(0, 1).to(device))
-            # a frozen algorithm (inner_lr) and the module skeleton; the step count is the
-            # minibatches' shape, part of every capture's key
+            inputs: tuple[Any, ...] = (x, y, buffers, minibatches.transpose(0, 1).to(device))
+            if len(set(steps)) > 1:  # each client's count, read on the device only
+                inputs += (torch.tensor(steps, device=device),)
+            # a frozen algorithm (inner_lr) and the module skeleton; the largest step count is
+            # the minibatches' shape and the counts' presence the inputs' structure, both
+            # part of every capture's key
             key = ("rabo.inner", id(self), id(module))
-            phase = self._inner_phase(runtime, cohort, module, steps[0])
+            phase = self._inner_phase(runtime, cohort, module, max(steps))
             _, total, buffers, loss_value = runtime.graphs.run(key, phase, inputs, cohort.size)
             n_grad = steps
         else:
@@ -262,9 +266,12 @@ class RABO(RABOConfig, AlgorithmBase):
         buffers: Params,
         minibatch: Callable[[int], torch.Tensor],
         steps: int | list[int],
+        counts: torch.Tensor | None = None,
     ) -> LocalSteps[Any]:
-        """Eq. (5) ``steps`` times from ``y`` (each client its number of steps), step t on the
-        example indices ``minibatch(t)``; the carry ends as ``(y, G, buffers, loss)``."""
+        """Eq. (5) ``steps`` times from ``y`` (each client its number of steps; or ``steps``
+        times, each client masked past its entry of ``counts``, a tensor on the device), step
+        t on the example indices ``minibatch(t)``; the carry ends as ``(y, G, buffers,
+        loss)``."""
         total = {n: torch.zeros_like(t) for n, t in y.items()}
         Carry = tuple[Params, Params, Params, Any]  # y, summed gradients G, buffers, loss
 
@@ -285,23 +292,32 @@ class RABO(RABOConfig, AlgorithmBase):
             return (stepped, total, buffers, loss.detach()), Work(n_grad=1)
 
         # every step does the same work (on a slice of the stacked minibatches)
-        return local_steps(step, (y, total, buffers, float("nan")), steps, name="rabo.inner")
+        start = (y, total, buffers, float("nan"))
+        return local_steps(step, start, steps, name="rabo.inner", counts=counts)
 
     def _inner_phase(
         self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
     ) -> Callable[[Any], Any]:
-        """The inner phase of a stacked cohort whose clients all run ``steps`` steps, as a
-        pure function of ``(x, y, buffers, minibatches)`` (minibatches ``[clients, steps,
-        batch]``) returning ``(y, G, buffers, loss)``: what :class:`radbo.graphs.PhaseGraphs`
-        captures. It reads nothing else that changes between rounds (its key names this
-        frozen algorithm, whose ``inner_lr`` it reads, and the module; ``steps`` is the
-        minibatches' shape)."""
+        """The inner phase of a stacked cohort whose clients run up to ``steps`` steps, as a
+        pure function of ``(x, y, buffers, minibatches[, counts])`` (minibatches ``[clients,
+        steps, batch]``; ``counts``, each client's step count, where they differ) returning
+        ``(y, G, buffers, loss)``: what :class:`radbo.graphs.PhaseGraphs` captures. It reads
+        nothing else that changes between rounds (its key names this frozen algorithm, whose
+        ``inner_lr`` it reads, and the module; ``steps`` is the minibatches' shape)."""
 
         def phase(inputs: Any) -> Any:
-            x, y, buffers, minibatches = inputs
+            x, y, buffers, minibatches, *counts = inputs
             y = {n: t.clone() for n, t in y.items()}  # the steps set requires_grad on y
             done = self._inner_steps(
-                runtime, cohort, module, x, y, buffers, lambda t: minibatches[:, t], steps
+                runtime,
+                cohort,
+                module,
+                x,
+                y,
+                buffers,
+                lambda t: minibatches[:, t],
+                steps,
+                counts[0] if counts else None,
             )
             return done.carry
 
