@@ -396,9 +396,8 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
             return func(*args, **kwargs)
 
     watch = Watch()
-    record = PhaseGraphs._record
+    record, run = PhaseGraphs._record, PhaseGraphs.run
     keys: set[str] = set()
-
     inside = [False]  # in a phase the cache runs: as in a capture (forced: a CPU has none)
 
     def watched_record(self, fn, inputs):
@@ -416,7 +415,6 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
         keys.add(key[0])
         return run(self, key, fn, inputs, clients)
 
-    run = PhaseGraphs.run
     estimator = dict(estimator)
     fleet = demo_dict()["fleet"]
     if estimator.pop("uneven", False):
