@@ -153,26 +153,33 @@ def default_node_config(index: int) -> dict[str, Scalar]:
 
 def _label(proc: psutil.Process) -> str:
     """A process's program: the first ``flwr*`` / ``flower-*`` word of its command line,
-    else its name."""
+    else its name; ``"<program> (fork)"`` for a child seen between fork and exec (a SuperNode
+    starting a ``flwr-clientapp``), which still runs its parent's command line.
+
+    The command line is read once, and the fork test compares that same reading with the
+    parent's: read twice, a child that execs in between was named by its parent's program
+    and judged by its new one, so counted as a second copy of its parent (a second
+    ``flower-superlink`` in a test, once)."""
     try:
         cmdline = proc.cmdline()
         name = proc.name()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return "?"
+    label = name
     for word in cmdline[:2]:
         base = os.path.basename(word)
         if base.startswith(("flwr", "flower")):
-            return base
-    return name
+            label = base
+            break
+    return f"{label} (fork)" if _fork_image(proc, cmdline) else label
 
 
-def _fork_image(proc: psutil.Process) -> bool:
-    """Whether ``proc`` still runs its parent's command line: a child seen between fork and
-    exec (a SuperNode starting a ``flwr-clientapp``), not a second copy of the parent's
-    program."""
+def _fork_image(proc: psutil.Process, cmdline: list[str]) -> bool:
+    """Whether ``cmdline``, read from ``proc``, is its parent's command line: a child seen
+    between fork and exec, not a second copy of the parent's program."""
     try:
         parent = proc.parent()
-        return parent is not None and parent.cmdline() == proc.cmdline()
+        return parent is not None and parent.cmdline() == cmdline
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
@@ -410,8 +417,6 @@ class LocalDeployment:
         # counted as a fork until a later sample sees the program it became (a child that
         # exits before that stays a fork, not one more of its parent's program)
         label = _label(proc)
-        if label != "?" and _fork_image(proc):
-            label = f"{label} (fork)"
         if label != "?":
             with self._lock:
                 self._labels[key] = label

@@ -131,6 +131,43 @@ FAMILY = textwrap.dedent(
 )
 
 
+class _Execing:
+    """A child that execs between two readings of its command line: its parent's at first,
+    ``flwr-serverapp`` after."""
+
+    def __init__(self, parent: list[str]) -> None:
+        self.readings = [list(parent)]
+        self.parent_cmdline = list(parent)
+
+    def cmdline(self) -> list[str]:
+        return self.readings.pop(0) if self.readings else ["/venv/bin/flwr-serverapp", "--x"]
+
+    def name(self) -> str:
+        return "python"
+
+    def parent(self):
+        outer = self
+
+        class Parent:
+            def cmdline(self) -> list[str]:
+                return outer.parent_cmdline
+
+        return Parent()
+
+
+def test_a_child_that_execs_while_it_is_labelled_is_a_fork_not_a_second_parent():
+    """The label reads the command line once: a child seen with its parent's command line
+    is a fork, even when it has exec'd by the time its parent's is read (read twice, it was
+    counted as a second SuperLink: test_deployment_leaves_no_process failed so, once)."""
+    from radbo.flower.deploy import _label
+
+    link = ["/venv/bin/flower-superlink", "--insecure"]
+    assert _label(_Execing(link)) == "flower-superlink (fork)"
+    after = _Execing(link)
+    after.readings.clear()  # seen after its exec
+    assert _label(after) == "flwr-serverapp"
+
+
 def test_stop_ends_groups_and_kills_stragglers_by_pid(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
     pid_file = tmp_path / "pids"
