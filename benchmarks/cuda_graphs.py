@@ -58,7 +58,7 @@ def measure(clients: int, rounds: int, device: str, dtype: str) -> dict[str, flo
     if cuda:  # what the plain side holds, its caching allocator warm
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
-    if device == "cpu":  # the config refuses cuda_graphs off a GPU: the cache's eager path
+    if not cuda:  # the config refuses cuda_graphs off a GPU: the cache's eager path
         graphed = Runner(data, device)
         graphs = graphed.exp.simulation.runtime.graphs = PhaseGraphs(capture=False)
     else:

@@ -536,15 +536,15 @@ def find_final_checkpoint(run_dir: str | Path, config: RunConfig) -> Path:
     for candidate in (folder / "checkpoints" / "final", folder / "checkpoints" / "run"):
         if not has_checkpoint(candidate):
             continue
-        if not (candidate / "checkpoint.json").is_file():
-            index_path = candidate / "checkpoint.json"
+        index_path = candidate / "checkpoint.json"
+        if not index_path.is_file():
             seen.append(
                 f"{index_path} is not a regular file"
                 if os.path.lexists(index_path)
                 else f"{candidate} has no checkpoint.json"
             )
             continue
-        index = _read_json(candidate / "checkpoint.json", "checkpoint index")
+        index = _read_json(index_path, "checkpoint index")
         done = index.get("rounds_done") if isinstance(index, dict) else None
         other = _difference(index.get("config") if isinstance(index, dict) else None, expected)
         if done == rounds and other is None:

@@ -74,17 +74,22 @@ def check(failed: Tensor, fail: Callable[[], object]) -> None:
     at once, or, inside a phase :class:`PhaseGraphs` runs, after the phase (after each replay
     of its capture, ``failed`` and whatever ``fail`` reads holding that replay's values), so
     that no value is read on the host inside a capture."""
-    stack = getattr(_pending, "stack", None)
+    stack = _stack()
     if stack:
         stack[-1].append((failed, fail))
     elif bool(failed):
         fail()
 
 
+def _stack() -> list[list[Check]]:
+    """This thread's deferred checks, one list per phase being run (innermost last)."""
+    return _pending.__dict__.setdefault("stack", [])
+
+
 @contextmanager
 def _deferring() -> Iterator[list[Check]]:
     """The checks :func:`check` defers inside the block."""
-    stack = _pending.__dict__.setdefault("stack", [])
+    stack = _stack()
     stack.append([])
     try:
         yield stack[-1]

@@ -217,71 +217,30 @@ def local_steps(
         The final carry, and per client (one entry for a single ``steps`` number) the
         gradients and products of the steps it ran.
     """
-    if counts is not None:
-        if not isinstance(steps, int):
-            raise TypeError("local_steps: with counts, steps is the number of steps run (an int)")
-        return _masked_steps(step, carry, steps, counts, name, uniform, reverse)
-    counts_ = [int(steps)] if isinstance(steps, int) else [int(n) for n in steps]
-    return _steps(step, carry, counts_, name, uniform, reverse)
-
-
-def _masked_steps(
-    step: Callable[[int, C], tuple[C, Work]],
-    carry: C,
-    total: int,
-    counts: Tensor,
-    name: str,
-    uniform: bool,
-    reverse: bool,
-) -> LocalSteps[C]:
-    """:func:`local_steps` with the clients' step ``counts`` read on the device only."""
-    n_grad = n_hvp = 0
+    if counts is not None and not isinstance(steps, int):
+        raise TypeError("local_steps: with counts, steps is the number of steps run (an int)")
+    host = [int(steps)] if isinstance(steps, int) else [int(n) for n in steps]
+    size = len(host) if counts is None else int(counts.shape[0])
+    total = max(host, default=0)
+    n_grad = [0] * size
+    n_hvp = [0] * size
     mark = repeating(name) if uniform else None
     order = reversed(range(total)) if reverse else range(total)
     for t in order:
-        with mark(False) if mark is not None else _NO_BLOCK:
-            new, work = step(t, _copy(carry))
-            carry = _where(counts > t, new, carry)
-        n_grad += _most(work.n_grad)
-        n_hvp += _most(work.n_hvp)
-    size = counts.shape[0]
-    return LocalSteps(carry, [n_grad] * size, [n_hvp] * size)
-
-
-def _most(value: int | Sequence[int]) -> int:
-    return value if isinstance(value, int) else max((int(v) for v in value), default=0)
-
-
-def _steps(
-    step: Callable[[int, C], tuple[C, Work]],
-    carry: C,
-    counts: list[int],
-    name: str,
-    uniform: bool,
-    reverse: bool,
-) -> LocalSteps[C]:
-    """:func:`local_steps` with the clients' step ``counts`` known on the host."""
-    total = max(counts, default=0)
-    n_grad = [0] * len(counts)
-    n_hvp = [0] * len(counts)
-    mark = repeating(name) if uniform else None
-    order = reversed(range(total)) if reverse else range(total)
-    for t in order:
-        flags = [t < n for n in counts]
-        everyone = all(flags)
-        with mark(everyone) if mark is not None else _NO_BLOCK:
-            if everyone:
+        if counts is None:
+            flags = [t < n for n in host]
+            active = None if all(flags) else torch.tensor(flags)
+        else:  # read on the device only: every step masked, its work counted for everyone
+            flags = [True] * size
+            active = counts > t
+        with mark(active is None) if mark is not None else _NO_BLOCK:
+            if active is None:
                 carry, work = step(t, carry)
             else:  # clients past their last step keep what they had
-                active = torch.tensor(flags)
                 new, work = step(t, _copy(carry))
                 carry = _where(active, new, carry)
         for c, (g, h) in enumerate(
-            zip(
-                _per_client(work.n_grad, len(counts)),
-                _per_client(work.n_hvp, len(counts)),
-                strict=True,
-            )
+            zip(_per_client(work.n_grad, size), _per_client(work.n_hvp, size), strict=True)
         ):
             if flags[c]:
                 n_grad[c] += g
