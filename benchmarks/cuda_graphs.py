@@ -2,12 +2,15 @@
 
     .venv/bin/python benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
     .venv/bin/python benchmarks/cuda_graphs.py --clients 100 --dtype float64   # equivalence
+    .venv/bin/python benchmarks/cuda_graphs.py --clients 100 1000 --algorithm fedavg
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cuda_graphs.py --device cpu --clients 20
 
 For each fleet size, the demo fleet of that many clients on the batched backend
-(:func:`benchmarks.gpu.demo_fleet`, RABO with CG) is built twice: ``cuda_graphs`` off (each
-stacked cohort's phases launched from Python) and on (RABO's two phases captured once per
-padded cohort shape and replayed, :class:`radbo.graphs.PhaseGraphs`). Both step rounds 0 and 1
+(:func:`benchmarks.gpu.demo_fleet`, RABO with CG; ``--algorithm fedavg``: FedAvg with 10
+local steps of the demo's batches, on the demo's HeteroFL-like submodels) is built twice:
+``cuda_graphs`` off (each stacked cohort's phases launched from Python) and on (RABO's two
+phases, or FedAvg's local steps, captured once per padded cohort shape and replayed,
+:class:`radbo.graphs.PhaseGraphs`). Both step rounds 0 and 1
 (round 0 measures FLOPs, round 1 loads kernels), then ``--rounds`` rounds alternated, the
 first side switching every round; a round is one ``Simulation.step`` with the GPU's work
 finished before the clock stops. A round that meets a new cohort shape captures it (a few
@@ -48,9 +51,18 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return out
 
 
-def measure(clients: int, rounds: int, device: str, dtype: str) -> dict[str, float]:
+#: ``--algorithm fedavg``: the demo's batches, 10 local steps as RABO's inner phase has
+FEDAVG = {"name": "fedavg", "lr": 0.1, "local_steps": 10, "batch_size": 32, "outer_batch_size": 32}
+
+
+def measure(
+    clients: int, rounds: int, device: str, dtype: str, algorithm: str = "rabo"
+) -> dict[str, float]:
     data = demo_fleet(clients)
     data["runtime"]["dtype"] = dtype
+    if algorithm == "fedavg":
+        data["algorithm"] = dict(FEDAVG)
+        data.pop("estimator", None)
     plain = Runner(data, device)
     plain.step()
     plain.step()
@@ -102,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per side")
     parser.add_argument("--device", default="cuda", help='"cuda" (default) or "cpu"')
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--algorithm", default="rabo", choices=["rabo", "fedavg"])
     args = parser.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("benchmarks/cuda_graphs.py: no CUDA device is available to torch here")
@@ -112,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         "rounds per side after rounds 0 and 1, alternated"
     )
     print(
-        "| demo fleet, RABO, batched | cuda_graphs off (s/round) | on (s/round) | speed-up | "
+        f"| demo fleet, {'RABO' if args.algorithm == 'rabo' else 'FedAvg'}, batched "
+        "| cuda_graphs off (s/round) | on (s/round) | speed-up | "
         "phases captured (after round 1 / end) | final x, y relative difference | "
         "GPU memory the graphed side added after round 1 (MiB, captures' pools included) |"
     )
     print("|---|---|---|---:|---:|---:|---:|")
     for clients in args.clients:
-        row = measure(clients, args.rounds, args.device, args.dtype)
+        row = measure(clients, args.rounds, args.device, args.dtype, args.algorithm)
         print(
             f"| {clients} clients | {row['off']:.4f} ({row['off_min']:.4f}-{row['off_max']:.4f}) "
             f"| {row['on']:.4f} ({row['on_min']:.4f}-{row['on_max']:.4f}) | "

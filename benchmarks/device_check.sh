@@ -80,6 +80,7 @@ step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
 # check in float64
 step graphs 150 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
 step graphs 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 3 --dtype float64
+step graphs 90 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6 --algorithm fedavg
 step graphs 90 $PY benchmarks/round_profile.py --device cuda --clients 100 --top 15 --cuda-graphs
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)
@@ -88,7 +89,7 @@ if $PY -c "import pfl" 2>/dev/null; then
     printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v $PY)" >/tmp/pflv/bin/python
     chmod +x /tmp/pflv/bin/python
     step vs_pfl 130 $PY benchmarks/vs_pfl.py --device cuda --rounds 4 --repeats 1 \
-        --backends sequential,batched --venv /tmp/pflv --data /tmp/vs_pfl_data \
+        --backends sequential,batched,batched:cuda_graphs --venv /tmp/pflv --data /tmp/vs_pfl_data \
         --out "$OUT/vs_pfl.md"
 fi
 

@@ -21,7 +21,9 @@ What the script does:
    radbo side for every backend in ``--backends`` (a fresh process each: ``sequential``,
    ``batched``, ``auto``, ``processes`` with ``--workers`` workers; a side named
    ``backend:channels_last``, e.g. ``sequential:channels_last``, runs that backend with
-   ``[runtime] memory_format = "channels_last"``); the order flips every
+   ``[runtime] memory_format = "channels_last"``; ``batched:cuda_graphs`` on a GPU, with
+   ``[runtime] cuda_graphs = true``, FedAvg's local steps replayed from CUDA graphs); the
+   order flips every
    repetition (pfl first, then radbo first). Every side builds its simulation, runs ``--rounds``
    rounds and reports the median seconds of rounds 1.. (round 0 is the warm-up: radbo
    measures its FLOPs there, pfl evaluates the cohort there); no evaluation is timed;
@@ -96,13 +98,18 @@ PFL_SIDE = Path(__file__).resolve().parent / "pfl_side.py"
 PFL_REQUIREMENTS = ("pfl[pytorch]==0.6.0", "torch==2.13.0")
 BACKENDS = ("sequential", "batched", "auto", "processes")
 FORMATS = ("contiguous", "channels_last")  # [runtime] memory_format; a side "backend:format"
+GRAPHS = "cuda_graphs"  # a side "batched[:format]:cuda_graphs": [runtime] cuda_graphs = true
 
 
-def side_parts(side: str) -> tuple[str, str]:
-    """``"sequential:channels_last"`` -> ``("sequential", "channels_last")``; a bare backend
-    is contiguous."""
-    backend, _, memory_format = side.partition(":")
-    return backend, memory_format or "contiguous"
+def side_parts(side: str) -> tuple[str, str, bool]:
+    """``"sequential:channels_last"`` -> ``("sequential", "channels_last", False)``,
+    ``"batched:cuda_graphs"`` -> ``("batched", "contiguous", True)``: the backend, the memory
+    format (a bare backend is contiguous) and whether CUDA graphs replay its phases."""
+    backend, *options = side.split(":")
+    graphs = bool(options) and options[-1] == GRAPHS
+    if graphs:
+        options.pop()
+    return backend, ":".join(options) or "contiguous", graphs
 
 
 PER_CLIENT = 50  # pfl's mean_datapoints_per_user (constant)
@@ -242,11 +249,14 @@ def radbo_config(
     device: str,
     workers: int,
     memory_format: str = "contiguous",
+    cuda_graphs: bool = False,
 ) -> dict[str, Any]:
     """The run config of the radbo side (see the module docstring)."""
     runtime: dict[str, Any] = {"backend": backend, "threads": 1, "device": device}
     if memory_format != "contiguous":
         runtime["memory_format"] = memory_format
+    if cuda_graphs:
+        runtime["cuda_graphs"] = True
     if backend == "processes":
         runtime["workers"] = workers
     return {
@@ -282,11 +292,13 @@ def radbo_side(
     device: str = "cpu",
     workers: int = 2,
     memory_format: str = "contiguous",
+    cuda_graphs: bool = False,
 ) -> dict[str, Any]:
     """Build radbo's FedAvg run for ``backend`` (``[runtime] memory_format``:
-    ``memory_format``) in this process, run ``rounds`` rounds of :meth:`Simulation.step` and
-    return the seconds of each and the median of rounds 1.. Freed memory is kept for reuse
-    first (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default."""
+    ``memory_format``, ``[runtime] cuda_graphs``: ``cuda_graphs``) in this process, run
+    ``rounds`` rounds of :meth:`Simulation.step` and return the seconds of each and the median
+    of rounds 1.. Freed memory is kept for reuse first
+    (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default."""
     from radbo.allocator import retain_freed_memory
     from radbo.config import parse_config
     from radbo.experiment import build
@@ -294,7 +306,9 @@ def radbo_side(
     torch.set_num_threads(1)
     register_model()
     config = parse_config(
-        radbo_config(data, backend, clients, per_round, rounds, device, workers, memory_format)
+        radbo_config(
+            data, backend, clients, per_round, rounds, device, workers, memory_format, cuda_graphs
+        )
     )
     if config.runtime.allocator == "retain":  # as radbo.run does (the default)
         retain_freed_memory()
@@ -320,6 +334,7 @@ def radbo_side(
         "side": "radbo",
         "backend": backend,
         "memory_format": memory_format,
+        "cuda_graphs": cuda_graphs,
         "device": device,
         "threads": torch.get_num_threads(),
         "round_s": seconds,
@@ -419,9 +434,10 @@ def table(
     pfl_mid = statistics.median(pfl) if pfl else float("nan")
     floor_mid = statistics.median(floor) if floor else float("nan")
     for side, values in radbo.items():
-        backend, memory_format = side_parts(side)
+        backend, memory_format, graphs = side_parts(side)
         label = f"radbo {backend}" + (f" ({workers} workers)" if backend == "processes" else "")
         label += ", channels-last" if memory_format == "channels_last" else ""
+        label += ", CUDA graphs" if graphs else ""
         mid = statistics.median(values)
         to_pfl = f" {mid / pfl_mid:.2f}x " if pfl else " "  # --skip-pfl: nothing to compare
         lines.append(f"| {label} | {summary(values)} |{to_pfl}| {mid / floor_mid:.2f}x | {where} |")
@@ -448,7 +464,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--backends",
         default=",".join(BACKENDS),
-        help='radbo backends, each optionally ":channels_last" ([runtime] memory_format)',
+        help='radbo backends, each optionally ":channels_last" ([runtime] memory_format); '
+        '"batched:cuda_graphs" on a GPU: [runtime] cuda_graphs',
     )
     parser.add_argument("--workers", type=int, default=2, help="workers of radbo's processes")
     parser.add_argument("--device", default="cpu", help='"cpu" or "cuda" (both sides)')
@@ -488,8 +505,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown or not args.backends:
         parser.error(
             f"--backends takes some of {', '.join(BACKENDS)} (each optionally "
-            f'":channels_last"), got {unknown}'
+            f'":channels_last", and batched ":cuda_graphs"), got {unknown}'
         )
+    graphed = [b for b in args.backends if side_parts(b)[2]]
+    if any(side_parts(b)[0] != "batched" for b in graphed):
+        parser.error(f"--backends: only batched takes :cuda_graphs, got {graphed}")
+    if graphed and not args.device.startswith("cuda"):
+        parser.error("--backends: :cuda_graphs needs --device cuda")
     if args.device != "cpu":  # forked workers cannot share a GPU context
         args.backends = [b for b in args.backends if side_parts(b)[0] != "processes"]
     return args
@@ -500,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     data = Path(args.data)
     if args.side == "radbo":  # a child: every backend asked for, one JSON line each
         for side in args.backends:
-            backend, memory_format = side_parts(side)
+            backend, memory_format, graphs = side_parts(side)
             result = radbo_side(
                 data,
                 backend,
@@ -510,6 +532,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 device=args.device,
                 workers=args.workers,
                 memory_format=memory_format,
+                cuda_graphs=graphs,
             )
             print(json.dumps(result), flush=True)
         return

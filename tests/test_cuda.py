@@ -263,12 +263,15 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
         {"name": "cg"},
         {"name": "finite_difference", "num_coordinates": 16, "coordinate_batch": 8},
         {"name": "cg", "uneven": True},  # clients of 1 to 4 local steps: masked in the graph
+        # FedAvg's local steps (HeteroFL-like masks of the demo), clients of 1 to 4 steps
+        {"name": "fedavg", "uneven": True, "algorithm": {"name": "fedavg", "local_steps": 3}},
     ],
     ids=lambda e: e["name"] + ("-uneven" if e.get("uneven") else ""),
 )
 @needs_cuda
 def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimator):
-    """``[runtime] cuda_graphs``: RABO's two phases captured once per padded cohort shape and
+    """``[runtime] cuda_graphs``: RABO's two phases (and FedAvg's local steps) captured once
+    per padded cohort shape and
     replayed in later rounds (CG masked, not stopped, inside the capture; finite differences'
     check of a vanishing step deferred to after the replay; clients of unequal step counts
     masked by counts on the device) give the eager
@@ -299,8 +302,11 @@ def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimat
     fleet = {**demo_dict()["fleet"], "num_clients": 40}
     if estimator.pop("uneven", False):
         fleet.update(local_steps="uniform", local_steps_range=[1, 4])
+    sections: dict[str, Any] = {"estimator": estimator}
+    if "algorithm" in estimator:  # an algorithm without an estimator
+        sections = {"algorithm": estimator["algorithm"], "estimator": None}
     eager = run(
-        _config("cuda", runtime={"backend": "batched"}, fleet=fleet, rounds=4, estimator=estimator),
+        _config("cuda", runtime={"backend": "batched"}, fleet=fleet, rounds=4, **sections),
         progress=False,
         save=False,
     )
@@ -311,7 +317,7 @@ def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimat
             runtime={"backend": "batched", "cuda_graphs": True},
             fleet=fleet,
             rounds=4,
-            estimator=estimator,
+            **sections,
         ),
         progress=False,
         save=False,

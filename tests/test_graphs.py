@@ -191,6 +191,67 @@ def test_clients_with_unequal_step_counts_run_through_the_cache_masked():
     assert_runs_agree(a, b)
 
 
+UNEVEN_FLEET = {**demo_dict()["fleet"], "local_steps": "uniform", "local_steps_range": [1, 4]}
+FEW_SHOT = {"name": "few_shot", "ways": 5, "shots": 2, "queries": 3, "test_episodes": 10}
+
+# FedAvg's local steps through the cache: the demo fleet (HeteroFL-like masks, some cohorts of
+# one client, which run eagerly), clients of 1 to 4 steps (budget steps, masked on the
+# device), and Dist-ProtoNet, FedAvg's steps with the prototypical loss on x alone (y passed
+# as a fixed input), on few-shot episodes of a small Conv4 with BatchNorm
+FEDAVG_CASES = {
+    "fedavg": dict(algorithm={"name": "fedavg", "local_steps": 3}),
+    "fedavg-uneven": dict(algorithm={"name": "fedavg", "local_steps": 3}, fleet=UNEVEN_FLEET),
+    "protonet-few_shot": dict(
+        algorithm={"name": "protonet", "local_steps": 2},
+        model={"name": "conv4", "width": 4},
+        task={**FEW_SHOT, "prototypes": True},
+        partition={"alpha": 100.0},  # every client holds every class
+        fleet={"num_clients": 4},
+        mask={"policy": "none"},
+    ),
+}
+
+
+@pytest.mark.float_sensitive
+@pytest.mark.parametrize("case", list(FEDAVG_CASES))
+def test_fedavg_through_the_phase_cache_agrees_with_the_batched_run(case: str):
+    """FedAvg's (and Dist-ProtoNet's) local steps through the cache against the plain batched
+    run, float64, 3 rounds: the states to 1e-10 relative and ledgers exactly, as for RABO
+    above. Every stacked cohort went through the cache, with each client's step count where
+    they differ; later rounds ran the first round's phase functions (the twin's replay)."""
+    overrides = dict(rounds=3, runtime={"dtype": "float64"}, **FEDAVG_CASES[case])
+    plain = build(small_config(**overrides))
+    plain.simulation.backend = BatchedBackend()
+    graphed = build(small_config(**overrides))
+    graphed.simulation.backend = BatchedBackend()
+    graphs = graphed.simulation.runtime.graphs = PhaseGraphs(capture=False)
+    calls: list[tuple[str, int, bool]] = []
+    stacked: list[tuple[str, int, bool]] = []
+    original = PhaseGraphs.run
+    stack = Cohort.stack.__func__  # type: ignore[attr-defined]
+
+    def spy(self, key, fn, inputs, clients):
+        calls.append((key[0], clients, len(inputs) == 5))  # the counts: a fifth input
+        return original(self, key, fn, inputs, clients)
+
+    def spy_stack(cls, tasks, prepared):
+        cohort = stack(cls, tasks, prepared)
+        if cohort.stacked:
+            stacked.append(("fedavg.step", len(tasks), len(set(cohort.num_steps)) > 1))
+        return cohort
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Cohort, "stack", classmethod(spy_stack))
+        a = list(plain.simulation.iterate(plain.initial_state, 3))
+        stacked.clear()
+        patch.setattr(PhaseGraphs, "run", spy)
+        b = list(graphed.simulation.iterate(graphed.initial_state, 3))
+    assert calls == stacked and len(calls) >= 3
+    assert any(uneven for *_, uneven in calls) == (case == "fedavg-uneven")
+    assert 1 <= len(graphs) < len(calls)  # later rounds met captured shapes
+    assert_runs_agree(a, b)
+
+
 def test_a_cohorts_block_of_steps_repeats_a_short_clients_last_minibatch():
     """``Cohort.steps_block`` of clients with 2 and 3 steps: ``[3, clients, batch]``, the
     first client's step 2 its step 1 again (what ``step_data`` gives a client past its last
@@ -364,6 +425,29 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
     run, a tensor on the CPU). This is what a CPU can check of a capture's rules: it finds a
     host read (``.item()``, ``bool(t)``, a boolean index) before a GPU session spends its
     minutes on a capture that fails."""
+    estimator = dict(estimator)
+    fleet = demo_dict()["fleet"]
+    if estimator.pop("uneven", False):
+        fleet.update(local_steps="uniform", local_steps_range=[1, 4])
+    keys, ops, seen = _watch_phases(dict(fleet=fleet, estimator=estimator))
+    assert keys == {"rabo.inner", "rabo.outer"}
+    assert ops > 1000  # the phases ran inside the mode, backward passes included
+    assert seen == {}
+
+
+@pytest.mark.parametrize("case", list(FEDAVG_CASES))
+def test_fedavgs_captured_steps_read_nothing_on_the_host(case: str):
+    """The same watch on FedAvg's and Dist-ProtoNet's local steps (FEDAVG_CASES)."""
+    keys, ops, seen = _watch_phases(FEDAVG_CASES[case])
+    assert keys == {"fedavg.step"}
+    assert ops > 1000  # backward passes included
+    assert seen == {}
+
+
+def _watch_phases(overrides: dict) -> tuple[set[str], int, dict[str, int]]:
+    """Two rounds of ``small_config(**overrides)`` in float64 on the batched backend through
+    the cache: the keys of the phases it ran, the aten operations they issued and those of
+    them a capture may not hold (by name, counted)."""
     from torch.overrides import TorchFunctionMode
 
     import radbo.autodiff as autodiff
@@ -415,12 +499,7 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
         keys.add(key[0])
         return run(self, key, fn, inputs, clients)
 
-    estimator = dict(estimator)
-    fleet = demo_dict()["fleet"]
-    if estimator.pop("uneven", False):
-        fleet.update(local_steps="uniform", local_steps_range=[1, 4])
-    overrides = dict(rounds=2, fleet=fleet, runtime={"dtype": "float64"}, estimator=estimator)
-    exp = build(small_config(**overrides))
+    exp = build(small_config(rounds=2, runtime={"dtype": "float64"}, **overrides))
     exp.simulation.backend = BatchedBackend()
     exp.simulation.runtime.graphs = PhaseGraphs(capture=False)
     with pytest.MonkeyPatch.context() as patch:
@@ -428,9 +507,7 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
         patch.setattr(PhaseGraphs, "run", spy)
         patch.setattr(autodiff, "capturing_graph", lambda t: inside[0])
         list(exp.simulation.iterate(exp.initial_state, 2))
-    assert keys == {"rabo.inner", "rabo.outer"}
-    assert watch.ops > 1000  # the phases ran inside the mode, backward passes included
-    assert watch.seen == {}
+    return keys, watch.ops, watch.seen
 
 
 def test_a_check_is_made_at_once_outside_and_after_the_phase_inside_the_cache():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from radbo.config import parse_config
 from radbo.data.readers import read_cifar10
 from radbo.models import MODELS
 from tests import helpers
@@ -77,6 +78,8 @@ def test_the_radbo_side_reports_seconds_per_round_for_every_backend(tmp_path):
         (["--per-round", "5", "--clients", "4"], "--per-round must be at most --clients"),
         (["--backends", "sequential,threads"], "--backends takes some of"),
         (["--backends", "sequential:nhwc"], "--backends takes some of"),
+        (["--backends", "sequential:cuda_graphs"], "only batched takes :cuda_graphs"),
+        (["--backends", "batched:cuda_graphs"], ":cuda_graphs needs --device cuda"),
         (["--rounds", "0"], "must be >= 1"),
     ],
 )
@@ -102,8 +105,8 @@ def test_a_side_may_run_with_channels_last_images(tmp_path):
     vs_pfl = load_script()
     args = vs_pfl.parse_args(["--quick", "--backends", "sequential,sequential:channels_last"])
     assert [vs_pfl.side_parts(b) for b in args.backends] == [
-        ("sequential", "contiguous"),
-        ("sequential", "channels_last"),
+        ("sequential", "contiguous", False),
+        ("sequential", "channels_last", False),
     ]
     data = vs_pfl.write_data(tmp_path / "data", clients=4)
     config = vs_pfl.radbo_config(data, "sequential", 4, 2, 2, "cpu", 2, "channels_last")
@@ -116,6 +119,26 @@ def test_a_side_may_run_with_channels_last_images(tmp_path):
     )
     assert "| radbo sequential, channels-last | 1.20 | 0.60x | 1.20x |" in text
     assert "| plain PyTorch floor, channels-last | 0.80 | | 0.80x |" in text
+
+
+def test_a_batched_side_may_replay_its_steps_from_cuda_graphs(tmp_path):
+    """``batched:cuda_graphs`` (and ``batched:channels_last:cuda_graphs``) is the batched
+    backend with ``[runtime] cuda_graphs = true``, labelled in the table; the config is what
+    a GPU run parses (``device = "cuda"``)."""
+    vs_pfl = load_script()
+    assert vs_pfl.side_parts("batched:cuda_graphs") == ("batched", "contiguous", True)
+    assert vs_pfl.side_parts("batched:channels_last:cuda_graphs") == (
+        "batched",
+        "channels_last",
+        True,
+    )
+    data = vs_pfl.write_data(tmp_path / "data", clients=4)
+    config = vs_pfl.radbo_config(data, "batched", 4, 2, 2, "cuda", 2, "contiguous", True)
+    vs_pfl.register_model()
+    assert parse_config(config).runtime.cuda_graphs
+    assert "cuda_graphs" not in vs_pfl.radbo_config(data, "batched", 4, 2, 2, "cpu", 2)["runtime"]
+    text = vs_pfl.table([2.0], {"batched:cuda_graphs": [0.5]}, [1.0], "cpu", 2)
+    assert "| radbo batched, CUDA graphs | 0.50 | 0.25x | 0.50x |" in text
 
 
 @helpers.requires_compiler

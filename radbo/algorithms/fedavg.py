@@ -54,7 +54,7 @@ from radbo.client import (
     mean_metric,
 )
 from radbo.limits import BatchSize, Steps, StepSize
-from radbo.loops import Work
+from radbo.loops import LocalSteps, Work, local_steps
 from radbo.masks.index import extract, extract_many
 from radbo.typing import IndexSet, Params
 
@@ -166,19 +166,80 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """Local SGD on the trained parameters (:meth:`trained_names`); returns their summed
-        gradients and the buffers."""
+        gradients and the buffers.
+
+        A stacked cohort replays its steps from a CUDA graph where the runtime has
+        :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
+        one pure function of the trained and fixed parameters, buffers and the steps'
+        minibatches (:meth:`_phase`), on the device; clients with unequal step counts run the
+        largest count, each masked past its own by the counts on the device."""
         module = cohort.module(runtime)
         names = self.trained_names()
         params = cohort.params(names, clone=True)
         fixed = cohort.params([n for n in (*self.outer_names, *self.inner_names) if n not in names])
         buffers = cohort.params(self.buffer_names, clone=True)
+        steps = cohort.num_steps
+        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
+            width = self.batch_size + self.outer_batch_size  # an inner and an outer minibatch
+            minibatches = cohort.steps_block("batch", width if runtime.pads else None)
+            device = next(iter(params.values())).device
+            per_client = minibatches.transpose(0, 1).to(device)  # [clients, steps, batch]
+            inputs: tuple[Any, ...] = (params, fixed, buffers, per_client)
+            if len(set(steps)) > 1:  # each client's count, read on the device only
+                inputs += (torch.tensor(steps, device=device),)
+            # a frozen algorithm (lr, the trained names, the loss it picks from the runtime's
+            # problem) and the module skeleton; the largest step count is the minibatches'
+            # shape and the counts' presence the inputs' structure, both part of every
+            # capture's key
+            key = ("fedavg.step", id(self), id(module))
+            phase = self._phase(runtime, cohort, module, max(steps))
+            _, total, buffers, loss_value = runtime.graphs.run(key, phase, inputs, cohort.size)
+            n_grad = steps
+        else:
+            done = self._local_steps(
+                runtime,
+                cohort,
+                module,
+                params,
+                fixed,
+                buffers,
+                lambda t: cohort.step_data("batch", t),
+                steps,
+            )
+            _, total, buffers, loss_value = done.carry
+            n_grad = done.n_grad
+        update = {**total, **(buffers if self.aggregate_buffers else {})}
+        return cohort.replies(
+            update,
+            {"train_loss": loss_value},
+            n_grad=n_grad,
+            samples=cohort.step_samples("batch"),
+        )
+
+    def _local_steps(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        params: Params,
+        fixed: Params,
+        buffers: Params,
+        minibatch: Callable[[int], Tensor],
+        steps: int | list[int],
+        counts: Tensor | None = None,
+    ) -> LocalSteps[Any]:
+        """``steps`` local SGD steps from ``params`` (each client its number of steps; or
+        ``steps`` times, each client masked past its entry of ``counts``, a tensor on the
+        device), step t on the example indices ``minibatch(t)``; the carry ends as ``(params,
+        summed gradients, buffers, loss)``. ``params`` are updated in place: the caller's own
+        copy."""
         loss_fn = self.local_loss(runtime.problem)
         total = {n: torch.zeros_like(t) for n, t in params.items()}
         Carry = tuple[Params, Params, Params, Any]  # params, summed gradients, buffers, loss
 
         def step(t: int, carry: Carry) -> tuple[Carry, Work]:
             params, total, buffers, _ = carry
-            batch = runtime.batch(cohort.step_data("batch", t))
+            batch = runtime.batch(minibatch(t))
             var = {n: p.requires_grad_(True) for n, p in params.items()}
             every = {**fixed, **var}
             x = {n: every[n] for n in self.outer_names}
@@ -203,15 +264,38 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
             stepped = {n: p.detach() for n, p in var.items()}  # views: the carry needs no grad
             return (stepped, total, buffers, loss.detach()), Work(n_grad=1)
 
-        steps = cohort.local_steps(step, (params, total, buffers, float("nan")), name="fedavg.step")
-        _, total, buffers, loss_value = steps.carry
-        update = {**total, **(buffers if self.aggregate_buffers else {})}
-        return cohort.replies(
-            update,
-            {"train_loss": loss_value},
-            n_grad=steps.n_grad,
-            samples=cohort.step_samples("batch"),
-        )
+        start = (params, total, buffers, float("nan"))
+        return local_steps(step, start, steps, name="fedavg.step", counts=counts)
+
+    def _phase(
+        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
+    ) -> Callable[[Any], Any]:
+        """The local steps of a stacked cohort whose clients run up to ``steps`` steps, as a
+        pure function of ``(params, fixed, buffers, minibatches[, counts])`` (minibatches
+        ``[clients, steps, batch]``; ``counts``, each client's step count, where they differ)
+        returning ``(params, summed gradients, buffers, loss)``: what
+        :class:`radbo.graphs.PhaseGraphs` captures. It reads nothing else that changes between
+        rounds (its key names this frozen algorithm, whose ``lr`` and loss it reads, and the
+        module; ``steps`` is the minibatches' shape)."""
+
+        def phase(inputs: Any) -> Any:
+            params, fixed, buffers, minibatches, *counts = inputs
+            # the steps set requires_grad on the parameters and update them in place
+            params = {n: t.clone() for n, t in params.items()}
+            done = self._local_steps(
+                runtime,
+                cohort,
+                module,
+                params,
+                fixed,
+                buffers,
+                lambda t: minibatches[:, t],
+                steps,
+                counts[0] if counts else None,
+            )
+            return done.carry
+
+        return phase
 
     def server(
         self,
