@@ -7,9 +7,10 @@
 
 For each fleet size, the demo fleet of that many clients on the batched backend
 (:func:`benchmarks.gpu.demo_fleet`, RABO with CG; ``--algorithm fedavg``: FedAvg with 10
-local steps of the demo's batches, on the demo's HeteroFL-like submodels) is built twice:
+local steps of the demo's batches, on the demo's HeteroFL-like submodels; ``--algorithm
+shrofbo``: ShroFBO, 10 simultaneous steps with the exact products) is built twice:
 ``cuda_graphs`` off (each stacked cohort's phases launched from Python) and on (RABO's two
-phases, or FedAvg's local steps, captured once per padded cohort shape and replayed,
+phases, or the local steps, captured once per padded cohort shape and replayed,
 :class:`radbo.graphs.PhaseGraphs`). Both step rounds 0 and 1
 (round 0 measures FLOPs, round 1 loads kernels), then ``--rounds`` rounds alternated, the
 first side switching every round; a round is one ``Simulation.step`` with the GPU's work
@@ -51,8 +52,13 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return out
 
 
-#: ``--algorithm fedavg``: the demo's batches, 10 local steps as RABO's inner phase has
-FEDAVG = {"name": "fedavg", "lr": 0.1, "local_steps": 10, "batch_size": 32, "outer_batch_size": 32}
+#: ``--algorithm fedavg`` / ``shrofbo``: the demo's batches, 10 local steps as RABO's inner
+#: phase has (ShroFBO with its default step sizes and the exact products)
+ALGORITHMS: dict[str, dict] = {
+    "fedavg": {"name": "fedavg", "lr": 0.1, "local_steps": 10},
+    "shrofbo": {"name": "shrofbo", "local_steps": 10},
+}
+NAMES = {"rabo": "RABO", "fedavg": "FedAvg", "shrofbo": "ShroFBO"}
 
 
 def measure(
@@ -60,8 +66,9 @@ def measure(
 ) -> dict[str, float]:
     data = demo_fleet(clients)
     data["runtime"]["dtype"] = dtype
-    if algorithm == "fedavg":
-        data["algorithm"] = dict(FEDAVG)
+    if algorithm != "rabo":
+        batches = {k: data["algorithm"][k] for k in ("batch_size", "outer_batch_size")}
+        data["algorithm"] = {**ALGORITHMS[algorithm], **batches}
         data.pop("estimator", None)
     plain = Runner(data, device)
     plain.step()
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per side")
     parser.add_argument("--device", default="cuda", help='"cuda" (default) or "cpu"')
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--algorithm", default="rabo", choices=["rabo", "fedavg"])
+    parser.add_argument("--algorithm", default="rabo", choices=list(NAMES))
     args = parser.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("benchmarks/cuda_graphs.py: no CUDA device is available to torch here")
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds per side after rounds 0 and 1, alternated"
     )
     print(
-        f"| demo fleet, {'RABO' if args.algorithm == 'rabo' else 'FedAvg'}, batched "
+        f"| demo fleet, {NAMES[args.algorithm]}, batched "
         "| cuda_graphs off (s/round) | on (s/round) | speed-up | "
         "phases captured (after round 1 / end) | final x, y relative difference | "
         "GPU memory the graphed side added after round 1 (MiB, captures' pools included) |"

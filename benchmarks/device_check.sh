@@ -81,6 +81,7 @@ step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
 step graphs 150 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
 step graphs 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 3 --dtype float64
 step graphs 90 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6 --algorithm fedavg
+step graphs 90 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6 --algorithm shrofbo
 step graphs 90 $PY benchmarks/round_profile.py --device cuda --clients 100 --top 15 --cuda-graphs
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)

@@ -265,13 +265,15 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
         {"name": "cg", "uneven": True},  # clients of 1 to 4 local steps: masked in the graph
         # FedAvg's local steps (HeteroFL-like masks of the demo), clients of 1 to 4 steps
         {"name": "fedavg", "uneven": True, "algorithm": {"name": "fedavg", "local_steps": 3}},
+        # ShroFBO's simultaneous steps with the exact products, clients of 1 to 4 steps
+        {"name": "shrofbo", "uneven": True, "algorithm": {"name": "shrofbo"}},
     ],
     ids=lambda e: e["name"] + ("-uneven" if e.get("uneven") else ""),
 )
 @needs_cuda
 def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimator):
-    """``[runtime] cuda_graphs``: RABO's two phases (and FedAvg's local steps) captured once
-    per padded cohort shape and
+    """``[runtime] cuda_graphs``: RABO's two phases (and FedAvg's and ShroFBO's local steps)
+    captured once per padded cohort shape and
     replayed in later rounds (CG masked, not stopped, inside the capture; finite differences'
     check of a vanishing step deferred to after the replay; clients of unequal step counts
     masked by counts on the device) give the eager
@@ -303,7 +305,7 @@ def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimat
     if estimator.pop("uneven", False):
         fleet.update(local_steps="uniform", local_steps_range=[1, 4])
     sections: dict[str, Any] = {"estimator": estimator}
-    if "algorithm" in estimator:  # an algorithm without an estimator
+    if "algorithm" in estimator:  # an algorithm with its default estimator
         sections = {"algorithm": estimator["algorithm"], "estimator": None}
     eager = run(
         _config("cuda", runtime={"backend": "batched"}, fleet=fleet, rounds=4, **sections),

@@ -194,32 +194,63 @@ def test_clients_with_unequal_step_counts_run_through_the_cache_masked():
 UNEVEN_FLEET = {**demo_dict()["fleet"], "local_steps": "uniform", "local_steps_range": [1, 4]}
 FEW_SHOT = {"name": "few_shot", "ways": 5, "shots": 2, "queries": 3, "test_episodes": 10}
 
-# FedAvg's local steps through the cache: the demo fleet (HeteroFL-like masks, some cohorts of
-# one client, which run eagerly), clients of 1 to 4 steps (budget steps, masked on the
-# device), and Dist-ProtoNet, FedAvg's steps with the prototypical loss on x alone (y passed
-# as a fixed input), on few-shot episodes of a small Conv4 with BatchNorm
-FEDAVG_CASES = {
-    "fedavg": dict(algorithm={"name": "fedavg", "local_steps": 3}),
-    "fedavg-uneven": dict(algorithm={"name": "fedavg", "local_steps": 3}, fleet=UNEVEN_FLEET),
-    "protonet-few_shot": dict(
-        algorithm={"name": "protonet", "local_steps": 2},
-        model={"name": "conv4", "width": 4},
-        task={**FEW_SHOT, "prototypes": True},
-        partition={"alpha": 100.0},  # every client holds every class
-        fleet={"num_clients": 4},
-        mask={"policy": "none"},
+# Local steps through the cache, by case: the key of the phase, and the config's overrides.
+# FedAvg on the demo fleet (HeteroFL-like masks, some cohorts of one client, which run
+# eagerly), and with clients of 1 to 4 steps (budget steps, masked on the device);
+# Dist-ProtoNet, FedAvg's steps with the prototypical loss on x alone (y passed as a fixed
+# input), on few-shot episodes of a small Conv4 with BatchNorm; SimFBO with the exact
+# products, ShroFBO with finite differences (whose check of a vanishing step is deferred) and
+# in its fully first-order mode, on clients of 1 to 4 steps
+STEP_CASES: dict[str, tuple[str, dict]] = {
+    "fedavg": ("fedavg.step", dict(algorithm={"name": "fedavg", "local_steps": 3})),
+    "fedavg-uneven": (
+        "fedavg.step",
+        dict(algorithm={"name": "fedavg", "local_steps": 3}, fleet=UNEVEN_FLEET),
+    ),
+    "protonet-few_shot": (
+        "fedavg.step",
+        dict(
+            algorithm={"name": "protonet", "local_steps": 2},
+            model={"name": "conv4", "width": 4},
+            task={**FEW_SHOT, "prototypes": True},
+            partition={"alpha": 100.0},  # every client holds every class
+            fleet={"num_clients": 4},
+            mask={"policy": "none"},
+        ),
+    ),
+    "simfbo-autograd": (
+        "simfbo.step",
+        dict(algorithm={"name": "simfbo", "local_steps": 3}, estimator={"name": "autograd"}),
+    ),
+    "shrofbo-finite_difference-uneven": (
+        "simfbo.step",
+        dict(
+            algorithm={"name": "shrofbo"},
+            estimator={"name": "finite_difference", "hvp_mu": 1e-4},
+            fleet=UNEVEN_FLEET,
+        ),
+    ),
+    "shrofbo-first_order-uneven": (
+        "simfbo.step",
+        dict(
+            algorithm={"name": "shrofbo"},
+            estimator={"name": "first_order", "lam": 10.0},
+            fleet=UNEVEN_FLEET,
+        ),
     ),
 }
 
 
 @pytest.mark.float_sensitive
-@pytest.mark.parametrize("case", list(FEDAVG_CASES))
-def test_fedavg_through_the_phase_cache_agrees_with_the_batched_run(case: str):
-    """FedAvg's (and Dist-ProtoNet's) local steps through the cache against the plain batched
-    run, float64, 3 rounds: the states to 1e-10 relative and ledgers exactly, as for RABO
-    above. Every stacked cohort went through the cache, with each client's step count where
-    they differ; later rounds ran the first round's phase functions (the twin's replay)."""
-    overrides = dict(rounds=3, runtime={"dtype": "float64"}, **FEDAVG_CASES[case])
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: str):
+    """FedAvg's, Dist-ProtoNet's, SimFBO's and ShroFBO's local steps through the cache
+    against the plain batched run, float64, 3 rounds: the states to 1e-10 relative and
+    ledgers exactly (work counts included), as for RABO above. Every stacked cohort went
+    through the cache, with each client's step count where they differ; later rounds ran the
+    first round's phase functions (the twin's replay)."""
+    name, sections = STEP_CASES[case]
+    overrides = dict(rounds=3, runtime={"dtype": "float64"}, **sections)
     plain = build(small_config(**overrides))
     plain.simulation.backend = BatchedBackend()
     graphed = build(small_config(**overrides))
@@ -231,13 +262,15 @@ def test_fedavg_through_the_phase_cache_agrees_with_the_batched_run(case: str):
     stack = Cohort.stack.__func__  # type: ignore[attr-defined]
 
     def spy(self, key, fn, inputs, clients):
-        calls.append((key[0], clients, len(inputs) == 5))  # the counts: a fifth input
+        # the counts, where they differ: the last input, one per client (a minibatch block
+        # is [clients, steps, batch])
+        calls.append((key[0], clients, inputs[-1].ndim == 1))
         return original(self, key, fn, inputs, clients)
 
     def spy_stack(cls, tasks, prepared):
         cohort = stack(cls, tasks, prepared)
         if cohort.stacked:
-            stacked.append(("fedavg.step", len(tasks), len(set(cohort.num_steps)) > 1))
+            stacked.append((name, len(tasks), len(set(cohort.num_steps)) > 1))
         return cohort
 
     with pytest.MonkeyPatch.context() as patch:
@@ -247,7 +280,7 @@ def test_fedavg_through_the_phase_cache_agrees_with_the_batched_run(case: str):
         patch.setattr(PhaseGraphs, "run", spy)
         b = list(graphed.simulation.iterate(graphed.initial_state, 3))
     assert calls == stacked and len(calls) >= 3
-    assert any(uneven for *_, uneven in calls) == (case == "fedavg-uneven")
+    assert any(uneven for *_, uneven in calls) == case.endswith("-uneven")
     assert 1 <= len(graphs) < len(calls)  # later rounds met captured shapes
     assert_runs_agree(a, b)
 
@@ -435,11 +468,13 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
     assert seen == {}
 
 
-@pytest.mark.parametrize("case", list(FEDAVG_CASES))
-def test_fedavgs_captured_steps_read_nothing_on_the_host(case: str):
-    """The same watch on FedAvg's and Dist-ProtoNet's local steps (FEDAVG_CASES)."""
-    keys, ops, seen = _watch_phases(FEDAVG_CASES[case])
-    assert keys == {"fedavg.step"}
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_captured_local_steps_read_nothing_on_the_host(case: str):
+    """The same watch on FedAvg's, Dist-ProtoNet's, SimFBO's and ShroFBO's local steps
+    (STEP_CASES)."""
+    name, sections = STEP_CASES[case]
+    keys, ops, seen = _watch_phases(sections)
+    assert keys == {name}
     assert ops > 1000  # backward passes included
     assert seen == {}
 

@@ -170,16 +170,17 @@ def test_the_layer_benchmark_times_each_side(mode):
     assert re.search(r"\n\| cnn7 conv2 \(6->16, 5x5, 6x6\) \| 2 \|( [\d.]+ \|){5}\n", out), out
 
 
-@pytest.mark.parametrize("algorithm", ["rabo", "fedavg"])
+@pytest.mark.parametrize("algorithm", ["rabo", "fedavg", "shrofbo"])
 def test_the_cuda_graphs_benchmark_runs_the_caches_eager_path_on_the_cpu(algorithm: str):
     """``benchmarks/cuda_graphs.py --device cpu`` (no CUDA graphs on a CPU: the cache's eager
-    path, the same padding and copies), RABO and FedAvg: one row, phases captured, and the two
+    path, the same padding and copies), RABO, FedAvg and ShroFBO: one row, phases captured, and the two
     sides' float64 states as close as tests/test_graphs.py requires (1e-10 relative)."""
     out = run_script(
         "benchmarks/cuda_graphs.py", "--device", "cpu", "--clients", "20", "--rounds", "1",
         "--dtype", "float64", "--algorithm", algorithm,
     )  # fmt: skip
-    assert f"| demo fleet, {'RABO' if algorithm == 'rabo' else 'FedAvg'}, batched |" in out, out
+    name = {"rabo": "RABO", "fedavg": "FedAvg", "shrofbo": "ShroFBO"}[algorithm]
+    assert f"| demo fleet, {name}, batched |" in out, out
     row = re.search(
         r"\| 20 clients \| .* \| ([\d.]+)x \| (\d+) / (\d+) \| (\S+) \| (\S+) \|\n", out
     )

@@ -38,7 +38,7 @@ consistent). The client coefficients a_i^(t,k) are constant (``coefficient``), s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -78,7 +78,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
-from radbo.loops import Work
+from radbo.loops import LocalSteps, Work, local_steps
 from radbo.masks.index import alias, extract, extract_many
 from radbo.typing import IndexSet, Params
 
@@ -254,13 +254,85 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         )
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
-        """tau_i simultaneous local steps (eq. (3)) and the local aggregates (eq. (4))."""
-        lead = cohort.lead
+        """tau_i simultaneous local steps (eq. (3)) and the local aggregates (eq. (4)).
+
+        A stacked cohort replays its steps from a CUDA graph where the runtime has
+        :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
+        one pure function of x, y, v, buffers and the steps' minibatches (:meth:`_phase`), on
+        the device; clients with unequal tau_i run the largest, each masked past its own by
+        the counts on the device."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names)
         v = {n: cohort.param(f"{V}:{n}") for n in self.inner_names}
         buffers = cohort.params(self.buffer_names, clone=True)
+        steps = cohort.num_steps
+        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
+            device = next(iter(y.values())).device
+            blocks = (
+                cohort.steps_block(key, size if runtime.pads else None).transpose(0, 1).to(device)
+                for key, size in (("inner", self.batch_size), ("outer", self.outer_batch_size))
+            )
+            inputs: tuple[Any, ...] = (x, y, v, buffers, *blocks)
+            if len(set(steps)) > 1:  # each client's count, read on the device only
+                inputs += (torch.tensor(steps, device=device),)
+            # a frozen algorithm (step sizes, coefficient, estimator) and the module skeleton;
+            # the largest step count is the minibatches' shape and the counts' presence the
+            # inputs' structure, both part of every capture's key
+            key = ("simfbo.step", id(self), id(module))
+            phase = self._phase(runtime, cohort, module, max(steps))
+            carry, losses, (grads, hvps) = runtime.graphs.run(key, phase, inputs, cohort.size)
+            n_grad, n_hvp = [grads * n for n in steps], [hvps * n for n in steps]
+        else:
+            done, losses = self._local_steps(
+                runtime,
+                cohort,
+                module,
+                (x, y, v, buffers),
+                lambda t: (cohort.step_data("inner", t), cohort.step_data("outer", t)),
+                steps,
+            )
+            carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
+        x, y, v, q_x, q_y, q_v, buffers = carry
+        a = self.coefficient
+        taus = torch.tensor(
+            cohort.num_steps, dtype=torch.float64, device=next(iter(q_y.values())).device
+        )
+        a_norm: Any = a * taus if cohort.stacked else a * cohort.num_steps[0]
+        update = self.local_message(q_x, q_y, q_v, a_norm)
+        if self.aggregate_buffers:
+            update.update(buffers)
+        inner_loss, outer_loss = losses
+        return cohort.replies(
+            update,
+            {
+                "inner_loss": inner_loss,
+                "outer_loss": outer_loss,
+                "a_norm": a_norm,
+                "local_steps": taus if cohort.stacked else float(cohort.num_steps[0]),
+            },
+            n_grad=n_grad,
+            n_hvp=n_hvp,
+            samples=cohort.step_samples("inner", "outer"),
+        )
+
+    def _local_steps(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        start: tuple[Params, Params, Params, Params],
+        minibatches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        steps: int | list[int],
+        counts: torch.Tensor | None = None,
+    ) -> tuple[LocalSteps[tuple[Params, ...]], tuple[Any, Any]]:
+        """Eq. (3) ``steps`` times from ``start = (x, y, v, buffers)`` (each client its number
+        of steps; or ``steps`` times, each client masked past its entry of ``counts``, a
+        tensor on the device), step t on the inner and outer example indices
+        ``minibatches(t)``. Returns the steps, whose carry ends as ``(x, y, v, q_x, q_y, q_v,
+        buffers)``, and the losses ``(g, f)`` at the first step ((0, 0) without steps)."""
+        lead = cohort.lead
+        x, y, v, buffers = start
         q_x = {k: torch.zeros_like(t) for k, t in x.items()}
         q_y = {k: torch.zeros_like(t) for k, t in y.items()}
         q_v = {k: torch.zeros_like(t) for k, t in v.items()}
@@ -270,8 +342,9 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
 
         def step(t: int, carry: tuple[Params, ...]) -> tuple[tuple[Params, ...], Work]:
             x, y, v, q_x, q_y, q_v, buffers = carry
-            inner_batch = runtime.batch(cohort.step_data("inner", t))
-            outer_batch = runtime.batch(cohort.step_data("outer", t))
+            inner_indices, outer_indices = minibatches(t)
+            inner_batch = runtime.batch(inner_indices)
+            outer_batch = runtime.batch(outer_indices)
             if buffers:  # BatchNorm running statistics follow the local training batches
                 with torch.no_grad():
                     cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
@@ -295,29 +368,38 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
             return (x, y, v, q_x, q_y, q_v, buffers), work
 
         # the same work every step; clients past their tau_i keep what they had
-        start: tuple[Params, ...] = (x, y, v, q_x, q_y, q_v, buffers)
-        steps = cohort.local_steps(step, start, name="simfbo.step")
-        x, y, v, q_x, q_y, q_v, buffers = steps.carry
-        taus = torch.tensor(
-            cohort.num_steps, dtype=torch.float64, device=next(iter(q_y.values())).device
-        )
-        a_norm: Any = a * taus if cohort.stacked else a * cohort.num_steps[0]
-        update = self.local_message(q_x, q_y, q_v, a_norm)
-        if self.aggregate_buffers:
-            update.update(buffers)
-        inner_loss, outer_loss = first[0] if first else (0.0, 0.0)
-        return cohort.replies(
-            update,
-            {
-                "inner_loss": inner_loss,
-                "outer_loss": outer_loss,
-                "a_norm": a_norm,
-                "local_steps": taus if cohort.stacked else float(cohort.num_steps[0]),
-            },
-            n_grad=steps.n_grad,
-            n_hvp=steps.n_hvp,
-            samples=cohort.step_samples("inner", "outer"),
-        )
+        carry: tuple[Params, ...] = (x, y, v, q_x, q_y, q_v, buffers)
+        done = local_steps(step, carry, steps, name="simfbo.step", counts=counts)
+        return done, first[0] if first else (0.0, 0.0)
+
+    def _phase(
+        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
+    ) -> Callable[[Any], Any]:
+        """The local steps of a stacked cohort whose clients run up to ``steps`` steps, as a
+        pure function of ``(x, y, v, buffers, inner minibatches, outer minibatches[,
+        counts])`` (minibatches ``[clients, steps, batch]``; ``counts``, each client's step
+        count, where they differ) returning the steps' final carry, the first step's losses
+        and the work of one step ``(n_grad, n_hvp)`` (the same every step): what
+        :class:`radbo.graphs.PhaseGraphs` captures. It reads nothing else that changes
+        between rounds (its key names this frozen algorithm and the module; ``steps`` is the
+        minibatches' shape)."""
+
+        def phase(inputs: Any) -> Any:
+            x, y, v, buffers, inner, outer, *counts = inputs
+            done, losses = self._local_steps(
+                runtime,
+                cohort,
+                module,
+                (x, y, v, buffers),
+                lambda t: (inner[:, t], outer[:, t]),
+                steps,
+                counts[0] if counts else None,
+            )
+            # every client ran (and was counted for) all ``steps``: the work of one
+            per_step = (done.n_grad[0] // steps, done.n_hvp[0] // steps)
+            return done.carry, losses, per_step
+
+        return phase
 
     def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:
         """What a client sends: SimFBO sends the local aggregates q_i themselves (eq. (4))."""
