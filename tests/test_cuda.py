@@ -267,13 +267,19 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
         {"name": "fedavg", "uneven": True, "algorithm": {"name": "fedavg", "local_steps": 3}},
         # ShroFBO's simultaneous steps with the exact products, clients of 1 to 4 steps
         {"name": "shrofbo", "uneven": True, "algorithm": {"name": "shrofbo"}},
+        # FedSVRBGD-FO's iterations with the STORM correction, its first round from line 1
+        {
+            "name": "fedsvrbgd_fo",
+            "uneven": True,
+            "algorithm": {"name": "fedsvrbgd_fo", "momentum": 0.5},
+        },
     ],
     ids=lambda e: e["name"] + ("-uneven" if e.get("uneven") else ""),
 )
 @needs_cuda
 def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimator):
-    """``[runtime] cuda_graphs``: RABO's two phases (and FedAvg's and ShroFBO's local steps)
-    captured once per padded cohort shape and
+    """``[runtime] cuda_graphs``: RABO's two phases (and the local steps of FedAvg, ShroFBO and
+    FedSVRBGD-FO) captured once per padded cohort shape and
     replayed in later rounds (CG masked, not stopped, inside the capture; finite differences'
     check of a vanishing step deferred to after the replay; clients of unequal step counts
     masked by counts on the device) give the eager

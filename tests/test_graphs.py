@@ -200,7 +200,9 @@ FEW_SHOT = {"name": "few_shot", "ways": 5, "shots": 2, "queries": 3, "test_episo
 # Dist-ProtoNet, FedAvg's steps with the prototypical loss on x alone (y passed as a fixed
 # input), on few-shot episodes of a small Conv4 with BatchNorm; SimFBO with the exact
 # products, ShroFBO with finite differences (whose check of a vanishing step is deferred) and
-# in its fully first-order mode, on clients of 1 to 4 steps
+# in its fully first-order mode, on clients of 1 to 4 steps; FedSVRBGD-FO with its STORM
+# correction (6 gradients a step) and without (momentum 1: 3), its first round starting
+# from Alg. 1's line 1 inside the phase
 STEP_CASES: dict[str, tuple[str, dict]] = {
     "fedavg": ("fedavg.step", dict(algorithm={"name": "fedavg", "local_steps": 3})),
     "fedavg-uneven": (
@@ -238,14 +240,25 @@ STEP_CASES: dict[str, tuple[str, dict]] = {
             fleet=UNEVEN_FLEET,
         ),
     ),
+    "fedsvrbgd_fo-uneven": (
+        "fedsvrbgd.step",
+        dict(algorithm={"name": "fedsvrbgd_fo", "momentum": 0.5}, fleet=UNEVEN_FLEET),
+    ),
+    "fedsvrbgd_fo-momentum_1": (
+        "fedsvrbgd.step",
+        dict(
+            algorithm={"name": "fedsvrbgd_fo", "local_steps": 3, "momentum": 1.0, "eta": 0.1},
+            estimator={"name": "first_order", "lam": 5.0},
+        ),
+    ),
 }
 
 
 @pytest.mark.float_sensitive
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: str):
-    """FedAvg's, Dist-ProtoNet's, SimFBO's and ShroFBO's local steps through the cache
-    against the plain batched run, float64, 3 rounds: the states to 1e-10 relative and
+    """The local steps of FedAvg, Dist-ProtoNet, SimFBO, ShroFBO and FedSVRBGD-FO through the
+    cache against the plain batched run, float64, 3 rounds: the states to 1e-10 relative and
     ledgers exactly (work counts included), as for RABO above. Every stacked cohort went
     through the cache, with each client's step count where they differ; later rounds ran the
     first round's phase functions (the twin's replay)."""
@@ -470,8 +483,7 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
 
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_captured_local_steps_read_nothing_on_the_host(case: str):
-    """The same watch on FedAvg's, Dist-ProtoNet's, SimFBO's and ShroFBO's local steps
-    (STEP_CASES)."""
+    """The same watch on the local steps of STEP_CASES."""
     name, sections = STEP_CASES[case]
     keys, ops, seen = _watch_phases(sections)
     assert keys == {name}

@@ -85,7 +85,7 @@ with at least one sound reply.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -114,7 +114,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Estimator, FirstOrder
 from radbo.limits import BatchSize, Steps, StepSize
-from radbo.loops import Work
+from radbo.loops import LocalSteps, Work, local_steps
 from radbo.masks.index import alias, extract
 from radbo.typing import IndexSet, Params
 
@@ -358,33 +358,128 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         estimators came). Sends x, y, z and the estimators; metrics ``outer_loss`` = f(x, y)
         and ``inner_loss`` = g(x, z) at the point sent (on the last iteration's minibatch).
         Work: 3 gradients for line 1, then 6 per iteration (3 with ``momentum = 1``)."""
-        lead = cohort.lead
-        problem = runtime.problem
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names)
         z = {n: cohort.param(f"{Z}:{n}").detach() for n in self.inner_names}
         buffers = cohort.params(self.buffer_names, clone=True)
-        lam, a = self.penalty, self.momentum
-        n_init = 0
-        if self._primed(cohort.tasks[0].params):
-            est = {k: cohort.param(k).detach() for k in self._estimator_keys()}
-        else:  # Alg. 1 line 1: the minibatch gradient at the received point
-            outer, inner = cohort.bind(
-                problem,
-                module,
-                buffers,
-                runtime.batch(cohort.data("init_inner")),
-                runtime.batch(cohort.data("init_outer")),
+        primed = self._primed(cohort.tasks[0].params)
+        n_init = 0 if primed else 3
+        per_step = 3 if self.momentum == 1.0 else 6
+        steps = cohort.num_steps
+        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
+            device = next(iter(y.values())).device
+            init_size = self.init_batch_size
+            blocks = (
+                cohort.steps_block(key, size if runtime.pads else None).transpose(0, 1).to(device)
+                for key, size in (("inner", self.batch_size), ("outer", self.outer_batch_size))
             )
-            est = self._estimates(penalty_gradients(outer, inner, x, y, z, lam, lead=lead).parts)
-            n_init = 3
+            # the estimators received, or line 1's minibatches (another capture: the inputs'
+            # structure differs)
+            start: Params | tuple[torch.Tensor, ...] = (
+                {k: cohort.param(k).detach() for k in self._estimator_keys()}
+                if primed
+                else tuple(
+                    cohort.data(key, (init_size or size) if runtime.pads else None).to(device)
+                    for key, size in (
+                        ("init_inner", self.batch_size),
+                        ("init_outer", self.outer_batch_size),
+                    )
+                )
+            )
+            inputs: tuple[Any, ...] = (x, y, z, start, buffers, *blocks)
+            if len(set(steps)) > 1:  # each client's count, read on the device only
+                inputs += (torch.tensor(steps, device=device),)
+            # a frozen algorithm (step sizes, lam, momentum) and the module skeleton; the
+            # largest step count is the minibatches' shape and the counts' presence the
+            # inputs' structure, both part of every capture's key
+            key = ("fedsvrbgd.step", id(self), id(module))
+            phase = self._phase(runtime, cohort, module, max(steps))
+            carry = runtime.graphs.run(key, phase, inputs, cohort.size)
+            n_grad = [per_step * n for n in steps]
+        else:
+            if primed:
+                est = {k: cohort.param(k).detach() for k in self._estimator_keys()}
+            else:
+                line1 = (cohort.data("init_inner"), cohort.data("init_outer"))
+                est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, line1)
+            done = self._local_steps(
+                runtime,
+                cohort,
+                module,
+                (x, y, z, est, buffers),
+                lambda t: (cohort.step_data("inner", t), cohort.step_data("outer", t)),
+                steps,
+            )
+            carry, n_grad = done.carry, done.n_grad
+        x, y, z, est, buffers, losses = carry
+        update = {**x, **y, **self._keyed(Z, z), **est}
+        if self.aggregate_buffers:
+            update.update(buffers)
+        outer_loss, inner_loss = losses if losses is not None else (0.0, 0.0)
+        init = [
+            p.data["init_inner"].shape[-1] + p.data["init_outer"].shape[-1] if n_init else 0
+            for p in cohort.prepared
+        ]
+        return cohort.replies(
+            update,
+            {
+                "inner_loss": inner_loss,
+                "outer_loss": outer_loss,
+                "local_steps": torch.tensor(cohort.num_steps, dtype=torch.float64)
+                if cohort.stacked
+                else float(cohort.num_steps[0]),
+            },
+            n_grad=[n_init + n for n in n_grad],
+            n_hvp=0,
+            samples=[
+                i + s for i, s in zip(init, cohort.step_samples("inner", "outer"), strict=True)
+            ],
+        )
+
+    def _initial_estimates(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        x: Params,
+        y: Params,
+        z: Params,
+        buffers: Params,
+        indices: tuple[torch.Tensor, ...],
+    ) -> Params:
+        """Alg. 1 line 1: the estimators set to the minibatch gradient at the received point,
+        on the inner and outer example ``indices``."""
+        inner_batch, outer_batch = (runtime.batch(i) for i in indices)
+        outer, inner = cohort.bind(runtime.problem, module, buffers, inner_batch, outer_batch)
+        oracle = penalty_gradients(outer, inner, x, y, z, self.penalty, lead=cohort.lead)
+        return self._estimates(oracle.parts)
+
+    def _local_steps(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        start: tuple[Params, Params, Params, Params, Params],
+        minibatches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        steps: int | list[int],
+        counts: torch.Tensor | None = None,
+    ) -> LocalSteps[tuple[Any, ...]]:
+        """Alg. 1's local iterations ``steps`` times from ``start = (x, y, z, estimators,
+        buffers)`` (each client its number; or ``steps`` times, each client masked past its
+        entry of ``counts``, a tensor on the device), iteration t on the inner and outer
+        example indices ``minibatches(t)``; the carry ends as ``(x, y, z, estimators,
+        buffers, (f, g))``."""
+        lead = cohort.lead
+        problem = runtime.problem
+        lam, a = self.penalty, self.momentum
         per_step = 3 if a == 1.0 else 6
 
         def step(t: int, carry: tuple[Any, ...]) -> tuple[tuple[Any, ...], Work]:
             x, y, z, est, buffers, _ = carry
-            inner_batch = runtime.batch(cohort.step_data("inner", t))
-            outer_batch = runtime.batch(cohort.step_data("outer", t))
+            inner_indices, outer_indices = minibatches(t)
+            inner_batch = runtime.batch(inner_indices)
+            outer_batch = runtime.batch(outer_indices)
             if buffers:  # BatchNorm running statistics follow the local training batches
                 with torch.no_grad():
                     cohort.loss(problem.inner_loss, module, x, z, buffers, inner_batch)
@@ -405,31 +500,38 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
             return (x_new, y_new, z_new, est, buffers, (new.f, new.g)), Work(n_grad=per_step)
 
         # clients past their p_n keep what they had
-        steps = cohort.local_steps(step, (x, y, z, est, buffers, None), name="fedsvrbgd.step")
-        x, y, z, est, buffers, losses = steps.carry
-        update = {**x, **y, **self._keyed(Z, z), **est}
-        if self.aggregate_buffers:
-            update.update(buffers)
-        outer_loss, inner_loss = losses if losses is not None else (0.0, 0.0)
-        init = [
-            p.data["init_inner"].shape[-1] + p.data["init_outer"].shape[-1] if n_init else 0
-            for p in cohort.prepared
-        ]
-        return cohort.replies(
-            update,
-            {
-                "inner_loss": inner_loss,
-                "outer_loss": outer_loss,
-                "local_steps": torch.tensor(cohort.num_steps, dtype=torch.float64)
-                if cohort.stacked
-                else float(cohort.num_steps[0]),
-            },
-            n_grad=[n_init + n for n in steps.n_grad],
-            n_hvp=0,
-            samples=[
-                i + s for i, s in zip(init, cohort.step_samples("inner", "outer"), strict=True)
-            ],
-        )
+        x, y, z, est, buffers = start
+        carry = (x, y, z, est, buffers, None)
+        return local_steps(step, carry, steps, name="fedsvrbgd.step", counts=counts)
+
+    def _phase(
+        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
+    ) -> Callable[[Any], Any]:
+        """The local iterations of a stacked cohort whose clients run up to ``steps``, as a
+        pure function of ``(x, y, z, start, buffers, inner minibatches, outer minibatches[,
+        counts])`` (``start``: the estimators received, or the inner and outer minibatches of
+        Alg. 1 line 1, which sets them; minibatches ``[clients, steps, batch]``; ``counts``,
+        each client's count, where they differ) returning the final carry: what
+        :class:`radbo.graphs.PhaseGraphs` captures. It reads nothing else that changes between
+        rounds (its key names this frozen algorithm and the module; ``steps`` is the
+        minibatches' shape)."""
+
+        def phase(inputs: Any) -> Any:
+            x, y, z, start, buffers, inner, outer, *counts = inputs
+            est = start
+            if isinstance(start, tuple):  # not primed: line 1 first
+                est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, start)
+            return self._local_steps(
+                runtime,
+                cohort,
+                module,
+                (x, y, z, est, buffers),
+                lambda t: (inner[:, t], outer[:, t]),
+                steps,
+                counts[0] if counts else None,
+            ).carry
+
+        return phase
 
     def server(
         self,
