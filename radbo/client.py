@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -152,6 +152,13 @@ class ClientResult:
     rejected: str | None = None
 
 
+#: a cohort's local steps for :meth:`Cohort.replay_steps`: ``run(state, minibatches, steps,
+#: counts)``, ``minibatches(t)`` the example indices of step t (one tensor per drawn key)
+ReplayedSteps = Callable[
+    [tuple[Any, ...], Callable[[int], tuple[Tensor, ...]], int, Tensor | None], Any
+]
+
+
 def _shape_key(index_set: IndexSet) -> tuple:
     if all(i is None for idx in index_set.values() for i in idx):
         return ("dense",)
@@ -178,8 +185,8 @@ class ClientRuntime:
 
     ``graphs``: where set (``[runtime] cuda_graphs``), client work that supports it replays
     a stacked cohort's phase from a CUDA graph (:class:`radbo.graphs.PhaseGraphs`; RABO's and
-    RAFBO's two phases, the local steps of FedAvg, Dist-ProtoNet, SimFBO, ShroFBO and
-    FedSVRBGD-FO).
+    RAFBO's two phases, the local steps of FedAvg, Dist-ProtoNet, SimFBO, ShroFBO,
+    FedSVRBGD-FO, AggITD, FedNest and LFedNest: :meth:`Cohort.replay_steps`).
 
     ``channels_last``: :meth:`batch` gives a client's image minibatches (``N x C x H x W``) in
     ``torch.channels_last`` layout (``[runtime] memory_format``); a stacked cohort's (one
@@ -459,6 +466,55 @@ class Cohort:
             for t in per_client
         ]
         return self._draws(key, per_client, dim=1, pad_to=pad_to)
+
+    def replays(self, runtime: ClientRuntime) -> bool:
+        """Whether this cohort's local steps replay from the runtime's CUDA graphs
+        (:meth:`replay_steps`): the runtime has :attr:`~ClientRuntime.graphs` (``[runtime]
+        cuda_graphs``), the cohort is stacked and each of its clients steps."""
+        return runtime.graphs is not None and self.stacked and min(self.num_steps) >= 1
+
+    def replay_steps(
+        self,
+        runtime: ClientRuntime,
+        key: Hashable,
+        state: tuple[Any, ...],
+        draws: Sequence[tuple[str, int]],
+        run: ReplayedSteps,
+    ) -> Any:
+        """``run(state, minibatches, steps, counts)`` through ``runtime.graphs``
+        (:class:`radbo.graphs.PhaseGraphs`: captured once per key and shapes, replayed after):
+        the cohort's local steps from ``state`` (trees of tensors with the clients first),
+        step ``t`` on ``minibatches(t)``, the example indices of each of ``draws``' per-step
+        keys at that step (``[clients, batch]``, on the training set's device; where the
+        runtime :attr:`~ClientRuntime.pads`, padded to the size given beside each key, so
+        that every cohort of a shape shares a capture), for the largest step count
+        ``steps``, each client masked past its own by ``counts`` (its step count, on the
+        device; ``None`` where all are equal). ``run`` must read nothing else that changes
+        between rounds unless ``key`` names it (the capture replays its first call's
+        kernels); its result's tensors come back cut to the cohort's clients."""
+        if not self.replays(runtime):
+            raise ValueError("Cohort.replay_steps needs a runtime with graphs (Cohort.replays)")
+        assert runtime.graphs is not None  # replays() saw to it
+        device = runtime.features.device
+        blocks = tuple(  # [clients, steps, batch] each
+            self.steps_block(name, size if runtime.pads else None).transpose(0, 1).to(device)
+            for name, size in draws
+        )
+        steps = self.num_steps
+        # each client's count, read on the device only (an input: one capture serves any
+        # counts of a shape; its presence is part of the inputs' structure)
+        counts = (torch.tensor(steps, device=device),) if len(set(steps)) > 1 else ()
+        longest, n, m = max(steps), len(state), len(blocks)
+
+        def phase(inputs: tuple[Any, ...]) -> Any:
+            state, blocks, counts = inputs[:n], inputs[n : n + m], inputs[n + m :]
+
+            def minibatches(t: int) -> tuple[Tensor, ...]:
+                return tuple(b[:, t] for b in blocks)
+
+            return run(state, minibatches, longest, counts[0] if counts else None)
+
+        return runtime.graphs.run(key, phase, (*state, *blocks, *counts), self.size)
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what

@@ -324,7 +324,8 @@ class RuntimeConfig(Section):
     clients) and replayed in later rounds (:class:`radbo.graphs.PhaseGraphs`); so far RABO's
     and RAFBO's inner phase (clients of unequal step counts masked on the device) and outer
     phase, and the local steps of FedAvg (HeteroFL, FedRolex), Dist-ProtoNet, SimFBO,
-    ShroFBO and FedSVRBGD-FO; the rest runs as without. On an H200 the inner phase of 37
+    ShroFBO, FedSVRBGD-FO, AggITD (its lower level) and FedNest / LFedNest (on y; FedNest's
+    on x too); the rest runs as without. On an H200 the inner phase of 37
     demo clients took 23.1 ms eager and 0.98 ms replayed (``benchmarks/compile_step.py --device cuda
     --graphs``); the engine's path has not run on a GPU yet. Results differ from ``false``
     by float rounding only (padded cohorts run kernels of another batch size).
@@ -366,7 +367,7 @@ class RuntimeConfig(Section):
         False,
         description="replay stacked cohorts' phases from CUDA graphs (device = cuda, backend = "
         "batched; RABO's and RAFBO's phases, the local steps of FedAvg, Dist-ProtoNet, SimFBO, "
-        "ShroFBO and FedSVRBGD-FO; experimental)",
+        "ShroFBO, FedSVRBGD-FO, AggITD, FedNest and LFedNest; experimental)",
     )
     dump_omits_defaults: ClassVar[tuple[str, ...]] = (
         "workers",

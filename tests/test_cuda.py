@@ -273,13 +273,19 @@ def test_a_stacked_cohorts_convolutions_and_poolings_on_the_gpu(monkeypatch):
             "uneven": True,
             "algorithm": {"name": "fedsvrbgd_fo", "momentum": 0.5},
         },
+        # FedNest's steps on y and x (full model), and its eager phases between them
+        {
+            "name": "fednest",
+            "algorithm": {"name": "fednest", "local_steps": 2, "outer_local_steps": 2},
+            "mask": {"policy": "none"},
+        },
     ],
     ids=lambda e: e["name"] + ("-uneven" if e.get("uneven") else ""),
 )
 @needs_cuda
 def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimator):
-    """``[runtime] cuda_graphs``: RABO's two phases (and the local steps of FedAvg, ShroFBO and
-    FedSVRBGD-FO) captured once per padded cohort shape and
+    """``[runtime] cuda_graphs``: RABO's two phases (and the local steps of FedAvg, ShroFBO,
+    FedSVRBGD-FO and FedNest) captured once per padded cohort shape and
     replayed in later rounds (CG masked, not stopped, inside the capture; finite differences'
     check of a vanishing step deferred to after the replay; clients of unequal step counts
     masked by counts on the device) give the eager
@@ -313,6 +319,8 @@ def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimat
     sections: dict[str, Any] = {"estimator": estimator}
     if "algorithm" in estimator:  # an algorithm with its default estimator
         sections = {"algorithm": estimator["algorithm"], "estimator": None}
+        if "mask" in estimator:
+            sections["mask"] = estimator["mask"]
     eager = run(
         _config("cuda", runtime={"backend": "batched"}, fleet=fleet, rounds=4, **sections),
         progress=False,

@@ -8,6 +8,7 @@ graphs.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import NamedTuple
 
@@ -194,23 +195,29 @@ def test_clients_with_unequal_step_counts_run_through_the_cache_masked():
 UNEVEN_FLEET = {**demo_dict()["fleet"], "local_steps": "uniform", "local_steps_range": [1, 4]}
 FEW_SHOT = {"name": "few_shot", "ways": 5, "shots": 2, "queries": 3, "test_episodes": 10}
 
-# Local steps through the cache, by case: the key of the phase, and the config's overrides.
-# FedAvg on the demo fleet (HeteroFL-like masks, some cohorts of one client, which run
-# eagerly), and with clients of 1 to 4 steps (budget steps, masked on the device);
-# Dist-ProtoNet, FedAvg's steps with the prototypical loss on x alone (y passed as a fixed
-# input), on few-shot episodes of a small Conv4 with BatchNorm; SimFBO with the exact
-# products, ShroFBO with finite differences (whose check of a vanishing step is deferred) and
-# in its fully first-order mode, on clients of 1 to 4 steps; FedSVRBGD-FO with its STORM
-# correction (6 gradients a step) and without (momentum 1: 3), its first round starting
-# from Alg. 1's line 1 inside the phase
-STEP_CASES: dict[str, tuple[str, dict]] = {
-    "fedavg": ("fedavg.step", dict(algorithm={"name": "fedavg", "local_steps": 3})),
+# Local steps through the cache, by case: the phases that replay them (a pattern of the phase's
+# name -> the key of its steps), and the config's overrides. FedAvg on the demo fleet
+# (HeteroFL-like masks, some cohorts of one client, which run eagerly), and with clients of 1
+# to 4 steps (budget steps, masked on the device); Dist-ProtoNet, FedAvg's steps with the
+# prototypical loss on x alone (y passed as a fixed input), on few-shot episodes of a small
+# Conv4 with BatchNorm; SimFBO with the exact products, ShroFBO with finite differences (whose
+# check of a vanishing step is deferred) and in its fully first-order mode, on clients of 1
+# to 4 steps; FedSVRBGD-FO with its STORM correction (6 gradients a step) and without
+# (momentum 1: 3), its first round starting from Alg. 1's line 1 inside the phase; the lower
+# level of AggITD; FedNest's SVRG-corrected steps on y (with the server's q) and on x;
+# LFedNest's plain ones on y (no q: another input structure)
+TRAIN = "train"
+#: the baselines that train the full model on every client
+FULL_FLEET = {**demo_dict()["fleet"], "capacities": [1.0]}
+FULL_UNEVEN = {**UNEVEN_FLEET, "capacities": [1.0]}
+STEP_CASES: dict[str, tuple[dict[str, str], dict]] = {
+    "fedavg": ({TRAIN: "fedavg.step"}, dict(algorithm={"name": "fedavg", "local_steps": 3})),
     "fedavg-uneven": (
-        "fedavg.step",
+        {TRAIN: "fedavg.step"},
         dict(algorithm={"name": "fedavg", "local_steps": 3}, fleet=UNEVEN_FLEET),
     ),
     "protonet-few_shot": (
-        "fedavg.step",
+        {TRAIN: "fedavg.step"},
         dict(
             algorithm={"name": "protonet", "local_steps": 2},
             model={"name": "conv4", "width": 4},
@@ -221,11 +228,11 @@ STEP_CASES: dict[str, tuple[str, dict]] = {
         ),
     ),
     "simfbo-autograd": (
-        "simfbo.step",
+        {TRAIN: "simfbo.step"},
         dict(algorithm={"name": "simfbo", "local_steps": 3}, estimator={"name": "autograd"}),
     ),
     "shrofbo-finite_difference-uneven": (
-        "simfbo.step",
+        {TRAIN: "simfbo.step"},
         dict(
             algorithm={"name": "shrofbo"},
             estimator={"name": "finite_difference", "hvp_mu": 1e-4},
@@ -233,7 +240,7 @@ STEP_CASES: dict[str, tuple[str, dict]] = {
         ),
     ),
     "shrofbo-first_order-uneven": (
-        "simfbo.step",
+        {TRAIN: "simfbo.step"},
         dict(
             algorithm={"name": "shrofbo"},
             estimator={"name": "first_order", "lam": 10.0},
@@ -241,28 +248,61 @@ STEP_CASES: dict[str, tuple[str, dict]] = {
         ),
     ),
     "fedsvrbgd_fo-uneven": (
-        "fedsvrbgd.step",
+        {TRAIN: "fedsvrbgd.step"},
         dict(algorithm={"name": "fedsvrbgd_fo", "momentum": 0.5}, fleet=UNEVEN_FLEET),
     ),
     "fedsvrbgd_fo-momentum_1": (
-        "fedsvrbgd.step",
+        {TRAIN: "fedsvrbgd.step"},
         dict(
             algorithm={"name": "fedsvrbgd_fo", "local_steps": 3, "momentum": 1.0, "eta": 0.1},
             estimator={"name": "first_order", "lam": 5.0},
         ),
     ),
+    "aggitd-uneven": (
+        {r"inner\.\d+": "aggitd.local"},
+        dict(
+            algorithm={"name": "aggitd", "inner_rounds": 2},
+            estimator={"name": "autograd"},
+            fleet=FULL_UNEVEN,
+            mask={"policy": "none"},
+        ),
+    ),
+    "fednest": (
+        {r"inner\.\d+\.local": "fednest.local_y", r"outer\.local": "fednest.local_x"},
+        dict(
+            algorithm={"name": "fednest", "local_steps": 2, "outer_local_steps": 2},
+            estimator={"name": "autograd"},
+            fleet=FULL_FLEET,
+            mask={"policy": "none"},
+        ),
+    ),
+    "lfednest-uneven": (
+        {r"inner\.\d+": "fednest.local_y"},
+        dict(
+            algorithm={"name": "lfednest", "outer_local_steps": 2},
+            estimator={"name": "autograd"},
+            fleet=FULL_UNEVEN,
+            mask={"policy": "none"},
+        ),
+    ),
 }
+
+
+def _replayed(phases: dict[str, str], phase: str) -> str | None:
+    """The key of the steps a phase named ``phase`` replays (STEP_CASES), or None."""
+    return next((key for pattern, key in phases.items() if re.fullmatch(pattern, phase)), None)
 
 
 @pytest.mark.float_sensitive
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: str):
-    """The local steps of FedAvg, Dist-ProtoNet, SimFBO, ShroFBO and FedSVRBGD-FO through the
-    cache against the plain batched run, float64, 3 rounds: the states to 1e-10 relative and
-    ledgers exactly (work counts included), as for RABO above. Every stacked cohort went
-    through the cache, with each client's step count where they differ; later rounds ran the
-    first round's phase functions (the twin's replay)."""
-    name, sections = STEP_CASES[case]
+    """The local steps of STEP_CASES (FedAvg, Dist-ProtoNet, SimFBO, ShroFBO, FedSVRBGD-FO,
+    AggITD, FedNest, LFedNest) through the cache against the plain batched run, float64, 3
+    rounds: the states to 1e-10 relative and ledgers exactly (work counts included), as for
+    RABO above. Every stacked cohort of the phases that replay went through the cache, with
+    each client's step count where they differ; later rounds ran the first round's phase
+    functions (the twin's replay)."""
+    phases, sections = STEP_CASES[case]
     overrides = dict(rounds=3, runtime={"dtype": "float64"}, **sections)
     plain = build(small_config(**overrides))
     plain.simulation.backend = BatchedBackend()
@@ -282,8 +322,9 @@ def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: st
 
     def spy_stack(cls, tasks, prepared):
         cohort = stack(cls, tasks, prepared)
-        if cohort.stacked:
-            stacked.append((name, len(tasks), len(set(cohort.num_steps)) > 1))
+        key = _replayed(phases, tasks[0].phase)
+        if cohort.stacked and key is not None and min(cohort.num_steps) >= 1:
+            stacked.append((key, len(tasks), len(set(cohort.num_steps)) > 1))
         return cohort
 
     with pytest.MonkeyPatch.context() as patch:
@@ -296,6 +337,36 @@ def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: st
     assert any(uneven for *_, uneven in calls) == case.endswith("-uneven")
     assert 1 <= len(graphs) < len(calls)  # later rounds met captured shapes
     assert_runs_agree(a, b)
+
+
+def test_replaying_steps_needs_a_runtime_with_graphs_and_a_stacked_cohort():
+    """``Cohort.replays`` says whether ``replay_steps`` may run: graphs, a stacked cohort,
+    every client stepping; ``replay_steps`` refuses otherwise with a sentence."""
+    from radbo.client import Prepared
+
+    exp = build(small_config(rounds=1))
+    runtime = exp.simulation.runtime
+    task = _one_task(exp)
+    steps = torch.tensor([[1, 2], [3, 4]])
+    two = Cohort.stack([task, task], [Prepared(steps={"inner": steps}, num_steps=2)] * 2)
+    one = Cohort.single(task, Prepared(steps={"inner": steps}, num_steps=2))
+    assert not two.replays(runtime)  # no graphs
+    with pytest.raises(ValueError, match="needs a runtime with graphs"):
+        two.replay_steps(runtime, "k", (), [("inner", 2)], lambda *a: None)
+    runtime.graphs = PhaseGraphs(capture=False)
+    assert two.replays(runtime) and not one.replays(runtime)
+    idle = Cohort.stack([task, task], [Prepared(steps={"inner": steps[:0]}, num_steps=0)] * 2)
+    assert not idle.replays(runtime)  # a client without steps
+    seen = []
+
+    def run(state, minibatches, steps, counts):
+        seen.append((steps, counts))
+        return {"first": minibatches(0)[0], "last": minibatches(steps - 1)[0] + state[0][:, None]}
+
+    out = two.replay_steps(runtime, "k", (torch.tensor([10, 20]),), [("inner", 2)], run)
+    assert seen == [(2, None)]  # equal counts: none passed
+    assert out["first"].tolist() == [[1, 2], [1, 2]]
+    assert out["last"].tolist() == [[13, 14], [23, 24]]
 
 
 def test_a_cohorts_block_of_steps_repeats_a_short_clients_last_minibatch():
@@ -484,10 +555,10 @@ def test_rabos_captured_phases_read_nothing_on_the_host(estimator: dict):
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_captured_local_steps_read_nothing_on_the_host(case: str):
     """The same watch on the local steps of STEP_CASES."""
-    name, sections = STEP_CASES[case]
+    phases, sections = STEP_CASES[case]
     keys, ops, seen = _watch_phases(sections)
-    assert keys == {name}
-    assert ops > 1000  # backward passes included
+    assert keys == set(phases.values())
+    assert ops > 500  # the steps ran inside the mode, backward passes included
     assert seen == {}
 
 

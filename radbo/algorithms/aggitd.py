@@ -86,6 +86,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -122,7 +123,7 @@ from radbo.client import (
 )
 from radbo.hypergrad import Autograd, Estimator
 from radbo.limits import BatchSize, Steps, StepSize
-from radbo.loops import Work
+from radbo.loops import LocalSteps, Work, local_steps
 from radbo.masks.index import alias
 from radbo.typing import IndexSet, Params
 
@@ -319,15 +320,66 @@ class AggITD(AggITDConfig, AlgorithmBase):
 
     def run_local(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """tau_i local SGD steps on g_i from y^r; returns the summed gradients
-        ``G_i = (y^r - y_i^{r,tau_i}) / beta`` (and the buffers)."""
-        lead = cohort.lead
+        ``G_i = (y^r - y_i^{r,tau_i}) / beta`` (and the buffers). A stacked cohort replays
+        its steps from a CUDA graph where the runtime has them
+        (:meth:`~radbo.client.Cohort.replay_steps`)."""
         module, x, y, buffers = self.client_tensors(runtime, cohort)
+        if cohort.replays(runtime):
+            # a frozen algorithm (inner_lr) and the module skeleton: the capture's key
+            key = ("aggitd.local", id(self), id(module))
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                x, y, buffers = state
+
+                def batch(t: int) -> torch.Tensor:
+                    return minibatches(t)[0]
+
+                done, first = self._local_steps(
+                    runtime, cohort, module, x, y, buffers, batch, steps, counts
+                )
+                return done.carry, first
+
+            draws = [("inner", self.batch_size)]
+            carry, first = cohort.replay_steps(runtime, key, (x, y, buffers), draws, run)
+            n_grad = cohort.num_steps
+        else:
+            step_data = partial(cohort.step_data, "inner")
+            done, first = self._local_steps(
+                runtime, cohort, module, x, y, buffers, step_data, cohort.num_steps
+            )
+            carry, n_grad = done.carry, done.n_grad
+        _, total, buffers = carry
+        update = {**total, **(buffers if self.aggregate_buffers else {})}
+        return cohort.replies(
+            update,
+            {"inner_loss": first},
+            n_grad=n_grad,
+            samples=cohort.step_samples("inner"),
+        )
+
+    def _local_steps(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        x: Params,
+        y: Params,
+        buffers: Params,
+        minibatch: Callable[[int], torch.Tensor],
+        steps: int | list[int],
+        counts: torch.Tensor | None = None,
+    ) -> tuple[LocalSteps[tuple[Params, Params, Params]], Any]:
+        """``steps`` local SGD steps on g_i from ``y`` (each client its number; or ``steps``
+        times, each client masked past its entry of ``counts``, a tensor on the device), step
+        t on the example indices ``minibatch(t)``: the steps, whose carry ends as ``(y,
+        summed gradients, buffers)``, and g at the first step (NaN without steps)."""
+        lead = cohort.lead
         xn, yn = tuple(x), tuple(y)
         first: list[torch.Tensor] = []  # g at the first step
 
         def step(t: int, carry: tuple[Params, Params, Params]) -> tuple[Any, Work]:
             y, total, buffers = carry
-            batch = runtime.batch(cohort.step_data("inner", t))
+            batch = runtime.batch(minibatch(t))
 
             def inner(x_: Params, y_: Params) -> torch.Tensor:
                 # updates the BatchNorm running statistics in ``buffers`` in place
@@ -353,15 +405,8 @@ class AggITD(AggITDConfig, AlgorithmBase):
 
         # clients past their tau_i keep what they had
         total = {n: torch.zeros_like(t) for n, t in y.items()}
-        steps = cohort.local_steps(step, (y, total, buffers), name="aggitd.local")
-        _, total, buffers = steps.carry
-        update = {**total, **(buffers if self.aggregate_buffers else {})}
-        return cohort.replies(
-            update,
-            {"inner_loss": first[0] if first else float("nan")},
-            n_grad=steps.n_grad,
-            samples=cohort.step_samples("inner"),
-        )
+        done = local_steps(step, (y, total, buffers), steps, name="aggitd.local", counts=counts)
+        return done, first[0] if first else float("nan")
 
     def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One outer minibatch."""

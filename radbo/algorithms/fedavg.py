@@ -171,29 +171,37 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         A stacked cohort replays its steps from a CUDA graph where the runtime has
         :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
         one pure function of the trained and fixed parameters, buffers and the steps'
-        minibatches (:meth:`_phase`), on the device; clients with unequal step counts run the
-        largest count, each masked past its own by the counts on the device."""
+        minibatches on the device (:meth:`~radbo.client.Cohort.replay_steps`); clients with
+        unequal step counts run the largest count, each masked past its own by the counts on
+        the device."""
         module = cohort.module(runtime)
         names = self.trained_names()
         params = cohort.params(names, clone=True)
         fixed = cohort.params([n for n in (*self.outer_names, *self.inner_names) if n not in names])
         buffers = cohort.params(self.buffer_names, clone=True)
         steps = cohort.num_steps
-        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
-            width = self.batch_size + self.outer_batch_size  # an inner and an outer minibatch
-            minibatches = cohort.steps_block("batch", width if runtime.pads else None)
-            device = next(iter(params.values())).device
-            per_client = minibatches.transpose(0, 1).to(device)  # [clients, steps, batch]
-            inputs: tuple[Any, ...] = (params, fixed, buffers, per_client)
-            if len(set(steps)) > 1:  # each client's count, read on the device only
-                inputs += (torch.tensor(steps, device=device),)
+        if cohort.replays(runtime):
             # a frozen algorithm (lr, the trained names, the loss it picks from the runtime's
-            # problem) and the module skeleton; the largest step count is the minibatches'
-            # shape and the counts' presence the inputs' structure, both part of every
-            # capture's key
+            # problem) and the module skeleton: the capture's key
             key = ("fedavg.step", id(self), id(module))
-            phase = self._phase(runtime, cohort, module, max(steps))
-            _, total, buffers, loss_value = runtime.graphs.run(key, phase, inputs, cohort.size)
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                params, fixed, buffers = state
+                # the steps set requires_grad on the parameters and update them in place
+                params = {n: t.clone() for n, t in params.items()}
+
+                def batch(t: int) -> Tensor:
+                    return minibatches(t)[0]
+
+                done = self._local_steps(
+                    runtime, cohort, module, params, fixed, buffers, batch, steps, counts
+                )
+                return done.carry
+
+            width = self.batch_size + self.outer_batch_size  # an inner and an outer minibatch
+            state = (params, fixed, buffers)
+            carry = cohort.replay_steps(runtime, key, state, [("batch", width)], run)
+            _, total, buffers, loss_value = carry
             n_grad = steps
         else:
             done = self._local_steps(
@@ -266,36 +274,6 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
 
         start = (params, total, buffers, float("nan"))
         return local_steps(step, start, steps, name="fedavg.step", counts=counts)
-
-    def _phase(
-        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
-    ) -> Callable[[Any], Any]:
-        """The local steps of a stacked cohort whose clients run up to ``steps`` steps, as a
-        pure function of ``(params, fixed, buffers, minibatches[, counts])`` (minibatches
-        ``[clients, steps, batch]``; ``counts``, each client's step count, where they differ)
-        returning ``(params, summed gradients, buffers, loss)``: what
-        :class:`radbo.graphs.PhaseGraphs` captures. It reads nothing else that changes between
-        rounds (its key names this frozen algorithm, whose ``lr`` and loss it reads, and the
-        module; ``steps`` is the minibatches' shape)."""
-
-        def phase(inputs: Any) -> Any:
-            params, fixed, buffers, minibatches, *counts = inputs
-            # the steps set requires_grad on the parameters and update them in place
-            params = {n: t.clone() for n, t in params.items()}
-            done = self._local_steps(
-                runtime,
-                cohort,
-                module,
-                params,
-                fixed,
-                buffers,
-                lambda t: minibatches[:, t],
-                steps,
-                counts[0] if counts else None,
-            )
-            return done.carry
-
-        return phase
 
     def server(
         self,

@@ -367,15 +367,11 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         n_init = 0 if primed else 3
         per_step = 3 if self.momentum == 1.0 else 6
         steps = cohort.num_steps
-        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
-            device = next(iter(y.values())).device
+        if cohort.replays(runtime):
+            device = runtime.features.device
+            # the estimators received, or line 1's minibatches, which set them (another
+            # capture: the inputs' structure differs)
             init_size = self.init_batch_size
-            blocks = (
-                cohort.steps_block(key, size if runtime.pads else None).transpose(0, 1).to(device)
-                for key, size in (("inner", self.batch_size), ("outer", self.outer_batch_size))
-            )
-            # the estimators received, or line 1's minibatches (another capture: the inputs'
-            # structure differs)
             start: Params | tuple[torch.Tensor, ...] = (
                 {k: cohort.param(k).detach() for k in self._estimator_keys()}
                 if primed
@@ -387,15 +383,22 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
                     )
                 )
             )
-            inputs: tuple[Any, ...] = (x, y, z, start, buffers, *blocks)
-            if len(set(steps)) > 1:  # each client's count, read on the device only
-                inputs += (torch.tensor(steps, device=device),)
-            # a frozen algorithm (step sizes, lam, momentum) and the module skeleton; the
-            # largest step count is the minibatches' shape and the counts' presence the
-            # inputs' structure, both part of every capture's key
+            # a frozen algorithm (step sizes, lam, momentum) and the module skeleton: the
+            # capture's key
             key = ("fedsvrbgd.step", id(self), id(module))
-            phase = self._phase(runtime, cohort, module, max(steps))
-            carry = runtime.graphs.run(key, phase, inputs, cohort.size)
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                x, y, z, start, buffers = state
+                est = start
+                if isinstance(start, tuple):  # not primed: line 1 first
+                    est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, start)
+                carry = (x, y, z, est, buffers)
+                return self._local_steps(
+                    runtime, cohort, module, carry, minibatches, steps, counts
+                ).carry
+
+            draws = [("inner", self.batch_size), ("outer", self.outer_batch_size)]
+            carry = cohort.replay_steps(runtime, key, (x, y, z, start, buffers), draws, run)
             n_grad = [per_step * n for n in steps]
         else:
             if primed:
@@ -503,35 +506,6 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         x, y, z, est, buffers = start
         carry = (x, y, z, est, buffers, None)
         return local_steps(step, carry, steps, name="fedsvrbgd.step", counts=counts)
-
-    def _phase(
-        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
-    ) -> Callable[[Any], Any]:
-        """The local iterations of a stacked cohort whose clients run up to ``steps``, as a
-        pure function of ``(x, y, z, start, buffers, inner minibatches, outer minibatches[,
-        counts])`` (``start``: the estimators received, or the inner and outer minibatches of
-        Alg. 1 line 1, which sets them; minibatches ``[clients, steps, batch]``; ``counts``,
-        each client's count, where they differ) returning the final carry: what
-        :class:`radbo.graphs.PhaseGraphs` captures. It reads nothing else that changes between
-        rounds (its key names this frozen algorithm and the module; ``steps`` is the
-        minibatches' shape)."""
-
-        def phase(inputs: Any) -> Any:
-            x, y, z, start, buffers, inner, outer, *counts = inputs
-            est = start
-            if isinstance(start, tuple):  # not primed: line 1 first
-                est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, start)
-            return self._local_steps(
-                runtime,
-                cohort,
-                module,
-                (x, y, z, est, buffers),
-                lambda t: (inner[:, t], outer[:, t]),
-                steps,
-                counts[0] if counts else None,
-            ).carry
-
-        return phase
 
     def server(
         self,

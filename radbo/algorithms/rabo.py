@@ -218,26 +218,34 @@ class RABO(RABOConfig, AlgorithmBase):
 
         A stacked cohort replays its phase from a CUDA graph where the runtime has
         :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
-        one pure function of x, y, buffers and the steps' minibatches (:meth:`_inner_phase`),
-        on the device; clients with unequal step counts run the largest count, each masked
-        past its own by the counts on the device (as the eager loop masks them)."""
+        one pure function of x, y, buffers and the steps' minibatches on the device
+        (:meth:`~radbo.client.Cohort.replay_steps`); clients with unequal step counts run the
+        largest count, each masked past its own by the counts on the device (as the eager
+        loop masks them)."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
         steps = cohort.num_steps
-        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
-            minibatches = cohort.steps_block("inner", self.batch_size if runtime.pads else None)
-            device = next(iter(y.values())).device
-            inputs: tuple[Any, ...] = (x, y, buffers, minibatches.transpose(0, 1).to(device))
-            if len(set(steps)) > 1:  # each client's count, read on the device only
-                inputs += (torch.tensor(steps, device=device),)
-            # a frozen algorithm (inner_lr) and the module skeleton; the largest step count is
-            # the minibatches' shape and the counts' presence the inputs' structure, both
-            # part of every capture's key
+        if cohort.replays(runtime):
+            # a frozen algorithm (inner_lr) and the module skeleton: the capture's key
             key = ("rabo.inner", id(self), id(module))
-            phase = self._inner_phase(runtime, cohort, module, max(steps))
-            _, total, buffers, loss_value = runtime.graphs.run(key, phase, inputs, cohort.size)
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                x, y, buffers = state
+                y = {n: t.clone() for n, t in y.items()}  # the steps set requires_grad on y
+
+                def batch(t: int) -> torch.Tensor:
+                    return minibatches(t)[0]
+
+                done = self._inner_steps(
+                    runtime, cohort, module, x, y, buffers, batch, steps, counts
+                )
+                return done.carry
+
+            draws = [("inner", self.batch_size)]
+            carry = cohort.replay_steps(runtime, key, (x, y, buffers), draws, run)
+            _, total, buffers, loss_value = carry
             n_grad = steps
         else:
             done = self._inner_steps(
@@ -294,34 +302,6 @@ class RABO(RABOConfig, AlgorithmBase):
         # every step does the same work (on a slice of the stacked minibatches)
         start = (y, total, buffers, float("nan"))
         return local_steps(step, start, steps, name="rabo.inner", counts=counts)
-
-    def _inner_phase(
-        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
-    ) -> Callable[[Any], Any]:
-        """The inner phase of a stacked cohort whose clients run up to ``steps`` steps, as a
-        pure function of ``(x, y, buffers, minibatches[, counts])`` (minibatches ``[clients,
-        steps, batch]``; ``counts``, each client's step count, where they differ) returning
-        ``(y, G, buffers, loss)``: what :class:`radbo.graphs.PhaseGraphs` captures. It reads
-        nothing else that changes between rounds (its key names this frozen algorithm, whose
-        ``inner_lr`` it reads, and the module; ``steps`` is the minibatches' shape)."""
-
-        def phase(inputs: Any) -> Any:
-            x, y, buffers, minibatches, *counts = inputs
-            y = {n: t.clone() for n, t in y.items()}  # the steps set requires_grad on y
-            done = self._inner_steps(
-                runtime,
-                cohort,
-                module,
-                x,
-                y,
-                buffers,
-                lambda t: minibatches[:, t],
-                steps,
-                counts[0] if counts else None,
-            )
-            return done.carry
-
-        return phase
 
     def server_inner(
         self,

@@ -258,30 +258,32 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
 
         A stacked cohort replays its steps from a CUDA graph where the runtime has
         :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
-        one pure function of x, y, v, buffers and the steps' minibatches (:meth:`_phase`), on
-        the device; clients with unequal tau_i run the largest, each masked past its own by
-        the counts on the device."""
+        one pure function of x, y, v, buffers and the steps' minibatches on the device
+        (:meth:`~radbo.client.Cohort.replay_steps`); clients with unequal tau_i run the
+        largest, each masked past its own by the counts on the device."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names)
         v = {n: cohort.param(f"{V}:{n}") for n in self.inner_names}
         buffers = cohort.params(self.buffer_names, clone=True)
         steps = cohort.num_steps
-        if runtime.graphs is not None and cohort.stacked and min(steps) >= 1:
-            device = next(iter(y.values())).device
-            blocks = (
-                cohort.steps_block(key, size if runtime.pads else None).transpose(0, 1).to(device)
-                for key, size in (("inner", self.batch_size), ("outer", self.outer_batch_size))
-            )
-            inputs: tuple[Any, ...] = (x, y, v, buffers, *blocks)
-            if len(set(steps)) > 1:  # each client's count, read on the device only
-                inputs += (torch.tensor(steps, device=device),)
-            # a frozen algorithm (step sizes, coefficient, estimator) and the module skeleton;
-            # the largest step count is the minibatches' shape and the counts' presence the
-            # inputs' structure, both part of every capture's key
+        if cohort.replays(runtime):
+            # a frozen algorithm (step sizes, coefficient, estimator) and the module skeleton:
+            # the capture's key
             key = ("simfbo.step", id(self), id(module))
-            phase = self._phase(runtime, cohort, module, max(steps))
-            carry, losses, (grads, hvps) = runtime.graphs.run(key, phase, inputs, cohort.size)
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                done, losses = self._local_steps(
+                    runtime, cohort, module, state, minibatches, steps, counts
+                )
+                # every client ran (and was counted for) all ``steps``: the work of one, the
+                # same every step
+                per_step = (done.n_grad[0] // steps, done.n_hvp[0] // steps)
+                return done.carry, losses, per_step
+
+            draws = [("inner", self.batch_size), ("outer", self.outer_batch_size)]
+            out = cohort.replay_steps(runtime, key, (x, y, v, buffers), draws, run)
+            carry, losses, (grads, hvps) = out
             n_grad, n_hvp = [grads * n for n in steps], [hvps * n for n in steps]
         else:
             done, losses = self._local_steps(
@@ -371,35 +373,6 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         carry: tuple[Params, ...] = (x, y, v, q_x, q_y, q_v, buffers)
         done = local_steps(step, carry, steps, name="simfbo.step", counts=counts)
         return done, first[0] if first else (0.0, 0.0)
-
-    def _phase(
-        self, runtime: ClientRuntime, cohort: Cohort, module: torch.nn.Module, steps: int
-    ) -> Callable[[Any], Any]:
-        """The local steps of a stacked cohort whose clients run up to ``steps`` steps, as a
-        pure function of ``(x, y, v, buffers, inner minibatches, outer minibatches[,
-        counts])`` (minibatches ``[clients, steps, batch]``; ``counts``, each client's step
-        count, where they differ) returning the steps' final carry, the first step's losses
-        and the work of one step ``(n_grad, n_hvp)`` (the same every step): what
-        :class:`radbo.graphs.PhaseGraphs` captures. It reads nothing else that changes
-        between rounds (its key names this frozen algorithm and the module; ``steps`` is the
-        minibatches' shape)."""
-
-        def phase(inputs: Any) -> Any:
-            x, y, v, buffers, inner, outer, *counts = inputs
-            done, losses = self._local_steps(
-                runtime,
-                cohort,
-                module,
-                (x, y, v, buffers),
-                lambda t: (inner[:, t], outer[:, t]),
-                steps,
-                counts[0] if counts else None,
-            )
-            # every client ran (and was counted for) all ``steps``: the work of one
-            per_step = (done.n_grad[0] // steps, done.n_hvp[0] // steps)
-            return done.carry, losses, per_step
-
-        return phase
 
     def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:
         """What a client sends: SimFBO sends the local aggregates q_i themselves (eq. (4))."""
