@@ -185,8 +185,8 @@ class ClientRuntime:
 
     ``graphs``: where set (``[runtime] cuda_graphs``), client work that supports it replays
     a stacked cohort's phase from a CUDA graph (:class:`radbo.graphs.PhaseGraphs`; RABO's and
-    RAFBO's two phases, the local steps of FedAvg, Dist-ProtoNet, SimFBO, ShroFBO,
-    FedSVRBGD-FO, AggITD, FedNest and LFedNest: :meth:`Cohort.replay_steps`).
+    RAFBO's two phases, the local steps of FedAvg, Dist-ProtoNet, Dist-MAML, SimFBO,
+    ShroFBO, FedSVRBGD-FO, AggITD, FedNest and LFedNest: :meth:`Cohort.replay_steps`).
 
     ``channels_last``: :meth:`batch` gives a client's image minibatches (``N x C x H x W``) in
     ``torch.channels_last`` layout (``[runtime] memory_format``); a stacked cohort's (one

@@ -205,7 +205,8 @@ FEW_SHOT = {"name": "few_shot", "ways": 5, "shots": 2, "queries": 3, "test_episo
 # to 4 steps; FedSVRBGD-FO with its STORM correction (6 gradients a step) and without
 # (momentum 1: 3), its first round starting from Alg. 1's line 1 inside the phase; the lower
 # level of AggITD; FedNest's SVRG-corrected steps on y (with the server's q) and on x;
-# LFedNest's plain ones on y (no q: another input structure)
+# LFedNest's plain ones on y (no q: another input structure); Dist-MAML's meta-steps, second
+# order (double backward through the adaptation) and first order
 TRAIN = "train"
 #: the baselines that train the full model on every client
 FULL_FLEET = {**demo_dict()["fleet"], "capacities": [1.0]}
@@ -258,6 +259,28 @@ STEP_CASES: dict[str, tuple[dict[str, str], dict]] = {
             estimator={"name": "first_order", "lam": 5.0},
         ),
     ),
+    "maml-few_shot": (
+        {TRAIN: "maml.step"},
+        dict(
+            algorithm={"name": "maml", "local_steps": 2, "inner_steps": 2},
+            model={"name": "conv4", "width": 4},
+            task=FEW_SHOT,
+            partition={"alpha": 100.0},
+            fleet={"num_clients": 4},
+            mask={"policy": "none"},
+        ),
+    ),
+    "maml-first_order-few_shot-uneven": (
+        {TRAIN: "maml.step"},
+        dict(
+            algorithm={"name": "maml", "inner_steps": 2, "first_order": True},
+            model={"name": "conv4", "width": 4, "batchnorm": "static"},
+            task=FEW_SHOT,
+            partition={"alpha": 100.0},
+            fleet={"num_clients": 4, "local_steps": "uniform", "local_steps_range": [1, 3]},
+            mask={"policy": "none"},
+        ),
+    ),
     "aggitd-uneven": (
         {r"inner\.\d+": "aggitd.local"},
         dict(
@@ -297,7 +320,7 @@ def _replayed(phases: dict[str, str], phase: str) -> str | None:
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: str):
     """The local steps of STEP_CASES (FedAvg, Dist-ProtoNet, SimFBO, ShroFBO, FedSVRBGD-FO,
-    AggITD, FedNest, LFedNest) through the cache against the plain batched run, float64, 3
+    Dist-MAML, AggITD, FedNest, LFedNest) through the cache against the plain batched run, float64, 3
     rounds: the states to 1e-10 relative and ledgers exactly (work counts included), as for
     RABO above. Every stacked cohort of the phases that replay went through the cache, with
     each client's step count where they differ; later rounds ran the first round's phase

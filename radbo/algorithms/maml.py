@@ -43,7 +43,7 @@ from radbo.algorithms.fedavg import FedAvg, FedAvgConfig
 from radbo.autodiff import scalar
 from radbo.client import ClientResult, ClientRuntime, ClientTask, Cohort, Prepared
 from radbo.limits import Steps, StepSize
-from radbo.loops import Work
+from radbo.loops import LocalSteps, Work, local_steps
 from radbo.problem import Batch
 from radbo.typing import Params
 
@@ -128,19 +128,71 @@ class MAML(MAMLConfig, FedAvg):
 
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """``local_steps`` meta-steps on x and y; returns the summed meta-gradients and the
-        buffers."""
+        buffers. A stacked cohort replays its steps from a CUDA graph where the runtime has
+        them (:meth:`~radbo.client.Cohort.replay_steps`)."""
         module = cohort.module(runtime)
-        loss: Callable[..., Tensor] = runtime.problem.outer_loss
         params = cohort.params(self.trained_names(), clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
+        if cohort.replays(runtime):
+            # a frozen algorithm (step sizes, inner steps, order) and the module skeleton:
+            # the capture's key
+            key = ("maml.step", id(self), id(module))
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                params, buffers = state
+                done = self._meta_steps(
+                    runtime, cohort, module, params, buffers, minibatches, steps, counts
+                )
+                return done.carry
+
+            draws = [("support", self.batch_size), ("query", self.outer_batch_size)]
+            carry = cohort.replay_steps(runtime, key, (params, buffers), draws, run)
+            n_grad = [(self.inner_steps + 1) * n for n in cohort.num_steps]
+            n_hvp = [(0 if self.first_order else self.inner_steps) * n for n in cohort.num_steps]
+        else:
+
+            def episode(t: int) -> tuple[Tensor, Tensor]:
+                return cohort.step_data("support", t), cohort.step_data("query", t)
+
+            done = self._meta_steps(
+                runtime, cohort, module, params, buffers, episode, cohort.num_steps
+            )
+            carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
+        _, total, buffers, loss_value = carry
+        update = {**total, **(buffers if self.aggregate_buffers else {})}
+        return cohort.replies(
+            update,
+            {"train_loss": loss_value},
+            n_grad=n_grad,
+            n_hvp=n_hvp,
+            samples=cohort.step_samples("support", "query"),
+        )
+
+    def _meta_steps(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: nn.Module,
+        params: Params,
+        buffers: Params,
+        episodes: Callable[[int], tuple[Tensor, Tensor]],
+        steps: int | list[int],
+        counts: Tensor | None = None,
+    ) -> LocalSteps[Any]:
+        """``steps`` meta-steps from ``params`` (each client its number; or ``steps`` times,
+        each client masked past its entry of ``counts``, a tensor on the device), step t on
+        the support and query example indices ``episodes(t)``; the carry ends as ``(params,
+        summed meta-gradients, buffers, query loss)``."""
+        loss: Callable[..., Tensor] = runtime.problem.outer_loss
         total = {n: torch.zeros_like(t) for n, t in params.items()}
         hvps = 0 if self.first_order else self.inner_steps
         Carry = tuple[Params, Params, Params, Any]  # params, summed meta-gradients, buffers, loss
 
         def step(t: int, carry: Carry) -> tuple[Carry, Work]:
             params, total, buffers, _ = carry
-            support = runtime.batch(cohort.step_data("support", t))
-            query = runtime.batch(cohort.step_data("query", t))
+            support_indices, query_indices = episodes(t)
+            support = runtime.batch(support_indices)
+            query = runtime.batch(query_indices)
             start = {n: p.detach().requires_grad_(True) for n, p in params.items()}
             # the forward passes update the BatchNorm running statistics in ``buffers``
             adapted = self.adapt(cohort, module, loss, start, buffers, support)
@@ -156,13 +208,5 @@ class MAML(MAMLConfig, FedAvg):
             work = Work(n_grad=self.inner_steps + 1, n_hvp=hvps)
             return (stepped, summed, buffers, value.detach()), work
 
-        steps = cohort.local_steps(step, (params, total, buffers, float("nan")), name="maml.step")
-        _, total, buffers, loss_value = steps.carry
-        update = {**total, **(buffers if self.aggregate_buffers else {})}
-        return cohort.replies(
-            update,
-            {"train_loss": loss_value},
-            n_grad=steps.n_grad,
-            n_hvp=steps.n_hvp,
-            samples=cohort.step_samples("support", "query"),
-        )
+        start = (params, total, buffers, float("nan"))
+        return local_steps(step, start, steps, name="maml.step", counts=counts)
