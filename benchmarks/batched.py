@@ -1,4 +1,4 @@
-"""Speed-up of :class:`~radbo.simulation.BatchedBackend` over the sequential backend.
+r"""Speed-up of :class:`~radbo.simulation.BatchedBackend` over the sequential backend.
 
 Every algorithm's client work runs batched (``radbo.client.ClientWork``); this measures RABO
 (both phases: T SGD steps on y, then the hypergradient by CG with per-client stopping) and
@@ -27,7 +27,14 @@ same at 32x32: more work per client on 1 and 6 input channels) and ``simple_cnn`
 
 The ``auto`` columns run :class:`~radbo.simulation.AutoBackend` after two warm-up rounds (its
 first group of a family runs one by one, its second measures both sides and records the faster
-one): it should read the faster of the two other columns.
+one): it should read the faster of the two other columns. ``--max-group G [G ...]`` adds a
+batched side per ``G`` whose stacks hold at most ``G`` clients (``BatchedBackend(max_group=G)``:
+a cohort split in chunks), alternated with the others, as two more columns each (its round
+and its speed-up over sequential): whether smaller stacks, whose working set is smaller,
+lose less.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batched.py --models simple_cnn \
+        --algorithms fedavg --clients 10 --max-group 2 5
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +144,13 @@ def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def measure(algorithm: str, num_clients: int, repeats: int, model: str = "mlp") -> dict[str, float]:
+def measure(
+    algorithm: str,
+    num_clients: int,
+    repeats: int,
+    model: str = "mlp",
+    max_groups: Sequence[int] = (),
+) -> dict[str, float]:
     exp = experiment(algorithm, num_clients, model)
     sim = exp.simulation
     work, tasks = first_phase_tasks(exp)
@@ -155,7 +168,10 @@ def measure(algorithm: str, num_clients: int, repeats: int, model: str = "mlp") 
     step(bat_backend)
     step(auto_backend)  # the auto backend's warm-up, then its measurement: its plan is made
     step(auto_backend)
-    sides = {"seq": seq_backend, "bat": bat_backend, "auto": auto_backend}
+    sides: dict[str, Any] = {"seq": seq_backend, "bat": bat_backend, "auto": auto_backend}
+    for g in max_groups:
+        sides[f"bat{g}"] = BatchedBackend(max_group=g)
+        step(sides[f"bat{g}"])
     phases = alternate({k: lambda b=b: phase(b) for k, b in sides.items()}, repeats)
     rounds = alternate({k: lambda b=b: step(b) for k, b in sides.items()}, repeats)
     return {
@@ -174,37 +190,57 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--max-group",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also batched with stacks of at most this many clients (a side per number)",
+    )
+    parser.add_argument(
         "--system-allocator",
         action="store_true",
         help="leave the C library's allocator as it is (radbo run's allocator = 'system'); "
         "by default freed memory is kept for reuse, as radbo run does",
     )
     args = parser.parse_args()
+    if any(g < 1 for g in args.max_group):
+        parser.error("--max-group takes numbers >= 1")
     if not args.system_allocator:
         retain_freed_memory()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
     )
     print()
+    extra = "".join(f" stacks <= {g} (ms) | speed-up |" for g in args.max_group)
     print(
         "| model | algorithm | clients | cohorts | 1st phase seq (ms) | batched (ms) | speed-up "
-        "| round seq (ms) | batched (ms) | speed-up | auto (ms) | speed-up | auto stacked |"
+        "| round seq (ms) | batched (ms) | speed-up | auto (ms) | speed-up | auto stacked |" + extra
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + "---:|---:|" * len(args.max_group)
+    )
     for model in args.models:
         for algorithm in args.algorithms:
             for n in args.clients:
-                _row(model, algorithm, n, measure(algorithm, n, args.repeats, model))
+                m = measure(algorithm, n, args.repeats, model, args.max_group)
+                _row(model, algorithm, n, m, args.max_group)
 
 
-def _row(model: str, algorithm: str, n: int, m: dict[str, float]) -> None:
+def _row(
+    model: str, algorithm: str, n: int, m: dict[str, float], max_groups: Sequence[int] = ()
+) -> None:
+    chunks = "".join(
+        f" {1e3 * m[f'round_bat{g}']:.1f} | {m['round_seq'] / m[f'round_bat{g}']:.2f}x |"
+        for g in max_groups
+    )
     print(
         f"| {model} | {algorithm} | {n} | {m['cohorts']} | {1e3 * m['phase_seq']:.1f} "
         f"| {1e3 * m['phase_bat']:.1f} | {m['phase_seq'] / m['phase_bat']:.2f}x "
         f"| {1e3 * m['round_seq']:.1f} | {1e3 * m['round_bat']:.1f} "
         f"| {m['round_seq'] / m['round_bat']:.2f}x | {1e3 * m['round_auto']:.1f} "
         f"| {m['round_seq'] / m['round_auto']:.2f}x "
-        f"| {m['auto_stacked']} of {m['auto_families']} |",
+        f"| {m['auto_stacked']} of {m['auto_families']} |" + chunks,
         flush=True,
     )
 

@@ -188,3 +188,17 @@ def test_the_cuda_graphs_benchmark_runs_the_caches_eager_path_on_the_cpu(algorit
     assert int(row[2]) >= 1 and int(row[3]) >= int(row[2])
     assert float(row[4]) <= 1e-10
     assert row[5] == "nan"  # GPU memory: none on the CPU
+
+
+def test_the_batched_benchmark_adds_a_side_per_largest_stack():
+    """``benchmarks/batched.py --max-group 2 3``: two more sides, batched in stacks of at most
+    2 and 3 clients, each with its round time and speed-up over sequential."""
+    out = run_script(
+        "benchmarks/batched.py", "--models", "mlp", "--algorithms", "fedavg", "--clients", "5",
+        "--repeats", "1", "--max-group", "2", "3",
+    )  # fmt: skip
+    assert "| stacks <= 2 (ms) | speed-up | stacks <= 3 (ms) | speed-up |" in out, out
+    row = re.search(r"\n\| mlp \| fedavg \| 5 \|(.*)\|\n", out)
+    assert row, out
+    cells = [c.strip() for c in row[1].split("|")]
+    assert len(cells) == 10 + 4 and all(c.endswith("x") for c in cells[-3::2]), cells
