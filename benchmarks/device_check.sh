@@ -16,9 +16,10 @@
 # Each step has its own time limit (seconds, STEP_SCALE multiplies them) so that one slow
 # step cannot starve the rest; a step's output goes to $OUT/session.log and to the terminal,
 # tables and figures to $OUT. STEPS (a comma list) picks the steps; the default,
-# test_cuda,compile,gpu,profile, has limits summing to 560 s (compile has not run on a GPU
-# yet); scatter, graphs, vs_pfl, fd_batch and fewshot (measured already: BENCHMARKS.md) run
-# when named.
+# test_cuda,compile,gpu,profile, has limits summing to 590 s (compile has not run on a GPU
+# yet); scatter, graphs (300 s), graphs_steps (120 s), vs_pfl, fd_batch and fewshot
+# (measured already: BENCHMARKS.md) run when named. A command runs at most 600 s on a lent
+# machine: STEPS=test_cuda,graphs first, then graphs_steps,vs_pfl where time is left.
 set -u
 OUT=${OUT:-runs/device}
 SCALE=${STEP_SCALE:-1}
@@ -52,7 +53,7 @@ step() {  # step NAME LIMIT COMMAND...
 } 2>&1 | tee -a "$LOG"
 
 # item 5: tests/test_cuda.py finishes in minutes (durations of the slowest tests printed)
-step test_cuda 170 $PY -m pytest -o addopts="" -q -p no:cacheprovider --durations=12 \
+step test_cuda 200 $PY -m pytest -o addopts="" -q -p no:cacheprovider --durations=12 \
     tests/test_cuda.py
 
 # item 3: the aggregation's one-scatter path adds in client order on CUDA, and its time
@@ -80,8 +81,9 @@ step compile 150 $PY benchmarks/compile_step.py --device cuda --clients 100 \
 # check in float64
 step graphs 150 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6
 step graphs 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 3 --dtype float64
-step graphs 90 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6 --algorithm fedavg
-step graphs 90 $PY benchmarks/cuda_graphs.py --clients 100 1000 --rounds 6 --algorithm shrofbo
+# the local steps of the other algorithms replayed (FedAvg, ShroFBO), seconds per round
+step graphs_steps 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 4 --algorithm fedavg
+step graphs_steps 60 $PY benchmarks/cuda_graphs.py --clients 100 --rounds 4 --algorithm shrofbo
 step graphs 90 $PY benchmarks/round_profile.py --device cuda --clients 100 --top 15 --cuda-graphs
 
 # item 4: pfl-research's CIFAR-10 FedAvg setup on the same GPU (pfl from the carried wheels)

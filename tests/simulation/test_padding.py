@@ -173,6 +173,13 @@ def test_the_device_script_parses_and_names_scripts_that_exist():
     called = re.findall(r"\$PY (\S+\.py)", path.read_text())
     assert "benchmarks/gpu.py" in called and "benchmarks/vs_pfl.py" in called
     assert all((ROOT / script).is_file() for script in called)
+    # each step's time limits (seconds); the combinations the script's header names fit a
+    # lent machine's 600 s per command, with room for the installation and nvidia-smi
+    limits: dict[str, int] = {}
+    for name, limit in re.findall(r"^\s*step (\w+) (\d+) ", path.read_text(), re.MULTILINE):
+        limits[name] = limits.get(name, 0) + int(limit)
+    for combination in ("test_cuda,compile,gpu,profile", "test_cuda,graphs", "graphs_steps,vs_pfl"):
+        assert sum(limits[name] for name in combination.split(",")) <= 590, (combination, limits)
 
 
 def test_the_operation_map_sums_to_the_round_and_names_radbo_functions():
