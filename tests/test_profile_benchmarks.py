@@ -202,3 +202,19 @@ def test_the_batched_benchmark_adds_a_side_per_largest_stack():
     assert row, out
     cells = [c.strip() for c in row[1].split("|")]
     assert len(cells) == 10 + 4 and all(c.endswith("x") for c in cells[-3::2]), cells
+
+
+def test_the_operation_diff_lists_both_backends_side_by_side():
+    """``benchmarks/op_diff.py`` at 4 MLP clients in stacks of 2: the totals of both sides
+    and ``--top`` rows, each operation's difference its two times' difference."""
+    out = run_script(
+        "benchmarks/op_diff.py", "--model", "mlp", "--algorithm", "fedavg", "--clients", "4",
+        "--max-group", "2", "--repeats", "1", "--top", "4",
+    )  # fmt: skip
+    assert "batched: stacks of at most 2" in out, out
+    assert re.search(r"sequential [\d.]+ ms, batched [\d.]+ ms", out), out
+    rows = re.findall(r"\n\| (\S+) \| ([\d.]+) \| \d+ \| ([\d.]+) \| \d+ \| ([+-][\d.]+) \|", out)
+    assert len(rows) == 4, out
+    for _, seq, bat, diff in rows:
+        # three numbers each rounded to 0.1 ms: at most 3 x 0.05 apart
+        assert abs(float(bat) - float(seq) - float(diff)) <= 0.15 + 1e-9
