@@ -324,8 +324,8 @@ class RuntimeConfig(Section):
     clients) and replayed in later rounds (:class:`radbo.graphs.PhaseGraphs`); so far RABO's
     and RAFBO's inner phase (clients of unequal step counts masked on the device) and outer
     phase, and the local steps of FedAvg (HeteroFL, FedRolex), Dist-ProtoNet, Dist-MAML,
-    SimFBO, ShroFBO, FedSVRBGD-FO, AggITD (its lower level) and FedNest / LFedNest (on y;
-    FedNest's on x too); the rest runs as without. On an H200 the inner phase of 37
+    SimFBO, ShroFBO, FedSVRBGD-FO, AggITD (its lower level and backward sweep) and FedNest /
+    LFedNest (on y; FedNest's on x too); the rest runs as without. On an H200 the inner phase of 37
     demo clients took 23.1 ms eager and 0.98 ms replayed (``benchmarks/compile_step.py --device cuda
     --graphs``); the engine's path has not run on a GPU yet. Results differ from ``false``
     by float rounding only (padded cohorts run kernels of another batch size).

@@ -204,7 +204,8 @@ FEW_SHOT = {"name": "few_shot", "ways": 5, "shots": 2, "queries": 3, "test_episo
 # check of a vanishing step is deferred) and in its fully first-order mode, on clients of 1
 # to 4 steps; FedSVRBGD-FO with its STORM correction (6 gradients a step) and without
 # (momentum 1: 3), its first round starting from Alg. 1's line 1 inside the phase; the lower
-# level of AggITD; FedNest's SVRG-corrected steps on y (with the server's q) and on x;
+# level of AggITD and its backward sweep (the steps replayed, then v back-propagated through
+# them from the last step down, each client from its own); FedNest's SVRG-corrected steps on y (with the server's q) and on x;
 # LFedNest's plain ones on y (no q: another input structure); Dist-MAML's meta-steps, second
 # order (double backward through the adaptation) and first order
 TRAIN = "train"
@@ -282,7 +283,7 @@ STEP_CASES: dict[str, tuple[dict[str, str], dict]] = {
         ),
     ),
     "aggitd-uneven": (
-        {r"inner\.\d+": "aggitd.local"},
+        {r"inner\.\d+": "aggitd.local", r"itd\.\d+": "aggitd.backward"},
         dict(
             algorithm={"name": "aggitd", "inner_rounds": 2},
             estimator={"name": "autograd"},

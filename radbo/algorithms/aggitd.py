@@ -446,14 +446,76 @@ class AggITD(AggITDConfig, AlgorithmBase):
     def run_backward(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """Replay tau_i local steps from y^r, then back-propagate v_{r+1} through them:
         returns ``a = d_x Y_i^T v`` (keyed like x) and ``u^0 = d_y Y_i^T v`` (as
-        ``"v:<y name>"``), the vector-Jacobian products of the client's local map Y_i."""
-        lead = cohort.lead
+        ``"v:<y name>"``), the vector-Jacobian products of the client's local map Y_i. A
+        stacked cohort replays both sweeps from a CUDA graph where the runtime has them
+        (:meth:`~radbo.client.Cohort.replay_steps`)."""
         module, x, y, buffers = self.client_tensors(runtime, cohort)
+        u = tuple(cohort.param(f"{V}:{n}") for n in y)
+        if cohort.replays(runtime):
+            # a frozen algorithm (inner_lr, estimator) and the module skeleton: the key
+            key = ("aggitd.backward", id(self), id(module))
+
+            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
+                x, y, buffers, u = state
+
+                def batch(t: int) -> torch.Tensor:
+                    return minibatches(t)[0]
+
+                done = self._backward_sweep(
+                    runtime, cohort, module, x, y, buffers, u, batch, steps, counts
+                )
+                # every client ran (and was counted for) all ``steps``: the work of one, the
+                # same every step
+                return done.carry, (done.n_grad[0] // steps, done.n_hvp[0] // steps)
+
+            draws = [("inner", self.batch_size)]
+            state = (x, y, buffers, u)
+            carry, (grads, hvps) = cohort.replay_steps(runtime, key, state, draws, run)
+            n_grad, n_hvp = (
+                [grads * n for n in cohort.num_steps],
+                [hvps * n for n in cohort.num_steps],
+            )
+        else:
+            step_data = partial(cohort.step_data, "inner")
+            done = self._backward_sweep(
+                runtime, cohort, module, x, y, buffers, u, step_data, cohort.num_steps
+            )
+            carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
+        a, u = carry
+        update = {
+            **dict(zip(self.outer_names, a, strict=True)),
+            **{f"{V}:{n}": t for n, t in zip(y, u, strict=True)},
+        }
+        return cohort.replies(
+            update,
+            n_grad=n_grad,
+            n_hvp=n_hvp,
+            samples=cohort.step_samples("inner"),
+        )
+
+    def _backward_sweep(
+        self,
+        runtime: ClientRuntime,
+        cohort: Cohort,
+        module: torch.nn.Module,
+        x: Params,
+        y: Params,
+        buffers: Params,
+        u: TensorTuple,
+        minibatch: Callable[[int], torch.Tensor],
+        steps: int | list[int],
+        counts: torch.Tensor | None = None,
+    ) -> LocalSteps[tuple[TensorTuple, TensorTuple]]:
+        """``steps`` local steps replayed from ``y`` (each client its number; or ``steps``
+        times, each client masked past its entry of ``counts``, a tensor on the device), step
+        t on the example indices ``minibatch(t)``, then ``u`` back-propagated through them
+        from the last step down; the carry ends as ``(a, u^0)``."""
+        lead = cohort.lead
         yn = tuple(y)
         systems: list[Linearization] = []
 
         def replay(t: int, y: Params) -> tuple[Params, Work]:
-            batch = runtime.batch(cohort.step_data("inner", t))
+            batch = runtime.batch(minibatch(t))
             _, inner = cohort.bind(runtime.problem, module, buffers, batch, batch)
             system = self.estimator.linearize(inner, x, y, lead=lead, with_x=True)
             systems.append(system)
@@ -466,20 +528,10 @@ class AggITD(AggITDConfig, AlgorithmBase):
             work = Work(systems[t].n_grad, systems[t].n_hvp)  # its gradient and its product
             return (tuple_axpy(-self.inner_lr, jv, a), tuple_axpy(-self.inner_lr, hv, u)), work
 
-        cohort.local_steps(replay, y, name="aggitd.replay")
-        u = tuple(cohort.param(f"{V}:{n}") for n in yn)
+        local_steps(replay, y, steps, name="aggitd.replay", counts=counts)
         a = tuple(torch.zeros_like(t) for t in x.values())
-        steps = cohort.local_steps(backward, (a, u), name="aggitd.backward", reverse=True)
-        a, u = steps.carry
-        update = {
-            **dict(zip(self.outer_names, a, strict=True)),
-            **{f"{V}:{n}": t for n, t in zip(yn, u, strict=True)},
-        }
-        return cohort.replies(
-            update,
-            n_grad=steps.n_grad,
-            n_hvp=steps.n_hvp,
-            samples=cohort.step_samples("inner"),
+        return local_steps(
+            backward, (a, u), steps, name="aggitd.backward", reverse=True, counts=counts
         )
 
     # -- servers -----------------------------------------------------------------------------------
