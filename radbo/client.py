@@ -152,10 +152,10 @@ class ClientResult:
     rejected: str | None = None
 
 
-#: a cohort's local steps for :meth:`Cohort.replay_steps`: ``run(state, minibatches, steps,
-#: counts)``, ``minibatches(t)`` the example indices of step t (one tensor per drawn key)
-ReplayedSteps = Callable[
-    [tuple[Any, ...], Callable[[int], tuple[Tensor, ...]], int, Tensor | None], Any
+#: a cohort's local steps for :meth:`Cohort.run_steps`: ``run(state, step_data, steps,
+#: counts)``, ``step_data(key, t)`` the example indices of per-step key ``key`` at step t
+StepsRun = Callable[
+    [tuple[Any, ...], Callable[[str, int], Tensor], Any, Tensor | None], LocalSteps[Any]
 ]
 
 
@@ -186,7 +186,7 @@ class ClientRuntime:
     ``graphs``: where set (``[runtime] cuda_graphs``), client work that supports it replays
     a stacked cohort's phase from a CUDA graph (:class:`radbo.graphs.PhaseGraphs`; RABO's and
     RAFBO's two phases, the local steps of FedAvg, Dist-ProtoNet, Dist-MAML, SimFBO,
-    ShroFBO, FedSVRBGD-FO, AggITD, FedNest and LFedNest: :meth:`Cohort.replay_steps`).
+    ShroFBO, FedSVRBGD-FO, AggITD, FedNest and LFedNest: :meth:`Cohort.run_steps`).
 
     ``channels_last``: :meth:`batch` gives a client's image minibatches (``N x C x H x W``) in
     ``torch.channels_last`` layout (``[runtime] memory_format``); a stacked cohort's (one
@@ -469,52 +469,67 @@ class Cohort:
 
     def replays(self, runtime: ClientRuntime) -> bool:
         """Whether this cohort's local steps replay from the runtime's CUDA graphs
-        (:meth:`replay_steps`): the runtime has :attr:`~ClientRuntime.graphs` (``[runtime]
+        (:meth:`run_steps`): the runtime has :attr:`~ClientRuntime.graphs` (``[runtime]
         cuda_graphs``), the cohort is stacked and each of its clients steps."""
         return runtime.graphs is not None and self.stacked and min(self.num_steps) >= 1
 
-    def replay_steps(
+    def run_steps(
         self,
         runtime: ClientRuntime,
         key: Hashable,
         state: tuple[Any, ...],
         draws: Sequence[tuple[str, int]],
-        run: ReplayedSteps,
-    ) -> Any:
-        """``run(state, minibatches, steps, counts)`` through ``runtime.graphs``
+        run: StepsRun,
+    ) -> LocalSteps[Any]:
+        """The cohort's local steps ``run(state, step_data, steps, counts)`` from ``state``
+        (trees of tensors with the clients first), step ``t`` on ``step_data(name, t)``, the
+        example indices of per-step key ``name`` (one of ``draws``' names) at that step.
+
+        Eagerly that is ``run(state, self.step_data, self.num_steps, None)``. Where the
+        cohort :meth:`replays`, it goes through ``runtime.graphs``
         (:class:`radbo.graphs.PhaseGraphs`: captured once per key and shapes, replayed after):
-        the cohort's local steps from ``state`` (trees of tensors with the clients first),
-        step ``t`` on ``minibatches(t)``, the example indices of each of ``draws``' per-step
-        keys at that step (``[clients, batch]``, on the training set's device; where the
-        runtime :attr:`~ClientRuntime.pads`, padded to the size given beside each key, so
-        that every cohort of a shape shares a capture), for the largest step count
-        ``steps``, each client masked past its own by ``counts`` (its step count, on the
-        device; ``None`` where all are equal). ``run`` must read nothing else that changes
-        between rounds unless ``key`` names it (the capture replays its first call's
-        kernels); its result's tensors come back cut to the cohort's clients."""
+        ``step_data`` reads the steps' minibatches stacked on the training set's device (where
+        the runtime :attr:`~ClientRuntime.pads`, padded to the size given beside each name in
+        ``draws``, so that every cohort of a shape shares a capture), ``steps`` is the
+        largest step count and ``counts`` each client's count on the device (``None`` where
+        all are equal), by which ``run`` masks each client past its own. ``run`` must read
+        nothing else that changes between rounds unless ``key`` names it (the capture
+        replays its first call's kernels); the carry's tensors come back cut to the cohort's
+        clients, and each client's work is its count times the work of one step (every step
+        of a local loop does the same work: checked)."""
         if not self.replays(runtime):
-            raise ValueError("Cohort.replay_steps needs a runtime with graphs (Cohort.replays)")
+            return run(state, self.step_data, self.num_steps, None)
         assert runtime.graphs is not None  # replays() saw to it
         device = runtime.features.device
-        blocks = tuple(  # [clients, steps, batch] each
-            self.steps_block(name, size if runtime.pads else None).transpose(0, 1).to(device)
+        blocks = {  # [clients, steps, batch] each
+            name: self.steps_block(name, size if runtime.pads else None).transpose(0, 1).to(device)
             for name, size in draws
-        )
+        }
         steps = self.num_steps
         # each client's count, read on the device only (an input: one capture serves any
         # counts of a shape; its presence is part of the inputs' structure)
         counts = (torch.tensor(steps, device=device),) if len(set(steps)) > 1 else ()
-        longest, n, m = max(steps), len(state), len(blocks)
+        longest, n = max(steps), len(state)
 
         def phase(inputs: tuple[Any, ...]) -> Any:
-            state, blocks, counts = inputs[:n], inputs[n : n + m], inputs[n + m :]
+            state, blocks, counts = inputs[:n], inputs[n], inputs[n + 1 :]
 
-            def minibatches(t: int) -> tuple[Tensor, ...]:
-                return tuple(b[:, t] for b in blocks)
+            def step_data(name: str, t: int) -> Tensor:
+                return blocks[name][:, t]
 
-            return run(state, minibatches, longest, counts[0] if counts else None)
+            done = run(state, step_data, longest, counts[0] if counts else None)
+            # with counts every client ran (and was counted for) all ``longest`` steps
+            grads, left_grad = divmod(done.n_grad[0], longest)
+            hvps, left_hvp = divmod(done.n_hvp[0], longest)
+            if left_grad or left_hvp or len(set(done.n_grad)) > 1 or len(set(done.n_hvp)) > 1:
+                raise ValueError(
+                    f"Cohort.run_steps: the steps' work ({done.n_grad}, {done.n_hvp}) is not "
+                    f"the same in each of {longest} steps"
+                )
+            return done.carry, grads, hvps
 
-        return runtime.graphs.run(key, phase, (*state, *blocks, *counts), self.size)
+        carry, grads, hvps = runtime.graphs.run(key, phase, (*state, blocks, *counts), self.size)
+        return LocalSteps(carry, [grads * c for c in steps], [hvps * c for c in steps])
 
     def active(self, step: int) -> Tensor | None:
         """Which clients still run ``step`` (a bool per client), or ``None`` when all do (what

@@ -8,6 +8,7 @@ graphs.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import NamedTuple
@@ -339,9 +340,8 @@ def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: st
     stack = Cohort.stack.__func__  # type: ignore[attr-defined]
 
     def spy(self, key, fn, inputs, clients):
-        # the counts, where they differ: the last input, one per client (a minibatch block
-        # is [clients, steps, batch])
-        calls.append((key[0], clients, inputs[-1].ndim == 1))
+        # the counts, where they differ: the last input (else the dict of minibatch blocks)
+        calls.append((key[0], clients, isinstance(inputs[-1], torch.Tensor)))
         return original(self, key, fn, inputs, clients)
 
     def spy_stack(cls, tasks, prepared):
@@ -363,10 +363,14 @@ def test_local_steps_through_the_phase_cache_agree_with_the_batched_run(case: st
     assert_runs_agree(a, b)
 
 
-def test_replaying_steps_needs_a_runtime_with_graphs_and_a_stacked_cohort():
-    """``Cohort.replays`` says whether ``replay_steps`` may run: graphs, a stacked cohort,
-    every client stepping; ``replay_steps`` refuses otherwise with a sentence."""
+def test_a_cohorts_steps_run_eagerly_or_replayed_by_run_steps():
+    """``Cohort.replays`` says whether ``run_steps`` replays: graphs, a stacked cohort, every
+    client stepping. Without, ``run`` runs as it is given, on ``Cohort.step_data`` and each
+    client's step count; with, on the steps' minibatches stacked for the cache, the largest
+    count, and each client's work its count times one step's (a loop whose steps differ in
+    work is refused with a sentence)."""
     from radbo.client import Prepared
+    from radbo.loops import LocalSteps
 
     exp = build(small_config(rounds=1))
     runtime = exp.simulation.runtime
@@ -374,23 +378,35 @@ def test_replaying_steps_needs_a_runtime_with_graphs_and_a_stacked_cohort():
     steps = torch.tensor([[1, 2], [3, 4]])
     two = Cohort.stack([task, task], [Prepared(steps={"inner": steps}, num_steps=2)] * 2)
     one = Cohort.single(task, Prepared(steps={"inner": steps}, num_steps=2))
-    assert not two.replays(runtime)  # no graphs
-    with pytest.raises(ValueError, match="needs a runtime with graphs"):
-        two.replay_steps(runtime, "k", (), [("inner", 2)], lambda *a: None)
-    runtime.graphs = PhaseGraphs(capture=False)
-    assert two.replays(runtime) and not one.replays(runtime)
     idle = Cohort.stack([task, task], [Prepared(steps={"inner": steps[:0]}, num_steps=0)] * 2)
-    assert not idle.replays(runtime)  # a client without steps
     seen = []
 
-    def run(state, minibatches, steps, counts):
+    def run(state, step_data, steps, counts, work=(6, 2)):
         seen.append((steps, counts))
-        return {"first": minibatches(0)[0], "last": minibatches(steps - 1)[0] + state[0][:, None]}
+        carry = {
+            "first": step_data("inner", 0),
+            "last": step_data("inner", 1) + state[0][:, None],
+        }
+        clients = state[0].shape[0]
+        return LocalSteps(carry, [work[0]] * clients, [work[1]] * clients)
 
-    out = two.replay_steps(runtime, "k", (torch.tensor([10, 20]),), [("inner", 2)], run)
+    state = (torch.tensor([10, 20]),)
+    assert not two.replays(runtime)  # no graphs: run eagerly
+    eager = two.run_steps(runtime, "k", state, [("inner", 2)], run)
+    assert seen == [([2, 2], None)]
+    assert eager.n_grad == [6, 6] and eager.n_hvp == [2, 2]
+    runtime.graphs = PhaseGraphs(capture=False)
+    assert two.replays(runtime) and not one.replays(runtime)
+    assert not idle.replays(runtime)  # a client without steps
+    seen.clear()
+    out = two.run_steps(runtime, "k", state, [("inner", 2)], run)
     assert seen == [(2, None)]  # equal counts: none passed
-    assert out["first"].tolist() == [[1, 2], [1, 2]]
-    assert out["last"].tolist() == [[13, 14], [23, 24]]
+    assert out.carry["first"].tolist() == [[1, 2], [1, 2]] == eager.carry["first"].tolist()
+    assert out.carry["last"].tolist() == [[13, 14], [23, 24]] == eager.carry["last"].tolist()
+    assert out.n_grad == [6, 6] and out.n_hvp == [2, 2]  # 3 and 1 a step, 2 steps each
+    uneven = functools.partial(run, work=(5, 2))
+    with pytest.raises(ValueError, match="is not the same in each of 2 steps"):
+        two.run_steps(runtime, "k2", state, [("inner", 2)], uneven)
 
 
 def test_a_cohorts_block_of_steps_repeats_a_short_clients_last_minibatch():

@@ -322,32 +322,14 @@ class AggITD(AggITDConfig, AlgorithmBase):
         """tau_i local SGD steps on g_i from y^r; returns the summed gradients
         ``G_i = (y^r - y_i^{r,tau_i}) / beta`` (and the buffers). A stacked cohort replays
         its steps from a CUDA graph where the runtime has them
-        (:meth:`~radbo.client.Cohort.replay_steps`)."""
+        (:meth:`~radbo.client.Cohort.run_steps`)."""
         module, x, y, buffers = self.client_tensors(runtime, cohort)
-        if cohort.replays(runtime):
-            # a frozen algorithm (inner_lr) and the module skeleton: the capture's key
-            key = ("aggitd.local", id(self), id(module))
-
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                x, y, buffers = state
-
-                def batch(t: int) -> torch.Tensor:
-                    return minibatches(t)[0]
-
-                done, first = self._local_steps(
-                    runtime, cohort, module, x, y, buffers, batch, steps, counts
-                )
-                return done.carry, first
-
-            draws = [("inner", self.batch_size)]
-            carry, first = cohort.replay_steps(runtime, key, (x, y, buffers), draws, run)
-            n_grad = cohort.num_steps
-        else:
-            step_data = partial(cohort.step_data, "inner")
-            done, first = self._local_steps(
-                runtime, cohort, module, x, y, buffers, step_data, cohort.num_steps
-            )
-            carry, n_grad = done.carry, done.n_grad
+        # a frozen algorithm (inner_lr) and the module skeleton: the capture's key
+        key = ("aggitd.local", id(self), id(module))
+        run = partial(self._local_steps, runtime, cohort, module)
+        done = cohort.run_steps(runtime, key, (x, y, buffers), [("inner", self.batch_size)], run)
+        carry, first = done.carry
+        n_grad = done.n_grad
         _, total, buffers = carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         return cohort.replies(
@@ -362,24 +344,24 @@ class AggITD(AggITDConfig, AlgorithmBase):
         runtime: ClientRuntime,
         cohort: Cohort,
         module: torch.nn.Module,
-        x: Params,
-        y: Params,
-        buffers: Params,
-        minibatch: Callable[[int], torch.Tensor],
+        state: tuple[Params, Params, Params],
+        step_data: Callable[[str, int], torch.Tensor],
         steps: int | list[int],
         counts: torch.Tensor | None = None,
-    ) -> tuple[LocalSteps[tuple[Params, Params, Params]], Any]:
-        """``steps`` local SGD steps on g_i from ``y`` (each client its number; or ``steps``
-        times, each client masked past its entry of ``counts``, a tensor on the device), step
-        t on the example indices ``minibatch(t)``: the steps, whose carry ends as ``(y,
-        summed gradients, buffers)``, and g at the first step (NaN without steps)."""
+    ) -> LocalSteps[tuple[tuple[Params, Params, Params], Any]]:
+        """``steps`` local SGD steps on g_i from ``state = (x, y, buffers)`` (each client its
+        number; or ``steps`` times, each client masked past its entry of ``counts``, a tensor
+        on the device), step t on the example indices ``step_data("inner", t)``; the steps'
+        carry is the final ``(y, summed gradients, buffers)`` and g at the first step (NaN
+        without steps)."""
+        x, y, buffers = state
         lead = cohort.lead
         xn, yn = tuple(x), tuple(y)
         first: list[torch.Tensor] = []  # g at the first step
 
         def step(t: int, carry: tuple[Params, Params, Params]) -> tuple[Any, Work]:
             y, total, buffers = carry
-            batch = runtime.batch(minibatch(t))
+            batch = runtime.batch(step_data("inner", t))
 
             def inner(x_: Params, y_: Params) -> torch.Tensor:
                 # updates the BatchNorm running statistics in ``buffers`` in place
@@ -406,7 +388,8 @@ class AggITD(AggITDConfig, AlgorithmBase):
         # clients past their tau_i keep what they had
         total = {n: torch.zeros_like(t) for n, t in y.items()}
         done = local_steps(step, (y, total, buffers), steps, name="aggitd.local", counts=counts)
-        return done, first[0] if first else float("nan")
+        loss = first[0] if first else float("nan")
+        return LocalSteps((done.carry, loss), done.n_grad, done.n_hvp)
 
     def prepare_outer(self, runtime: ClientRuntime, task: ClientTask) -> Prepared:
         """One outer minibatch."""
@@ -448,39 +431,15 @@ class AggITD(AggITDConfig, AlgorithmBase):
         returns ``a = d_x Y_i^T v`` (keyed like x) and ``u^0 = d_y Y_i^T v`` (as
         ``"v:<y name>"``), the vector-Jacobian products of the client's local map Y_i. A
         stacked cohort replays both sweeps from a CUDA graph where the runtime has them
-        (:meth:`~radbo.client.Cohort.replay_steps`)."""
+        (:meth:`~radbo.client.Cohort.run_steps`)."""
         module, x, y, buffers = self.client_tensors(runtime, cohort)
         u = tuple(cohort.param(f"{V}:{n}") for n in y)
-        if cohort.replays(runtime):
-            # a frozen algorithm (inner_lr, estimator) and the module skeleton: the key
-            key = ("aggitd.backward", id(self), id(module))
-
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                x, y, buffers, u = state
-
-                def batch(t: int) -> torch.Tensor:
-                    return minibatches(t)[0]
-
-                done = self._backward_sweep(
-                    runtime, cohort, module, x, y, buffers, u, batch, steps, counts
-                )
-                # every client ran (and was counted for) all ``steps``: the work of one, the
-                # same every step
-                return done.carry, (done.n_grad[0] // steps, done.n_hvp[0] // steps)
-
-            draws = [("inner", self.batch_size)]
-            state = (x, y, buffers, u)
-            carry, (grads, hvps) = cohort.replay_steps(runtime, key, state, draws, run)
-            n_grad, n_hvp = (
-                [grads * n for n in cohort.num_steps],
-                [hvps * n for n in cohort.num_steps],
-            )
-        else:
-            step_data = partial(cohort.step_data, "inner")
-            done = self._backward_sweep(
-                runtime, cohort, module, x, y, buffers, u, step_data, cohort.num_steps
-            )
-            carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
+        # a frozen algorithm (inner_lr, estimator) and the module skeleton: the capture's key
+        key = ("aggitd.backward", id(self), id(module))
+        run = partial(self._backward_sweep, runtime, cohort, module)
+        draws = [("inner", self.batch_size)]
+        done = cohort.run_steps(runtime, key, (x, y, buffers, u), draws, run)
+        carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
         a, u = carry
         update = {
             **dict(zip(self.outer_names, a, strict=True)),
@@ -498,24 +457,23 @@ class AggITD(AggITDConfig, AlgorithmBase):
         runtime: ClientRuntime,
         cohort: Cohort,
         module: torch.nn.Module,
-        x: Params,
-        y: Params,
-        buffers: Params,
-        u: TensorTuple,
-        minibatch: Callable[[int], torch.Tensor],
+        state: tuple[Params, Params, Params, TensorTuple],
+        step_data: Callable[[str, int], torch.Tensor],
         steps: int | list[int],
         counts: torch.Tensor | None = None,
     ) -> LocalSteps[tuple[TensorTuple, TensorTuple]]:
-        """``steps`` local steps replayed from ``y`` (each client its number; or ``steps``
-        times, each client masked past its entry of ``counts``, a tensor on the device), step
-        t on the example indices ``minibatch(t)``, then ``u`` back-propagated through them
-        from the last step down; the carry ends as ``(a, u^0)``."""
+        """``steps`` local steps replayed from ``state = (x, y, buffers, u)``'s y (each
+        client its number; or ``steps`` times, each client masked past its entry of
+        ``counts``, a tensor on the device), step t on the example indices
+        ``step_data("inner", t)``, then ``u`` back-propagated through them from the last step
+        down; the carry ends as ``(a, u^0)``."""
+        x, y, buffers, u = state
         lead = cohort.lead
         yn = tuple(y)
         systems: list[Linearization] = []
 
         def replay(t: int, y: Params) -> tuple[Params, Work]:
-            batch = runtime.batch(minibatch(t))
+            batch = runtime.batch(step_data("inner", t))
             _, inner = cohort.bind(runtime.problem, module, buffers, batch, batch)
             system = self.estimator.linearize(inner, x, y, lead=lead, with_x=True)
             systems.append(system)

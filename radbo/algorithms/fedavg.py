@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -171,7 +172,7 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         A stacked cohort replays its steps from a CUDA graph where the runtime has
         :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
         one pure function of the trained and fixed parameters, buffers and the steps'
-        minibatches on the device (:meth:`~radbo.client.Cohort.replay_steps`); clients with
+        minibatches on the device (:meth:`~radbo.client.Cohort.run_steps`); clients with
         unequal step counts run the largest count, each masked past its own by the counts on
         the device."""
         module = cohort.module(runtime)
@@ -179,43 +180,23 @@ class FedAvg(FedAvgConfig, AlgorithmBase):
         params = cohort.params(names, clone=True)
         fixed = cohort.params([n for n in (*self.outer_names, *self.inner_names) if n not in names])
         buffers = cohort.params(self.buffer_names, clone=True)
-        steps = cohort.num_steps
-        if cohort.replays(runtime):
-            # a frozen algorithm (lr, the trained names, the loss it picks from the runtime's
-            # problem) and the module skeleton: the capture's key
-            key = ("fedavg.step", id(self), id(module))
 
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                params, fixed, buffers = state
-                # the steps set requires_grad on the parameters and update them in place
-                params = {n: t.clone() for n, t in params.items()}
-
-                def batch(t: int) -> Tensor:
-                    return minibatches(t)[0]
-
-                done = self._local_steps(
-                    runtime, cohort, module, params, fixed, buffers, batch, steps, counts
-                )
-                return done.carry
-
-            width = self.batch_size + self.outer_batch_size  # an inner and an outer minibatch
-            state = (params, fixed, buffers)
-            carry = cohort.replay_steps(runtime, key, state, [("batch", width)], run)
-            _, total, buffers, loss_value = carry
-            n_grad = steps
-        else:
-            done = self._local_steps(
-                runtime,
-                cohort,
-                module,
-                params,
-                fixed,
-                buffers,
-                lambda t: cohort.step_data("batch", t),
-                steps,
+        def run(state: Any, step_data: Any, steps: Any, counts: Any) -> LocalSteps[Any]:
+            params, fixed, buffers = state
+            if cohort.replays(runtime):  # the capture's own inputs: the steps set requires_grad
+                params = {n: t.clone() for n, t in params.items()}  # and update them in place
+            minibatch = partial(step_data, "batch")
+            return self._local_steps(
+                runtime, cohort, module, params, fixed, buffers, minibatch, steps, counts
             )
-            _, total, buffers, loss_value = done.carry
-            n_grad = done.n_grad
+
+        # a frozen algorithm (lr, the trained names, the loss it picks from the runtime's
+        # problem) and the module skeleton: the capture's key
+        key = ("fedavg.step", id(self), id(module))
+        width = self.batch_size + self.outer_batch_size  # an inner and an outer minibatch
+        done = cohort.run_steps(runtime, key, (params, fixed, buffers), [("batch", width)], run)
+        _, total, buffers, loss_value = done.carry
+        n_grad = done.n_grad
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         return cohort.replies(
             update,

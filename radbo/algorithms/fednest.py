@@ -424,36 +424,18 @@ class FedNest(FedNestConfig, AlgorithmBase):
         plain SGD otherwise (LFedInn). Returns the summed directions ``D_i`` (so that
         ``y_{i,τ} = y − β D_i``) and, with ``aggregate_buffers``, the BatchNorm statistics. A
         stacked cohort replays its steps from a CUDA graph where the runtime has them
-        (:meth:`~radbo.client.Cohort.replay_steps`)."""
+        (:meth:`~radbo.client.Cohort.run_steps`)."""
         module, x, y0, buffers = self.client_tensors(runtime, cohort)
         svrg = cohort.has(f"{Q}:{self.inner_names[0]}")
         q = {n: cohort.param(f"{Q}:{n}") for n in self.inner_names} if svrg else {}
-        if cohort.replays(runtime):
-            # a frozen algorithm (inner_lr) and the module skeleton: the capture's key (q's
-            # presence is the inputs' structure)
-            key = ("fednest.local_y", id(self), id(module))
-
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                x, y0, q, buffers = state
-
-                def batch(t: int) -> torch.Tensor:
-                    return minibatches(t)[0]
-
-                done, first = self._local_y_steps(
-                    runtime, cohort, module, x, y0, q, buffers, batch, steps, counts
-                )
-                return done.carry, first
-
-            draws = [("inner", self.batch_size)]
-            state = (x, y0, q, buffers)
-            carry, first = cohort.replay_steps(runtime, key, state, draws, run)
-            n_grad = [(2 if svrg else 1) * n for n in cohort.num_steps]
-        else:
-            step_data = partial(cohort.step_data, "inner")
-            done, first = self._local_y_steps(
-                runtime, cohort, module, x, y0, q, buffers, step_data, cohort.num_steps
-            )
-            carry, n_grad = done.carry, done.n_grad
+        # a frozen algorithm (inner_lr) and the module skeleton: the capture's key (q's
+        # presence is the inputs' structure)
+        key = ("fednest.local_y", id(self), id(module))
+        run = partial(self._local_y_steps, runtime, cohort, module)
+        draws = [("inner", self.batch_size)]
+        done = cohort.run_steps(runtime, key, (x, y0, q, buffers), draws, run)
+        carry, first = done.carry
+        n_grad = done.n_grad
         _, total, buffers = carry
         update = dict(total)
         if self.aggregate_buffers:
@@ -470,19 +452,17 @@ class FedNest(FedNestConfig, AlgorithmBase):
         runtime: ClientRuntime,
         cohort: Cohort,
         module: torch.nn.Module,
-        x: Params,
-        y0: Params,
-        q: Params,
-        buffers: Params,
-        minibatch: Callable[[int], torch.Tensor],
+        state: tuple[Params, Params, Params, Params],
+        step_data: Callable[[str, int], torch.Tensor],
         steps: int | list[int],
         counts: torch.Tensor | None = None,
-    ) -> tuple[LocalSteps[tuple[Params, Params, Params]], Any]:
-        """:meth:`run_local_y`'s steps from ``y0`` (SVRG-corrected where ``q`` is not empty;
-        each client its number of steps, or ``steps`` times, each client masked past its
-        entry of ``counts``, a tensor on the device), step t on the example indices
-        ``minibatch(t)``: the steps, whose carry ends as ``(y, D, buffers)``, and g at the
-        first step (0 without steps)."""
+    ) -> LocalSteps[tuple[tuple[Params, Params, Params], Any]]:
+        """:meth:`run_local_y`'s steps from ``state = (x, y0, q, buffers)``'s y0
+        (SVRG-corrected where ``q`` is not empty; each client its number of steps, or
+        ``steps`` times, each client masked past its entry of ``counts``, a tensor on the
+        device), step t on the example indices ``step_data("inner", t)``; the steps' carry is
+        the final ``(y, D, buffers)`` and g at the first step (0 without steps)."""
+        x, y0, q, buffers = state
         lead = cohort.lead
         svrg = bool(q)
         first: list[Any] = []  # g at the first step
@@ -490,7 +470,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
 
         def step(t: int, carry: tuple[Params, Params, Params]) -> tuple[Any, Work]:
             y, total, buffers = carry
-            batch = runtime.batch(minibatch(t))
+            batch = runtime.batch(step_data("inner", t))
             if buffers:  # BatchNorm running statistics follow the local training batches
                 with torch.no_grad():
                     cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, batch)
@@ -512,7 +492,7 @@ class FedNest(FedNestConfig, AlgorithmBase):
         total = {n: torch.zeros_like(t) for n, t in y0.items()}
         start = (y0, total, buffers)
         done = local_steps(step, start, steps, name="fednest.local_y", counts=counts)
-        return done, first[0] if first else 0.0
+        return LocalSteps((done.carry, first[0] if first else 0.0), done.n_grad, done.n_hvp)
 
     def server_local_y(self, state, results, index_sets, weights):
         """y <- y − β mean_i D_i = mean_i y_{i,τ_i}; buffers averaged; the carry is spent."""
@@ -653,33 +633,15 @@ class FedNest(FedNestConfig, AlgorithmBase):
     def run_local_x(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """SVRG-corrected local steps on x with the server's h; returns the summed directions
         ``D_i`` (``x_{i,τ} = x − α D_i``). A stacked cohort replays its steps from a CUDA
-        graph where the runtime has them (:meth:`~radbo.client.Cohort.replay_steps`)."""
+        graph where the runtime has them (:meth:`~radbo.client.Cohort.run_steps`)."""
         module, x0, y, buffers = self.client_tensors(runtime, cohort)
         h = {n: cohort.param(f"{H}:{n}") for n in self.outer_names}
-        if cohort.replays(runtime):
-            # a frozen algorithm (outer_lr) and the module skeleton: the capture's key
-            key = ("fednest.local_x", id(self), id(module))
-
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                x0, y, h, buffers = state
-
-                def batch(t: int) -> torch.Tensor:
-                    return minibatches(t)[0]
-
-                done = self._local_x_steps(
-                    runtime, cohort, module, x0, y, h, buffers, batch, steps, counts
-                )
-                return done.carry
-
-            draws = [("outer", self.outer_batch_size)]
-            carry = cohort.replay_steps(runtime, key, (x0, y, h, buffers), draws, run)
-            n_grad = [2 * n for n in cohort.num_steps]
-        else:
-            step_data = partial(cohort.step_data, "outer")
-            done = self._local_x_steps(
-                runtime, cohort, module, x0, y, h, buffers, step_data, cohort.num_steps
-            )
-            carry, n_grad = done.carry, done.n_grad
+        # a frozen algorithm (outer_lr) and the module skeleton: the capture's key
+        key = ("fednest.local_x", id(self), id(module))
+        run = partial(self._local_x_steps, runtime, cohort, module)
+        draws = [("outer", self.outer_batch_size)]
+        done = cohort.run_steps(runtime, key, (x0, y, h, buffers), draws, run)
+        carry, n_grad = done.carry, done.n_grad
         _, total = carry
         return cohort.replies(
             total,
@@ -692,23 +654,21 @@ class FedNest(FedNestConfig, AlgorithmBase):
         runtime: ClientRuntime,
         cohort: Cohort,
         module: torch.nn.Module,
-        x0: Params,
-        y: Params,
-        h: Params,
-        buffers: Params,
-        minibatch: Callable[[int], torch.Tensor],
+        state: tuple[Params, Params, Params, Params],
+        step_data: Callable[[str, int], torch.Tensor],
         steps: int | list[int],
         counts: torch.Tensor | None = None,
     ) -> LocalSteps[tuple[Params, Params]]:
-        """:meth:`run_local_x`'s steps from ``x0`` (each client its number of steps, or
-        ``steps`` times, each client masked past its entry of ``counts``, a tensor on the
-        device), step t on the example indices ``minibatch(t)``; the carry ends as ``(x,
-        D)``."""
+        """:meth:`run_local_x`'s steps from ``state = (x0, y, h, buffers)``'s x0 (each client
+        its number of steps, or ``steps`` times, each client masked past its entry of
+        ``counts``, a tensor on the device), step t on the example indices
+        ``step_data("outer", t)``; the carry ends as ``(x, D)``."""
+        x0, y, h, buffers = state
         lead = cohort.lead
 
         def step(t: int, carry: tuple[Params, Params]) -> tuple[tuple[Params, Params], Work]:
             x, total = carry
-            batch = runtime.batch(minibatch(t))
+            batch = runtime.batch(step_data("outer", t))
             outer, _ = cohort.bind(runtime.problem, module, buffers, batch, batch)
             g, _ = self._grads(outer, "outer_loss", x, y, wrt_x=True, wrt_y=False, lead=lead)
             g0, _ = self._grads(outer, "outer_loss", x0, y, wrt_x=True, wrt_y=False, lead=lead)

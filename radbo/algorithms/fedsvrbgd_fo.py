@@ -365,56 +365,37 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         buffers = cohort.params(self.buffer_names, clone=True)
         primed = self._primed(cohort.tasks[0].params)
         n_init = 0 if primed else 3
-        per_step = 3 if self.momentum == 1.0 else 6
-        steps = cohort.num_steps
-        if cohort.replays(runtime):
-            device = runtime.features.device
-            # the estimators received, or line 1's minibatches, which set them (another
-            # capture: the inputs' structure differs)
-            init_size = self.init_batch_size
-            start: Params | tuple[torch.Tensor, ...] = (
-                {k: cohort.param(k).detach() for k in self._estimator_keys()}
-                if primed
-                else tuple(
-                    cohort.data(key, (init_size or size) if runtime.pads else None).to(device)
-                    for key, size in (
-                        ("init_inner", self.batch_size),
-                        ("init_outer", self.outer_batch_size),
-                    )
-                )
-            )
-            # a frozen algorithm (step sizes, lam, momentum) and the module skeleton: the
-            # capture's key
-            key = ("fedsvrbgd.step", id(self), id(module))
-
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                x, y, z, start, buffers = state
-                est = start
-                if isinstance(start, tuple):  # not primed: line 1 first
-                    est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, start)
-                carry = (x, y, z, est, buffers)
-                return self._local_steps(
-                    runtime, cohort, module, carry, minibatches, steps, counts
-                ).carry
-
-            draws = [("inner", self.batch_size), ("outer", self.outer_batch_size)]
-            carry = cohort.replay_steps(runtime, key, (x, y, z, start, buffers), draws, run)
-            n_grad = [per_step * n for n in steps]
+        # the estimators received, or line 1's minibatches, which set them (through the
+        # graphs, another capture: the inputs' structure differs)
+        start: Params | tuple[torch.Tensor, ...]
+        if primed:
+            start = {k: cohort.param(k).detach() for k in self._estimator_keys()}
         else:
-            if primed:
-                est = {k: cohort.param(k).detach() for k in self._estimator_keys()}
-            else:
-                line1 = (cohort.data("init_inner"), cohort.data("init_outer"))
-                est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, line1)
-            done = self._local_steps(
-                runtime,
-                cohort,
-                module,
-                (x, y, z, est, buffers),
-                lambda t: (cohort.step_data("inner", t), cohort.step_data("outer", t)),
-                steps,
+            replays = cohort.replays(runtime)
+            sizes = {"init_inner": self.batch_size, "init_outer": self.outer_batch_size}
+            start = tuple(
+                cohort.data(
+                    name, (self.init_batch_size or size) if replays and runtime.pads else None
+                )
+                for name, size in sizes.items()
             )
-            carry, n_grad = done.carry, done.n_grad
+            if replays:  # the graph's inputs, on the device
+                start = tuple(t.to(runtime.features.device) for t in start)
+
+        def run(state: Any, step_data: Any, steps: Any, counts: Any) -> LocalSteps[Any]:
+            x, y, z, start, buffers = state
+            est = start
+            if isinstance(start, tuple):  # not primed: line 1 first
+                est = self._initial_estimates(runtime, cohort, module, x, y, z, buffers, start)
+            carry = (x, y, z, est, buffers)
+            return self._local_steps(runtime, cohort, module, carry, step_data, steps, counts)
+
+        # a frozen algorithm (step sizes, lam, momentum) and the module skeleton: the
+        # capture's key
+        key = ("fedsvrbgd.step", id(self), id(module))
+        draws = [("inner", self.batch_size), ("outer", self.outer_batch_size)]
+        done = cohort.run_steps(runtime, key, (x, y, z, start, buffers), draws, run)
+        carry, n_grad = done.carry, done.n_grad
         x, y, z, est, buffers, losses = carry
         update = {**x, **y, **self._keyed(Z, z), **est}
         if self.aggregate_buffers:
@@ -464,15 +445,15 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
         cohort: Cohort,
         module: torch.nn.Module,
         start: tuple[Params, Params, Params, Params, Params],
-        minibatches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        step_data: Callable[[str, int], torch.Tensor],
         steps: int | list[int],
         counts: torch.Tensor | None = None,
     ) -> LocalSteps[tuple[Any, ...]]:
         """Alg. 1's local iterations ``steps`` times from ``start = (x, y, z, estimators,
         buffers)`` (each client its number; or ``steps`` times, each client masked past its
-        entry of ``counts``, a tensor on the device), iteration t on the inner and outer
-        example indices ``minibatches(t)``; the carry ends as ``(x, y, z, estimators,
-        buffers, (f, g))``."""
+        entry of ``counts``, a tensor on the device), iteration t on the example indices
+        ``step_data("inner", t)`` and ``step_data("outer", t)``; the carry ends as ``(x, y,
+        z, estimators, buffers, (f, g))``."""
         lead = cohort.lead
         problem = runtime.problem
         lam, a = self.penalty, self.momentum
@@ -480,9 +461,8 @@ class FedSVRBGD(FedSVRBGDConfig, AlgorithmBase):
 
         def step(t: int, carry: tuple[Any, ...]) -> tuple[tuple[Any, ...], Work]:
             x, y, z, est, buffers, _ = carry
-            inner_indices, outer_indices = minibatches(t)
-            inner_batch = runtime.batch(inner_indices)
-            outer_batch = runtime.batch(outer_indices)
+            inner_batch = runtime.batch(step_data("inner", t))
+            outer_batch = runtime.batch(step_data("outer", t))
             if buffers:  # BatchNorm running statistics follow the local training batches
                 with torch.no_grad():
                     cohort.loss(problem.inner_loss, module, x, z, buffers, inner_batch)

@@ -129,35 +129,23 @@ class MAML(MAMLConfig, FedAvg):
     def run_client(self, runtime: ClientRuntime, cohort: Cohort) -> list[ClientResult]:
         """``local_steps`` meta-steps on x and y; returns the summed meta-gradients and the
         buffers. A stacked cohort replays its steps from a CUDA graph where the runtime has
-        them (:meth:`~radbo.client.Cohort.replay_steps`)."""
+        them (:meth:`~radbo.client.Cohort.run_steps`)."""
         module = cohort.module(runtime)
         params = cohort.params(self.trained_names(), clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
-        if cohort.replays(runtime):
-            # a frozen algorithm (step sizes, inner steps, order) and the module skeleton:
-            # the capture's key
-            key = ("maml.step", id(self), id(module))
+        # a frozen algorithm (step sizes, inner steps, order) and the module skeleton: the
+        # capture's key
+        key = ("maml.step", id(self), id(module))
+        draws = [("support", self.batch_size), ("query", self.outer_batch_size)]
 
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                params, buffers = state
-                done = self._meta_steps(
-                    runtime, cohort, module, params, buffers, minibatches, steps, counts
-                )
-                return done.carry
-
-            draws = [("support", self.batch_size), ("query", self.outer_batch_size)]
-            carry = cohort.replay_steps(runtime, key, (params, buffers), draws, run)
-            n_grad = [(self.inner_steps + 1) * n for n in cohort.num_steps]
-            n_hvp = [(0 if self.first_order else self.inner_steps) * n for n in cohort.num_steps]
-        else:
-
-            def episode(t: int) -> tuple[Tensor, Tensor]:
-                return cohort.step_data("support", t), cohort.step_data("query", t)
-
-            done = self._meta_steps(
-                runtime, cohort, module, params, buffers, episode, cohort.num_steps
+        def run(state: Any, step_data: Any, steps: Any, counts: Any) -> LocalSteps[Any]:
+            params, buffers = state
+            return self._meta_steps(
+                runtime, cohort, module, params, buffers, step_data, steps, counts
             )
-            carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
+
+        done = cohort.run_steps(runtime, key, (params, buffers), draws, run)
+        carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
         _, total, buffers, loss_value = carry
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         return cohort.replies(
@@ -175,14 +163,14 @@ class MAML(MAMLConfig, FedAvg):
         module: nn.Module,
         params: Params,
         buffers: Params,
-        episodes: Callable[[int], tuple[Tensor, Tensor]],
+        step_data: Callable[[str, int], Tensor],
         steps: int | list[int],
         counts: Tensor | None = None,
     ) -> LocalSteps[Any]:
         """``steps`` meta-steps from ``params`` (each client its number; or ``steps`` times,
         each client masked past its entry of ``counts``, a tensor on the device), step t on
-        the support and query example indices ``episodes(t)``; the carry ends as ``(params,
-        summed meta-gradients, buffers, query loss)``."""
+        the episode ``step_data("support", t)``, ``step_data("query", t)``; the carry ends as
+        ``(params, summed meta-gradients, buffers, query loss)``."""
         loss: Callable[..., Tensor] = runtime.problem.outer_loss
         total = {n: torch.zeros_like(t) for n, t in params.items()}
         hvps = 0 if self.first_order else self.inner_steps
@@ -190,9 +178,8 @@ class MAML(MAMLConfig, FedAvg):
 
         def step(t: int, carry: Carry) -> tuple[Carry, Work]:
             params, total, buffers, _ = carry
-            support_indices, query_indices = episodes(t)
-            support = runtime.batch(support_indices)
-            query = runtime.batch(query_indices)
+            support = runtime.batch(step_data("support", t))
+            query = runtime.batch(step_data("query", t))
             start = {n: p.detach().requires_grad_(True) for n, p in params.items()}
             # the forward passes update the BatchNorm running statistics in ``buffers``
             adapted = self.adapt(cohort, module, loss, start, buffers, support)

@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -219,47 +220,29 @@ class RABO(RABOConfig, AlgorithmBase):
         A stacked cohort replays its phase from a CUDA graph where the runtime has
         :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
         one pure function of x, y, buffers and the steps' minibatches on the device
-        (:meth:`~radbo.client.Cohort.replay_steps`); clients with unequal step counts run the
+        (:meth:`~radbo.client.Cohort.run_steps`); clients with unequal step counts run the
         largest count, each masked past its own by the counts on the device (as the eager
         loop masks them)."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names, clone=True)
         buffers = cohort.params(self.buffer_names, clone=True)
-        steps = cohort.num_steps
-        if cohort.replays(runtime):
-            # a frozen algorithm (inner_lr) and the module skeleton: the capture's key
-            key = ("rabo.inner", id(self), id(module))
 
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                x, y, buffers = state
-                y = {n: t.clone() for n, t in y.items()}  # the steps set requires_grad on y
-
-                def batch(t: int) -> torch.Tensor:
-                    return minibatches(t)[0]
-
-                done = self._inner_steps(
-                    runtime, cohort, module, x, y, buffers, batch, steps, counts
-                )
-                return done.carry
-
-            draws = [("inner", self.batch_size)]
-            carry = cohort.replay_steps(runtime, key, (x, y, buffers), draws, run)
-            _, total, buffers, loss_value = carry
-            n_grad = steps
-        else:
-            done = self._inner_steps(
-                runtime,
-                cohort,
-                module,
-                x,
-                y,
-                buffers,
-                lambda t: cohort.step_data("inner", t),
-                steps,
+        def run(state: Any, step_data: Any, steps: Any, counts: Any) -> LocalSteps[Any]:
+            x, y, buffers = state
+            if cohort.replays(runtime):  # the capture's own inputs: the steps set requires_grad
+                y = {n: t.clone() for n, t in y.items()}
+            minibatch = partial(step_data, "inner")
+            return self._inner_steps(
+                runtime, cohort, module, x, y, buffers, minibatch, steps, counts
             )
-            _, total, buffers, loss_value = done.carry
-            n_grad = done.n_grad
+
+        # a frozen algorithm (inner_lr) and the module skeleton: the capture's key
+        key = ("rabo.inner", id(self), id(module))
+        draws = [("inner", self.batch_size)]
+        done = cohort.run_steps(runtime, key, (x, y, buffers), draws, run)
+        _, total, buffers, loss_value = done.carry
+        n_grad = done.n_grad
         update = {**total, **(buffers if self.aggregate_buffers else {})}
         samples = cohort.step_samples("inner")
         return cohort.replies(update, {"inner_loss": loss_value}, n_grad=n_grad, samples=samples)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
@@ -259,42 +260,21 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         A stacked cohort replays its steps from a CUDA graph where the runtime has
         :attr:`~radbo.client.ClientRuntime.graphs` (``[runtime] cuda_graphs``): the steps as
         one pure function of x, y, v, buffers and the steps' minibatches on the device
-        (:meth:`~radbo.client.Cohort.replay_steps`); clients with unequal tau_i run the
+        (:meth:`~radbo.client.Cohort.run_steps`); clients with unequal tau_i run the
         largest, each masked past its own by the counts on the device."""
         module = cohort.module(runtime)
         x = cohort.params(self.outer_names)
         y = cohort.params(self.inner_names)
         v = {n: cohort.param(f"{V}:{n}") for n in self.inner_names}
         buffers = cohort.params(self.buffer_names, clone=True)
-        steps = cohort.num_steps
-        if cohort.replays(runtime):
-            # a frozen algorithm (step sizes, coefficient, estimator) and the module skeleton:
-            # the capture's key
-            key = ("simfbo.step", id(self), id(module))
-
-            def run(state: Any, minibatches: Any, steps: int, counts: Any) -> Any:
-                done, losses = self._local_steps(
-                    runtime, cohort, module, state, minibatches, steps, counts
-                )
-                # every client ran (and was counted for) all ``steps``: the work of one, the
-                # same every step
-                per_step = (done.n_grad[0] // steps, done.n_hvp[0] // steps)
-                return done.carry, losses, per_step
-
-            draws = [("inner", self.batch_size), ("outer", self.outer_batch_size)]
-            out = cohort.replay_steps(runtime, key, (x, y, v, buffers), draws, run)
-            carry, losses, (grads, hvps) = out
-            n_grad, n_hvp = [grads * n for n in steps], [hvps * n for n in steps]
-        else:
-            done, losses = self._local_steps(
-                runtime,
-                cohort,
-                module,
-                (x, y, v, buffers),
-                lambda t: (cohort.step_data("inner", t), cohort.step_data("outer", t)),
-                steps,
-            )
-            carry, n_grad, n_hvp = done.carry, done.n_grad, done.n_hvp
+        # a frozen algorithm (step sizes, coefficient, estimator) and the module skeleton: the
+        # capture's key
+        key = ("simfbo.step", id(self), id(module))
+        draws = [("inner", self.batch_size), ("outer", self.outer_batch_size)]
+        run = partial(self._local_steps, runtime, cohort, module)
+        done = cohort.run_steps(runtime, key, (x, y, v, buffers), draws, run)
+        carry, losses = done.carry
+        n_grad, n_hvp = done.n_grad, done.n_hvp
         x, y, v, q_x, q_y, q_v, buffers = carry
         a = self.coefficient
         taus = torch.tensor(
@@ -323,16 +303,16 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         runtime: ClientRuntime,
         cohort: Cohort,
         module: torch.nn.Module,
-        start: tuple[Params, Params, Params, Params],
-        minibatches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        start: tuple[Params, ...],
+        step_data: Callable[[str, int], torch.Tensor],
         steps: int | list[int],
         counts: torch.Tensor | None = None,
-    ) -> tuple[LocalSteps[tuple[Params, ...]], tuple[Any, Any]]:
+    ) -> LocalSteps[tuple[tuple[Params, ...], tuple[Any, Any]]]:
         """Eq. (3) ``steps`` times from ``start = (x, y, v, buffers)`` (each client its number
         of steps; or ``steps`` times, each client masked past its entry of ``counts``, a
-        tensor on the device), step t on the inner and outer example indices
-        ``minibatches(t)``. Returns the steps, whose carry ends as ``(x, y, v, q_x, q_y, q_v,
-        buffers)``, and the losses ``(g, f)`` at the first step ((0, 0) without steps)."""
+        tensor on the device), step t on the example indices ``step_data("inner", t)`` and
+        ``step_data("outer", t)``. The steps' carry is the final ``(x, y, v, q_x, q_y, q_v,
+        buffers)`` and the losses ``(g, f)`` at the first step ((0, 0) without steps)."""
         lead = cohort.lead
         x, y, v, buffers = start
         q_x = {k: torch.zeros_like(t) for k, t in x.items()}
@@ -344,9 +324,8 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
 
         def step(t: int, carry: tuple[Params, ...]) -> tuple[tuple[Params, ...], Work]:
             x, y, v, q_x, q_y, q_v, buffers = carry
-            inner_indices, outer_indices = minibatches(t)
-            inner_batch = runtime.batch(inner_indices)
-            outer_batch = runtime.batch(outer_indices)
+            inner_batch = runtime.batch(step_data("inner", t))
+            outer_batch = runtime.batch(step_data("outer", t))
             if buffers:  # BatchNorm running statistics follow the local training batches
                 with torch.no_grad():
                     cohort.loss(runtime.problem.inner_loss, module, x, y, buffers, inner_batch)
@@ -372,7 +351,8 @@ class SimFBO(SimFBOConfig, AlgorithmBase):
         # the same work every step; clients past their tau_i keep what they had
         carry: tuple[Params, ...] = (x, y, v, q_x, q_y, q_v, buffers)
         done = local_steps(step, carry, steps, name="simfbo.step", counts=counts)
-        return done, first[0] if first else (0.0, 0.0)
+        losses = first[0] if first else (0.0, 0.0)
+        return LocalSteps((done.carry, losses), done.n_grad, done.n_hvp)
 
     def local_message(self, q_x: Params, q_y: Params, q_v: Params, a_norm: Any) -> Params:
         """What a client sends: SimFBO sends the local aggregates q_i themselves (eq. (4))."""
