@@ -25,9 +25,12 @@ same at 32x32: more work per client on 1 and 6 input channels) and ``simple_cnn`
 (pfl-research's CIFAR-10 CNN on synthetic CIFAR-shaped data, from ``benchmarks/vs_pfl.py``);
 ``fedavg`` (5 local steps on every parameter) is there for the convolutional cases.
 
-The ``auto`` columns run :class:`~radbo.simulation.AutoBackend` after two warm-up rounds (its
-first group of a family runs one by one, its second measures both sides and records the faster
-one): it should read the faster of the two other columns. ``--max-group G [G ...]`` adds a
+The ``auto`` columns run :class:`~radbo.simulation.AutoBackend` after two warm-up rounds: by
+default its size rule (``--auto-choice size``: a family stacks where one client's operations
+average at most 1e6 FLOPs; the last column gives the FLOPs per operation it counted, over the
+families), or its timing (``--auto-choice timing``: the first group of a family runs one by
+one, the second measures both sides and records the faster one). It should read the faster
+of the two other columns. ``--max-group G [G ...]`` adds a
 batched side per ``G`` whose stacks hold at most ``G`` clients (``BatchedBackend(max_group=G)``:
 a cohort split in chunks), alternated with the others, as two more columns each (its round
 and its speed-up over sequential): whether smaller stacks, whose working set is smaller,
@@ -150,12 +153,14 @@ def measure(
     repeats: int,
     model: str = "mlp",
     max_groups: Sequence[int] = (),
-) -> dict[str, float]:
+    auto_choice: str = "size",
+) -> dict[str, Any]:
     exp = experiment(algorithm, num_clients, model)
     sim = exp.simulation
     work, tasks = first_phase_tasks(exp)
     cohorts = len({stack_key(t, work.prepare(sim.runtime, t)) for t in tasks})
-    seq_backend, bat_backend, auto_backend = SequentialBackend(), BatchedBackend(), AutoBackend()
+    seq_backend, bat_backend = SequentialBackend(), BatchedBackend()
+    auto_backend = AutoBackend(choose=auto_choice)  # type: ignore[arg-type]
 
     def step(backend: Any) -> object:
         sim.backend = backend
@@ -180,6 +185,7 @@ def measure(
         **{f"round_{k}": v for k, v in rounds.items()},
         "auto_stacked": sum(v == "stacked" for v in auto_backend.plan.values()),
         "auto_families": len(auto_backend.plan),
+        "auto_flops_per_op": [f / max(n, 1) for f, n in auto_backend.sizes.values()],
     }
 
 
@@ -195,6 +201,12 @@ def main() -> None:
         nargs="+",
         default=[],
         help="also batched with stacks of at most this many clients (a side per number)",
+    )
+    parser.add_argument(
+        "--auto-choice",
+        choices=["size", "timing"],
+        default="size",
+        help="how the auto side chooses (AutoBackend(choose=...); default: size)",
     )
     parser.add_argument(
         "--system-allocator",
@@ -214,21 +226,30 @@ def main() -> None:
     extra = "".join(f" stacks <= {g} (ms) | speed-up |" for g in args.max_group)
     print(
         "| model | algorithm | clients | cohorts | 1st phase seq (ms) | batched (ms) | speed-up "
-        "| round seq (ms) | batched (ms) | speed-up | auto (ms) | speed-up | auto stacked |" + extra
+        "| round seq (ms) | batched (ms) | speed-up | auto (ms) | speed-up | auto stacked "
+        "| FLOPs per operation |" + extra
     )
     print(
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         + "---:|---:|" * len(args.max_group)
     )
     for model in args.models:
         for algorithm in args.algorithms:
             for n in args.clients:
-                m = measure(algorithm, n, args.repeats, model, args.max_group)
+                m = measure(algorithm, n, args.repeats, model, args.max_group, args.auto_choice)
                 _row(model, algorithm, n, m, args.max_group)
 
 
+def _flops_per_op(values: Sequence[float]) -> str:
+    """The range of the auto side's counted FLOPs per operation (``-``: none counted)."""
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
+
+
 def _row(
-    model: str, algorithm: str, n: int, m: dict[str, float], max_groups: Sequence[int] = ()
+    model: str, algorithm: str, n: int, m: dict[str, Any], max_groups: Sequence[int] = ()
 ) -> None:
     chunks = "".join(
         f" {1e3 * m[f'round_bat{g}']:.1f} | {m['round_seq'] / m[f'round_bat{g}']:.2f}x |"
@@ -240,7 +261,8 @@ def _row(
         f"| {1e3 * m['round_seq']:.1f} | {1e3 * m['round_bat']:.1f} "
         f"| {m['round_seq'] / m['round_bat']:.2f}x | {1e3 * m['round_auto']:.1f} "
         f"| {m['round_seq'] / m['round_auto']:.2f}x "
-        f"| {m['auto_stacked']} of {m['auto_families']} |" + chunks,
+        f"| {m['auto_stacked']} of {m['auto_families']} "
+        f"| {_flops_per_op(m.get('auto_flops_per_op', []))} |" + chunks,
         flush=True,
     )
 

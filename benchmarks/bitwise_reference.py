@@ -44,13 +44,17 @@ from tests.algorithms.test_algorithm_conformance import CASES, config  # noqa: E
 UNEVEN = {"local_steps": "uniform", "local_steps_range": [1, 3]}
 
 
+def sequential(config: RunConfig, rounds: int) -> RunConfig:
+    """``config`` for ``rounds`` rounds on the sequential backend (the reference arithmetic;
+    the default ``auto`` backend stacks the demo's families)."""
+    runtime = config.runtime.model_copy(update={"backend": "sequential"})
+    return config.model_copy(update={"rounds": rounds, "runtime": runtime})
+
+
 def runs() -> Iterator[tuple[str, Callable[[], RunConfig]]]:
-    yield (
-        "demo",
-        lambda: load_config(ROOT / "examples" / "demo.toml").model_copy(update={"rounds": 3}),
-    )
+    yield "demo", lambda: sequential(load_config(ROOT / "examples" / "demo.toml"), rounds=3)
     cnn7 = {"seed": 0, "data": {"name": "digits", "image_size": 16}, "model": {"name": "cnn7"}}
-    yield "cnn7", lambda: parse_config({**cnn7, "rounds": 3})
+    yield "cnn7", lambda: parse_config({**cnn7, "rounds": 3, "runtime": {"backend": "sequential"}})
     yield (
         "cnn7-batched",
         lambda: parse_config({**cnn7, "rounds": 2, "runtime": {"backend": "batched"}}),

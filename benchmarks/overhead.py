@@ -94,9 +94,11 @@ T = TypeVar("T")
 
 
 def demo_config() -> dict[str, Any]:
-    """``examples/demo.toml`` without its baseline run (the benchmark drives rounds itself)."""
+    """``examples/demo.toml`` without its baseline run (the benchmark drives rounds itself), on
+    the sequential backend: the plain loop it is compared with runs one client at a time."""
     data = tomllib.loads(DEMO.read_text())
     data["baseline"] = {"enabled": False}
+    data["runtime"] = {"backend": "sequential"}
     return data
 
 

@@ -38,6 +38,7 @@ def main() -> None:
 
     base = load_config(args.config).model_dump()
     base["baseline"] = {**base["baseline"], "enabled": True}
+    base["runtime"]["backend"] = "sequential"  # as BENCHMARKS.md's figures were measured
     if args.baseline is not None:
         base["baseline"]["algorithm"] = args.baseline
     if args.rounds is not None:

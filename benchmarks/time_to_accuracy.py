@@ -39,6 +39,7 @@ def config_for(method: str, seed: int):
         data.pop("estimator")  # ShroFBO's own default: exact (autograd) second-order products
     data.update(seed=seed, rounds=rounds, eval_every=1)
     data["baseline"] = {"enabled": False}
+    data["runtime"]["backend"] = "sequential"  # as BENCHMARKS.md's figures were measured
     return parse_config(data)
 
 

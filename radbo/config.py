@@ -278,19 +278,23 @@ class BaselineConfig(Section):
 class RuntimeConfig(Section):
     """How the simulation runs (not what it computes).
 
-    ``backend``: ``"sequential"`` runs clients one after another; ``"batched"`` runs clients
-    whose work has the same shapes as one stacked computation (:class:`radbo.simulation.
-    BatchedBackend`; equal to the sequential backend up to float rounding); ``"processes"``
-    runs a phase's clients in parallel in ``workers`` worker processes, each with one intra-op
-    thread (:class:`radbo.simulation.ProcessBackend`; bitwise equal to the sequential backend
-    with ``threads = 1``); ``"auto"`` runs each workload family stacked or one by one, whichever
-    it measured faster the second time it met it (:class:`radbo.simulation.AutoBackend`; the
-    choice rests on a timing, so float32 results may differ between runs in the last bits,
-    which is why it is not the default). ``workers``: the processes backend's worker count
-    (default: every CPU this process may use, ``len(os.sched_getaffinity(0))``; other
-    backends ignore it). On an idle 2-core machine a steady demo round (9 clients) ran 1.5x
-    faster on 2 workers than on 1 (``benchmarks/workers.py``); with the cores busy with other
-    work it ran slower.
+    ``backend``: ``"auto"`` (the default) runs each workload family stacked or one by one
+    (:class:`radbo.simulation.AutoBackend`): on a CPU stacked where one client's operations
+    average at most a million FLOPs (the demo MLP, CNN7: rounds 1.1-5.6x faster stacked), one by
+    one where they are larger (pfl-research's CIFAR-10 CNN, whose rounds ran 0.89-0.94x as fast
+    stacked), on a GPU always stacked. The choice comes from counts of the work, not a clock
+    (``auto_choice = "size"``), so a seed gives the same results on every run; ``auto_choice =
+    "timing"`` chooses from one timing of both sides instead, which follows the machine but can
+    differ between runs. ``"sequential"`` runs clients one after another: the reference
+    arithmetic, which the processes and Flower backends equal bitwise and stacked families equal
+    to float rounding. ``"batched"`` stacks every group of clients whose work has the same
+    shapes (:class:`radbo.simulation.BatchedBackend`). ``"processes"`` runs a phase's clients in
+    parallel in ``workers`` worker processes, each with one intra-op thread
+    (:class:`radbo.simulation.ProcessBackend`; bitwise equal to the sequential backend with
+    ``threads = 1``). ``workers``: the processes backend's worker count (default: every CPU this
+    process may use, ``len(os.sched_getaffinity(0))``; other backends ignore it). On an idle
+    2-core machine a steady demo round (9 clients) ran 1.5x faster on 2 workers than on 1
+    (``benchmarks/workers.py``); with the cores busy with other work it ran slower.
     ``dtype``: the floating-point type of data, models and every client computation.
     ``threads``: torch's intra-op threads while :func:`radbo.run` runs (the caller's setting
     is restored after; with ``"processes"`` they serve this process's server-side work, each
@@ -332,11 +336,17 @@ class RuntimeConfig(Section):
     """
 
     backend: Annotated[str, BACKENDS] = Field(
-        "sequential",
-        description="a registered backend (radbo.simulation.BACKENDS) -- sequential: one client "
-        "after another; batched: clients of equal shapes stacked (equal to float rounding); "
-        "processes: worker processes (bitwise equal to sequential); auto: stacked or one by one "
-        "per workload family, whichever it measured faster",
+        "auto",
+        description="a registered backend (radbo.simulation.BACKENDS) -- auto: stacked or one "
+        "by one per workload family (auto_choice); sequential: one client after another (the "
+        "reference arithmetic); batched: clients of equal shapes stacked (equal to float "
+        "rounding); processes: worker processes (bitwise equal to sequential)",
+    )
+    auto_choice: Literal["size", "timing"] = Field(
+        "size",
+        description="how backend = 'auto' chooses: size: stacked where one client's operations "
+        "average <= 1e6 FLOPs on a CPU, always on a GPU (the same every run); timing: the "
+        "faster side of one timing (follows the machine; runs may differ)",
     )
     dtype: Literal["float32", "float64"] = Field(
         "float32", description="floating-point type of data, models and all client work"
@@ -371,6 +381,7 @@ class RuntimeConfig(Section):
         "experimental)",
     )
     dump_omits_defaults: ClassVar[tuple[str, ...]] = (
+        "auto_choice",
         "workers",
         "device",
         "memory_format",

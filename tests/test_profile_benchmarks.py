@@ -192,7 +192,8 @@ def test_the_cuda_graphs_benchmark_runs_the_caches_eager_path_on_the_cpu(algorit
 
 def test_the_batched_benchmark_adds_a_side_per_largest_stack():
     """``benchmarks/batched.py --max-group 2 3``: two more sides, batched in stacks of at most
-    2 and 3 clients, each with its round time and speed-up over sequential."""
+    2 and 3 clients, each with its round time and speed-up over sequential; the auto side (its
+    size rule) stacks every family of the MLP and prints the FLOPs per operation it counted."""
     out = run_script(
         "benchmarks/batched.py", "--models", "mlp", "--algorithms", "fedavg", "--clients", "5",
         "--repeats", "1", "--max-group", "2", "3",
@@ -201,7 +202,11 @@ def test_the_batched_benchmark_adds_a_side_per_largest_stack():
     row = re.search(r"\n\| mlp \| fedavg \| 5 \|(.*)\|\n", out)
     assert row, out
     cells = [c.strip() for c in row[1].split("|")]
-    assert len(cells) == 10 + 4 and all(c.endswith("x") for c in cells[-3::2]), cells
+    assert len(cells) == 11 + 4 and all(c.endswith("x") for c in cells[-3::2]), cells
+    stacked, families = re.fullmatch(r"(\d+) of (\d+)", cells[9]).groups()  # type: ignore[union-attr]
+    assert stacked == families != "0", cells
+    assert re.fullmatch(r"[\d,]+(-[\d,]+)?", cells[10]), cells
+    assert max(float(v.replace(",", "")) for v in cells[10].split("-")) <= 1e6, cells
 
 
 def test_the_operation_diff_lists_both_backends_side_by_side():

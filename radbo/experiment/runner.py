@@ -145,7 +145,7 @@ def run(
 
     ``backend_factory(run_config)``, when given, makes the backend that runs the client work of
     each run (the main run and its baseline; e.g. :class:`radbo.flower.FlowerBackend`) in
-    place of the simulation's default sequential backend.
+    place of the one ``[runtime] backend`` names.
 
     ``overwrite=False`` refuses (:class:`ConfigError`, before anything is built) an output
     folder that already holds a run (:func:`check_run_folder`; ``radbo run`` without

@@ -1,35 +1,49 @@
-"""The ``auto`` backend: per workload family, stacked or one by one, whichever it measured faster.
+"""The ``auto`` backend: per workload family, stacked or one by one, whichever is faster.
 
 Stacking clients (:class:`~radbo.simulation.BatchedBackend`) saves per-operation overhead: on
 one CPU thread it wins by 2.3-8.7x on the demo MLP and 1.4-3.5x on CNN7 at 10 and 50 clients
 (``benchmarks/batched.py``), but is only at par (0.91-1.05x) with FedAvg on pfl-research's
 CIFAR-10 CNN, whose operations are large enough that there is no overhead to save, and with
 RABO on it (0.96-1.00x at 10 clients, 1.03x at 50; BENCHMARKS.md, "A trim threshold is a
-cliff").
-Which side wins depends on the model, the group size and the machine, so :class:`AutoBackend`
-measures it, once per *workload family*: the client work's function,
+cliff"). :class:`AutoBackend` chooses once per *workload family*: the client work's function,
 :func:`~radbo.client.stack_key` (phase, submodel shapes, received tensors, draws) and the group
-size rounded down to a power of two.
+size rounded down to a power of two. Two ways to choose (``choose``):
 
-* The first group of a family runs one client at a time (warming both the kernels and the FLOP
-  meter, whose first count of a workload runs under the counter).
-* The second runs the group stacked and then one by one, each timed around its arithmetic
-  only (the FLOP meter is charged afterwards, outside the timings); the one-by-one results
-  are the ones used, so that round equals the sequential backend bitwise. The faster side is
-  recorded in :attr:`AutoBackend.plan`.
-* Later groups of the family run the recorded side.
+* ``"size"`` (the default, and ``[runtime] backend = "auto"``): from the size of one client's
+  operations, which does not depend on a clock. The first group of a family counts one client's
+  work once (FLOPs by :func:`radbo.flops.count_flops`, aten operations by a dispatch mode; the
+  counted run's results are discarded) and stacks the family when its operations average at most
+  ``max_flops_per_op`` FLOPs (default ``1e6`` on a CPU; on a GPU every family stacks, a choice
+  not yet measured there against one by one). What stacking saves is the per-operation overhead
+  (dispatch, autograd, a kernel launch: microseconds per operation on one CPU thread), which
+  operations of about 10^6 FLOPs and more hide. On one CPU thread one client of the demo MLP
+  averages 3-35 thousand FLOPs per operation and CNN7 on 16x16 digits 9-105 thousand, both
+  1.1-5.6x faster a round stacked at 10 and 50 clients; pfl-research's CIFAR-10 CNN averages
+  5.7-27 million, and stacked its rounds ran at 0.89x and 0.94x of one by one at 10 clients
+  (``benchmarks/batched.py``, whose last column gives the counts; BENCHMARKS.md). The counts
+  come from the work itself (its shapes, and the iterations of a solver that stops early), not
+  from a clock: a seed makes the same choices, and so the same results, on every run on a
+  machine (the same counts under PyTorch's default, AVX2 and AVX-512 kernels on the demo).
+* ``"timing"``: from a timing. The first group of a family runs one client at a time (warming
+  the kernels and the FLOP meter); the second runs the group stacked and then one by one, each
+  timed around its arithmetic only (the FLOP meter is charged afterwards, outside the
+  timings); the one-by-one results are the ones used, so that round equals the sequential
+  backend bitwise. Later groups run the faster side. This follows the machine (and its load),
+  at the price of choices, and so float32 results, that can differ between two runs of one
+  seed.
+
+The choices are recorded in :attr:`AutoBackend.plan` (with the counts in :attr:`sizes` or the
+timings in :attr:`timings`) and in the engine's checkpoint state (:meth:`state_dict`), so a
+resumed run makes the same choices as the uninterrupted one, and a plan can be given
+(``AutoBackend(plan=...)``) to repeat another run's choices exactly.
 
 **Results.** One by one is the sequential backend exactly; stacked equals it to the rounding of
 the stacked kernels (:mod:`radbo.simulation.batched`): float64 runs agree to 1e-12 relative,
-float32 runs in the last bits. Which side a family runs depends on a timing, so two float32
-runs of the same seed on different machines (or under different load) can differ in those
-bits; counts, bytes, FLOPs and the ledger never do. The plan is part of the engine's checkpoint
-state (:meth:`state_dict`), so a resumed run makes the same choices as the uninterrupted one,
-and a plan can be given (``AutoBackend(plan=...)``) to repeat another run's choices exactly.
-On a GPU each timing waits for the queued kernels (``torch.cuda.synchronize``); that path is
-written but was not run (no GPU was lent when it was built). Runs that must be bitwise
-reproducible anywhere pick ``"sequential"`` (the default) or ``"batched"`` by name, as
-``torch.backends.cudnn.benchmark`` is off by default for the same reason.
+float32 runs in the last bits; counts, bytes, FLOPs and the ledger are always the sequential
+backend's. A run that must equal the sequential backend (or the processes and Flower
+backends, which equal it) bitwise picks ``backend = "sequential"``. On a GPU each timing waits
+for the queued kernels (``torch.cuda.synchronize``); the GPU paths were written without a GPU
+to run them on.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from typing import Any, Literal
 
 import torch
 
+from radbo._torch_private import TorchDispatchMode
 from radbo.client import (
     ClientResult,
     ClientRuntime,
@@ -55,13 +70,49 @@ from radbo.cost import FlopMeter
 from radbo.simulation.backends import BACKENDS
 from radbo.simulation.batched import stack_groups
 
-__all__ = ["AutoBackend", "Side"]
+__all__ = ["AutoBackend", "Choose", "Side", "operation_size"]
 
 LOG = logging.getLogger("radbo.simulation.auto")
 
 #: How a family's groups run: stacked in one cohort, or one client at a time.
 Side = Literal["stacked", "one_by_one"]
 _SIDES: tuple[Side, ...] = ("stacked", "one_by_one")
+#: How a family's side is chosen (module doc).
+Choose = Literal["size", "timing"]
+#: ``max_flops_per_op`` on a CPU: the size of operation above which stacking saves nothing
+#: measurable (module doc; the last column of ``benchmarks/batched.py``).
+CPU_MAX_FLOPS_PER_OP = 1e6
+
+
+class _Operations(TorchDispatchMode):
+    """Counts the aten operations dispatched under it. Written by hand: ``torch.profiler``
+    counts them too, but records every event for a report; this keeps one integer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operation_size(run: Callable[[], Any]) -> tuple[int, int]:
+    """``(flops, operations)`` of ``run()``: its FLOPs as the FLOP meter counts them
+    (:func:`radbo.flops.count_flops`, every operation counted) and the aten operations it
+    dispatches. Both come from the work itself, not from a clock. ``run`` must be pure:
+    its results are discarded, and it may run twice (``count_flops``'s fallback)."""
+    from radbo.flops import count_flops
+
+    operations = _Operations()
+
+    def counted() -> None:
+        operations.count = 0
+        with operations:
+            run()
+
+    flops = count_flops(counted, reuse=False, check=False)
+    return flops, operations.count
 
 
 def _bucket(size: int) -> int:
@@ -72,29 +123,44 @@ def _bucket(size: int) -> int:
 @BACKENDS.register("auto")
 @dataclass
 class AutoBackend:
-    """Runs each workload family stacked or one by one, from a timing made once (module doc).
+    """Runs each workload family stacked or one by one, as it chose once (module doc).
 
     Args:
+        choose: ``"size"`` (default): from the FLOPs per operation of one client's work;
+            ``"timing"``: from one timing of both sides.
+        max_flops_per_op: with ``"size"``, families whose operations average at most this
+            many FLOPs are stacked (``None``: ``1e6`` on a CPU, every family on a GPU).
         plan: family -> ``"stacked"`` or ``"one_by_one"``, chosen so far (or given, to repeat
             another run's choices; :meth:`state_dict` holds it).
-        timings: family -> ``(stacked_s, one_by_one_s)`` as measured (seconds of arithmetic).
+        timings: family -> ``(stacked_s, one_by_one_s)`` as measured (``"timing"``; seconds
+            of arithmetic).
+        sizes: family -> ``(flops, operations)`` of one client's work as counted
+            (``"size"``; :func:`operation_size`).
         min_group: groups smaller than this always run one client at a time (default 2).
         clock: the timer (``time.perf_counter``; a test passes its own).
     """
 
+    choose: Choose = "size"
+    max_flops_per_op: float | None = None
     plan: dict[str, Side] = field(default_factory=dict)
     timings: dict[str, tuple[float, float]] = field(default_factory=dict)
+    sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     min_group: int = 2
     clock: Callable[[], float] = time.perf_counter
     _seen: set[str] = field(default_factory=set, init=False, repr=False)
 
     @classmethod
     def from_runtime(cls, runtime: Any) -> AutoBackend:
-        return cls()
+        return cls(choose=getattr(runtime, "auto_choice", "size"))
 
     def __post_init__(self) -> None:
         if self.min_group < 2:
             raise ValueError(f"AutoBackend.min_group must be >= 2, got {self.min_group}")
+        if self.choose not in ("size", "timing"):
+            raise ValueError(f"AutoBackend.choose is 'size' or 'timing', got {self.choose!r}")
+        limit = self.max_flops_per_op
+        if limit is not None and not limit >= 0:
+            raise ValueError(f"AutoBackend.max_flops_per_op must be >= 0, got {limit}")
         self._check_plan(self.plan)
 
     @staticmethod
@@ -149,6 +215,9 @@ class AutoBackend:
             return work.run(runtime, Cohort.stack(tasks, prepared))
         if side == "one_by_one":
             return _one_by_one(work, runtime, tasks, prepared)
+        if self.choose == "size":
+            self.plan[family] = self._by_size(family, work, runtime, tasks[0], prepared[0])
+            return self._group(work, runtime, key, tasks, prepared)
         if family not in self._seen:  # warm-up: kernels, caches, the meter's first count
             self._seen.add(family)
             return _one_by_one(work, runtime, tasks, prepared)
@@ -169,6 +238,33 @@ class AutoBackend:
         )
         return results
 
+    def _by_size(
+        self,
+        family: str,
+        work: ClientWork,
+        runtime: ClientRuntime,
+        task: ClientTask,
+        prepared: Prepared,
+    ) -> Side:
+        """The side of ``family`` from the size of ``task``'s operations (module doc)."""
+        limit = self.max_flops_per_op
+        if limit is None:
+            if runtime.features.device.type != "cpu":
+                LOG.info("auto backend: %s: on %s -> stacked", family, runtime.features.device)
+                return "stacked"
+            limit = CPU_MAX_FLOPS_PER_OP
+        flops, operations = operation_size(lambda: work.run(runtime, Cohort.single(task, prepared)))
+        self.sizes[family] = (flops, operations)
+        side: Side = "stacked" if flops <= limit * max(operations, 1) else "one_by_one"
+        LOG.info(
+            "auto backend: %s: %d FLOPs in %d operations per client -> %s",
+            family,
+            flops,
+            operations,
+            side,
+        )
+        return side
+
     def _now(self) -> float:
         """The clock, once the GPU (if one is in use) has finished what was queued: CUDA
         kernels run asynchronously, so a timing that does not wait measures their launches."""
@@ -181,22 +277,40 @@ class AutoBackend:
         return {
             "plan": dict(self.plan),
             "timings": {k: list(v) for k, v in self.timings.items()},
+            "sizes": {k: list(v) for k, v in self.sizes.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (``ValueError`` when it is not one)."""
         plan = state.get("plan") if isinstance(state, Mapping) else None
         timings = state.get("timings", {}) if isinstance(state, Mapping) else None
+        sizes = state.get("sizes", {}) if isinstance(state, Mapping) else None
+        bad = "an auto backend state holds a 'plan', 'timings' and 'sizes' mapping"
         if not isinstance(plan, Mapping) or not isinstance(timings, Mapping):
-            raise ValueError("an auto backend state holds a 'plan' and 'timings' mapping")
+            raise ValueError(bad)
+        if not isinstance(sizes, Mapping):
+            raise ValueError(bad)
         self._check_plan(plan)
         try:
             times = {str(k): (float(v[0]), float(v[1])) for k, v in timings.items()}
         except (TypeError, ValueError, IndexError) as exc:
             message = f"an auto backend state's timings are pairs of seconds: {exc}"
             raise ValueError(message) from None
+        try:
+            counts = {str(k): (_count(v[0]), _count(v[1])) for k, v in sizes.items()}
+        except (TypeError, ValueError, IndexError) as exc:
+            message = f"an auto backend state's sizes are pairs of counts: {exc}"
+            raise ValueError(message) from None
         self.plan = dict(plan)
         self.timings = times
+        self.sizes = counts
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer from JSON (``ValueError`` otherwise; booleans refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return value
 
 
 def _one_by_one(

@@ -183,7 +183,8 @@ class Simulation(Generic[State]):
         budgets: one :class:`ClientBudget` per client.
         shapes: full-model shape of every tensor (x, y and buffers).
         masks: the mask assigner, or ``None`` for full models everywhere.
-        backend: runs the client functions (default: sequential).
+        backend: runs the client functions (default: sequential; a config's runs take
+            ``[runtime] backend``, ``"auto"`` by default).
         seed: run seed; every random choice derives from it.
         clients_per_round: how many available clients are sampled (without replacement) per
             round (default: all available).

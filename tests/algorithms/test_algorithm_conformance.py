@@ -38,7 +38,7 @@ from radbo.config import RunConfig, parse_config
 from radbo.experiment import build, run
 from radbo.masks import LeadingPolicy, StructurePlan
 from radbo.masks.assigner import SubmodelAssigner
-from radbo.simulation import BatchedBackend
+from radbo.simulation import AutoBackend, BatchedBackend
 from tests.helpers import Recorder, assert_same_state, state_tensors, unclocked_rows
 
 BASE: dict[str, Any] = {
@@ -49,7 +49,8 @@ BASE: dict[str, Any] = {
     "model": {"name": "mlp", "hidden": [16]},
     "fleet": {"num_clients": 4, "capacities": [1.0, 0.5]},
     "mask": {"policy": "importance"},
-    "runtime": {"dtype": "float64"},
+    # the reference arithmetic (the default "auto" stacks small models' families)
+    "runtime": {"dtype": "float64", "backend": "sequential"},
 }
 FULL_MODEL = {"mask": {"policy": "none"}, "fleet": {"num_clients": 4, "capacities": [1.0]}}
 
@@ -406,6 +407,25 @@ def test_batched_backend_equals_sequential(case: str) -> None:
             else:
                 assert torch.equal(ta[k], tb[k]), k
         assert ra.ledger == rb.ledger
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_default_auto_backend_stacks_small_work_as_the_batched_backend(case: str) -> None:
+    """Every algorithm and estimator under ``[runtime] backend = "auto"`` (the default): the
+    MLP's operations are small, so every family it meets is stacked after one client's work
+    is counted, and the run is the batched backend's bit for bit (float64 states, ledger,
+    metrics): counting a client's work changes nothing the run computes."""
+    cfg = config(case, fleet={**config(case).fleet.model_dump(), "num_clients": 4})
+    auto_cfg = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"backend": "auto"})}
+    )
+    exp = build(auto_cfg)
+    backend = exp.simulation.backend
+    assert isinstance(backend, AutoBackend) and backend.choose == "size"
+    auto = list(exp.simulation.iterate(exp.initial_state, auto_cfg.rounds))
+    assert_bitwise(trajectory(cfg, backend=BatchedBackend()), auto)
+    assert set(backend.plan.values()) == {"stacked"}, backend.plan
+    assert backend.sizes.keys() == backend.plan.keys()
 
 
 @pytest.mark.parametrize("case", CASES)

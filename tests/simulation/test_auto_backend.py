@@ -1,17 +1,25 @@
-"""AutoBackend: each workload family runs stacked or one by one, from a timing made once.
+"""AutoBackend: each workload family runs stacked or one by one, as it chose once.
 
-A fake clock decides the timing, so the tests are exact: the first group of a family warms up
-one by one, the second is measured (stacked, then one by one; the one-by-one results are used),
-later ones run the recorded side. One by one is the sequential backend bitwise; stacked agrees
-with it to float64 rounding (``tests/simulation/test_batched.py`` states the bound).
+``choose = "size"`` (the default): from one client's FLOPs per aten operation, counted once per
+family; no clock is read, so the choices and the results are the same on every run.
+``choose = "timing"``: a fake clock decides the timing, so the tests are exact: the first group
+of a family warms up one by one, the second is measured (stacked, then one by one; the
+one-by-one results are used), later ones run the recorded side. One by one is the sequential
+backend bitwise; stacked is the batched backend bitwise, and agrees with sequential to float64
+rounding (``tests/simulation/test_batched.py`` states the bound).
 """
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from radbo.config import RuntimeConfig
 from radbo.experiment import build
-from radbo.simulation import AutoBackend
+from radbo.simulation import AutoBackend, BatchedBackend
+from radbo.simulation.auto import CPU_MAX_FLOPS_PER_OP, operation_size
 from tests.configs import small_config
 from tests.helpers import assert_same_state
 from tests.simulation.test_batched import (  # the fixture ``cohorts`` spies on Cohort.stack
@@ -44,7 +52,7 @@ def test_a_family_measured_faster_one_by_one_is_the_sequential_run_bitwise(cohor
     """float32, so any stacked kernel would show in the bits: none is used after round 1."""
     overrides = dict(rounds=3)
     seq = trajectory(overrides)
-    backend = AutoBackend(clock=ticking(stacked=2.0, single=1.0))
+    backend = AutoBackend(choose="timing", clock=ticking(stacked=2.0, single=1.0))
     auto = trajectory(overrides, backend)
     for (sa, ra), (sb, rb) in zip(seq, auto, strict=True):
         assert_same_state(sa, sb)
@@ -57,7 +65,7 @@ def test_a_family_measured_faster_one_by_one_is_the_sequential_run_bitwise(cohor
 
 def test_a_family_measured_faster_stacked_runs_stacked_from_then_on(cohorts):
     seq = trajectory(FULL)
-    backend = AutoBackend(clock=ticking(stacked=1.0, single=2.0))
+    backend = AutoBackend(choose="timing", clock=ticking(stacked=1.0, single=2.0))
     auto = trajectory(FULL, backend)
     assert set(backend.plan.values()) == {"stacked"}
     # round 0 warms up, round 1 measures (one stacked run per family, results one by one)
@@ -69,7 +77,7 @@ def test_a_family_measured_faster_stacked_runs_stacked_from_then_on(cohorts):
 
 
 def test_a_given_plan_is_followed_without_measuring(cohorts):
-    first = AutoBackend(clock=ticking(stacked=1.0, single=2.0))
+    first = AutoBackend(choose="timing", clock=ticking(stacked=1.0, single=2.0))
     trajectory(FULL, first)
     calls: list[float] = []
 
@@ -77,7 +85,7 @@ def test_a_given_plan_is_followed_without_measuring(cohorts):
         calls.append(0.0)
         return 0.0
 
-    again = AutoBackend(plan=dict(first.plan), clock=clock)
+    again = AutoBackend(choose="timing", plan=dict(first.plan), clock=clock)
     cohorts.clear()
     trajectory(FULL, again)
     assert calls == [] and again.plan == first.plan
@@ -85,30 +93,39 @@ def test_a_given_plan_is_followed_without_measuring(cohorts):
 
 
 def test_groups_smaller_than_min_group_run_one_by_one_and_are_not_measured(cohorts):
-    backend = AutoBackend(min_group=1000, clock=ticking(stacked=1.0, single=2.0))
+    backend = AutoBackend(choose="timing", min_group=1000, clock=ticking(stacked=1.0, single=2.0))
     trajectory(FULL, backend)
     assert backend.plan == {} and cohorts == []
 
 
-def test_the_plan_is_in_the_engine_state_and_restored():
+@pytest.mark.parametrize("choose", ["timing", "size"])
+def test_the_plan_is_in_the_engine_state_and_restored(choose):
+    """With the timings or the counts it was made from (3 rounds: the timing measures in
+    round 1)."""
     exp = build(small_config(**FULL))
-    exp.simulation.backend = AutoBackend(clock=ticking(stacked=1.0, single=2.0))
+    clock = ticking(stacked=1.0, single=2.0)
+    exp.simulation.backend = AutoBackend(choose=choose, clock=clock)
     list(exp.simulation.iterate(exp.initial_state, 3))
     tensors, data = exp.simulation.state_dict()
     assert data["backend"]["plan"] == exp.simulation.backend.plan
     fresh = build(small_config(**FULL))
     fresh.simulation.backend = AutoBackend()
     fresh.simulation.load_state_dict(tensors, data)
-    assert fresh.simulation.backend.plan == exp.simulation.backend.plan
-    assert fresh.simulation.backend.timings == exp.simulation.backend.timings
+    saved, restored = exp.simulation.backend, fresh.simulation.backend
+    assert restored.plan == saved.plan and saved.plan
+    assert (restored.timings, restored.sizes) == (saved.timings, saved.sizes)
+    assert bool(saved.sizes) == (choose == "size") != bool(saved.timings)
 
 
 @pytest.mark.parametrize(
     "state, message",
     [
         ({"plan": {"f": "sideways"}, "timings": {}}, "'stacked' or 'one_by_one'"),
-        ({"plan": [], "timings": {}}, "a 'plan' and 'timings' mapping"),
+        ({"plan": [], "timings": {}}, "a 'plan', 'timings' and 'sizes' mapping"),
         ({"plan": {}, "timings": {"f": [1.0]}}, "pairs of seconds"),
+        ({"plan": {}, "sizes": {"f": [1.5, 2]}}, "pairs of counts"),
+        ({"plan": {}, "sizes": {"f": [True, 2]}}, "pairs of counts"),
+        ({"plan": {}, "sizes": []}, "'sizes' mapping"),
     ],
 )
 def test_a_bad_saved_state_is_refused_and_leaves_the_engine_as_it_was(state, message):
@@ -123,6 +140,10 @@ def test_a_bad_saved_state_is_refused_and_leaves_the_engine_as_it_was(state, mes
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="min_group must be >= 2"):
         AutoBackend(min_group=1)
+    with pytest.raises(ValueError, match="'size' or 'timing'"):
+        AutoBackend(choose="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_flops_per_op must be >= 0"):
+        AutoBackend(max_flops_per_op=float("nan"))
     with pytest.raises(ValueError, match="'stacked' or 'one_by_one'"):
         AutoBackend(plan={"f": "both"})  # type: ignore[dict-item]
 
@@ -130,6 +151,92 @@ def test_settings_are_checked():
 def test_auto_backend_from_the_config():
     exp = build(small_config(rounds=1, runtime={"backend": "auto"}))
     assert isinstance(exp.simulation.backend, AutoBackend)
+    assert exp.simulation.backend.choose == "size"
+    exp = build(small_config(rounds=1, runtime={"backend": "auto", "auto_choice": "timing"}))
+    assert exp.simulation.backend.choose == "timing"
+
+
+def test_auto_sized_is_the_default_backend():
+    assert RuntimeConfig().backend == "auto" and RuntimeConfig().auto_choice == "size"
+
+
+# -- choose = "size" --------------------------------------------------------------------------
+
+
+def test_operation_size_counts_flops_and_operations_exactly():
+    a, b = torch.ones(4, 3), torch.ones(3, 5)
+    # one matrix product (2 * 4 * 3 * 5 FLOPs), then relu and sum: no FLOPs, one operation each
+    assert operation_size(lambda: (a @ b).relu().sum()) == (120, 3)
+    assert operation_size(lambda: a + 1) == (0, 1)
+
+
+def test_small_operations_stack_every_family_bitwise_as_the_batched_backend(cohorts):
+    """The demo MLP (float32, full models): every family averages far below 1e6 FLOPs per
+    operation, so each is stacked from its first group on, and the run is the batched
+    backend's bitwise; no clock is read."""
+    overrides = dict(rounds=3, fleet={"capacities": [1.0]}, mask={"policy": "none"})
+    batched = trajectory(overrides, BatchedBackend())
+    stacked_by_batched = len(cohorts)
+    cohorts.clear()
+
+    def clock() -> float:
+        raise AssertionError("the size rule reads no clock")
+
+    backend = AutoBackend(clock=clock)
+    auto = trajectory(overrides, backend)
+    for (sa, ra), (sb, rb) in zip(batched, auto, strict=True):
+        assert_same_state(sa, sb)
+        assert ra.ledger == rb.ledger
+    assert backend.plan and set(backend.plan.values()) == {"stacked"}
+    assert backend.sizes.keys() == backend.plan.keys() and backend.timings == {}
+    for flops, operations in backend.sizes.values():
+        assert 0 < flops <= CPU_MAX_FLOPS_PER_OP * operations
+    assert len(cohorts) == stacked_by_batched
+
+
+def test_large_operations_run_one_by_one_bitwise_as_the_sequential_backend(cohorts):
+    """With the limit below every family's FLOPs per operation each runs one by one: the
+    sequential backend bitwise (float32), no stacked cohort."""
+    sequential = trajectory(dict(rounds=3))
+    backend = AutoBackend(max_flops_per_op=1.0)
+    auto = trajectory(dict(rounds=3), backend)
+    for (sa, ra), (sb, rb) in zip(sequential, auto, strict=True):
+        assert_same_state(sa, sb)
+        assert ra.ledger == rb.ledger
+    assert backend.plan and set(backend.plan.values()) == {"one_by_one"}
+    assert cohorts == []
+
+
+def test_the_limit_is_inclusive_and_the_choice_is_the_same_every_run():
+    """A family exactly at the limit stacks, one FLOP per operation below it does not; two
+    runs with one limit make the same plan from the same counts."""
+    first = AutoBackend()
+    trajectory(FULL, first)
+    again = AutoBackend()
+    trajectory(FULL, again)
+    assert again.plan == first.plan and again.sizes == first.sizes
+    family, (flops, operations) = next(iter(first.sizes.items()))
+    at = AutoBackend(max_flops_per_op=flops / operations)
+    trajectory(FULL, at)
+    assert at.plan[family] == "stacked"
+    below = AutoBackend(max_flops_per_op=(flops - 1) / operations)
+    trajectory(FULL, below)
+    assert below.plan[family] == "one_by_one"
+
+
+def test_on_a_gpu_every_family_stacks_without_counting(monkeypatch):
+    """Off the CPU the rule stacks at once: the family's work is not run to be counted (a
+    runtime on the ``meta`` device stands in for a GPU's)."""
+    import radbo.simulation.auto as auto
+
+    def no_count(run):
+        raise AssertionError("counted on a GPU")
+
+    monkeypatch.setattr(auto, "operation_size", no_count)
+    backend = AutoBackend()
+    runtime = SimpleNamespace(features=torch.empty(0, device="meta"))
+    side = backend._by_size("f", None, runtime, None, None)  # type: ignore[arg-type]
+    assert side == "stacked" and backend.sizes == {}
 
 
 def test_family_names_bucket_the_group_size():
