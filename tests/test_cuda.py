@@ -40,8 +40,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
 def _config(device: str, **overrides: Any):
-    """The demo config for 2 rounds in float64 on ``device``; an override of None removes the
-    section, and ``[mask] policy = "none"`` drops the per-tier capacities."""
+    """The demo config for 2 rounds in float64 on ``device``, on the sequential backend unless
+    ``runtime`` names another; an override of None removes the section, and ``[mask] policy =
+    "none"`` drops the per-tier capacities."""
     data = demo_dict()
     data.update(rounds=2, eval_every=2, baseline={"enabled": False})
     for key, value in overrides.items():
@@ -51,7 +52,8 @@ def _config(device: str, **overrides: Any):
             data[key] = value
     if data.get("mask", {}).get("policy") == "none":
         data["fleet"].pop("capacities", None)
-    data["runtime"] = {**data.get("runtime", {}), "dtype": "float64", "device": device}
+    runtime = {"backend": "sequential", **data.get("runtime", {})}
+    data["runtime"] = {**runtime, "dtype": "float64", "device": device}
     return parse_config(data)
 
 
