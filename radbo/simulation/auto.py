@@ -67,6 +67,7 @@ from radbo.client import (
     run_measured,
 )
 from radbo.cost import FlopMeter
+from radbo.schema import is_count, short
 from radbo.simulation.backends import BACKENDS
 from radbo.simulation.batched import stack_groups
 
@@ -151,7 +152,7 @@ class AutoBackend:
 
     @classmethod
     def from_runtime(cls, runtime: Any) -> AutoBackend:
-        return cls(choose=getattr(runtime, "auto_choice", "size"))
+        return cls(choose=runtime.auto_choice)
 
     def __post_init__(self) -> None:
         if self.min_group < 2:
@@ -211,13 +212,12 @@ class AutoBackend:
             return _one_by_one(work, runtime, tasks, prepared)
         family = self.family(work, key, len(tasks))
         side = self.plan.get(family)
+        if side is None and self.choose == "size":
+            side = self.plan[family] = self._by_size(family, work, runtime, tasks[0], prepared[0])
         if side == "stacked":
             return work.run(runtime, Cohort.stack(tasks, prepared))
         if side == "one_by_one":
             return _one_by_one(work, runtime, tasks, prepared)
-        if self.choose == "size":
-            self.plan[family] = self._by_size(family, work, runtime, tasks[0], prepared[0])
-            return self._group(work, runtime, key, tasks, prepared)
         if family not in self._seen:  # warm-up: kernels, caches, the meter's first count
             self._seen.add(family)
             return _one_by_one(work, runtime, tasks, prepared)
@@ -285,32 +285,26 @@ class AutoBackend:
         plan = state.get("plan") if isinstance(state, Mapping) else None
         timings = state.get("timings", {}) if isinstance(state, Mapping) else None
         sizes = state.get("sizes", {}) if isinstance(state, Mapping) else None
-        bad = "an auto backend state holds a 'plan', 'timings' and 'sizes' mapping"
-        if not isinstance(plan, Mapping) or not isinstance(timings, Mapping):
-            raise ValueError(bad)
-        if not isinstance(sizes, Mapping):
-            raise ValueError(bad)
+        if (
+            not isinstance(plan, Mapping)
+            or not isinstance(timings, Mapping)
+            or not isinstance(sizes, Mapping)
+        ):
+            raise ValueError("an auto backend state holds a 'plan', 'timings' and 'sizes' mapping")
         self._check_plan(plan)
         try:
             times = {str(k): (float(v[0]), float(v[1])) for k, v in timings.items()}
         except (TypeError, ValueError, IndexError) as exc:
             message = f"an auto backend state's timings are pairs of seconds: {exc}"
             raise ValueError(message) from None
-        try:
-            counts = {str(k): (_count(v[0]), _count(v[1])) for k, v in sizes.items()}
-        except (TypeError, ValueError, IndexError) as exc:
-            message = f"an auto backend state's sizes are pairs of counts: {exc}"
-            raise ValueError(message) from None
+        counts: dict[str, tuple[int, int]] = {}
+        for k, v in sizes.items():
+            if not (isinstance(v, list | tuple) and len(v) == 2 and all(map(is_count, v))):
+                raise ValueError(f"an auto backend state's sizes are pairs of counts: {short(v)}")
+            counts[str(k)] = (v[0], v[1])
         self.plan = dict(plan)
         self.timings = times
         self.sizes = counts
-
-
-def _count(value: Any) -> int:
-    """A non-negative integer from JSON (``ValueError`` otherwise; booleans refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a count")
-    return value
 
 
 def _one_by_one(

@@ -415,14 +415,12 @@ def test_the_default_auto_backend_stacks_small_work_as_the_batched_backend(case:
     MLP's operations are small, so every family it meets is stacked after one client's work
     is counted, and the run is the batched backend's bit for bit (float64 states, ledger,
     metrics): counting a client's work changes nothing the run computes."""
-    cfg = config(case, fleet={**config(case).fleet.model_dump(), "num_clients": 4})
-    auto_cfg = cfg.model_copy(
-        update={"runtime": cfg.runtime.model_copy(update={"backend": "auto"})}
-    )
-    exp = build(auto_cfg)
+    fleet = {**config(case).fleet.model_dump(), "num_clients": 4}
+    cfg = config(case, fleet=fleet)
+    exp = build(config(case, fleet=fleet, runtime={"dtype": "float64"}))  # the default backend
     backend = exp.simulation.backend
     assert isinstance(backend, AutoBackend) and backend.choose == "size"
-    auto = list(exp.simulation.iterate(exp.initial_state, auto_cfg.rounds))
+    auto = list(exp.simulation.iterate(exp.initial_state, cfg.rounds))
     assert_bitwise(trajectory(cfg, backend=BatchedBackend()), auto)
     assert set(backend.plan.values()) == {"stacked"}, backend.plan
     assert backend.sizes.keys() == backend.plan.keys()
