@@ -10,7 +10,8 @@ cliff"). :class:`AutoBackend` chooses once per *workload family*: the client wor
 size rounded down to a power of two. Two ways to choose (``choose``):
 
 * ``"size"`` (the default, and ``[runtime] backend = "auto"``): from the size of one client's
-  operations, which does not depend on a clock. The first group of a family counts one client's
+  operations, which does not depend on a clock. The first group of a client work (a family
+  without its group size: one client's operations do not depend on it) counts one client's
   work once (FLOPs by :func:`radbo.flops.count_flops`, aten operations by a dispatch mode; the
   counted run's results are discarded) and stacks the family when its operations average at most
   ``max_flops_per_op`` FLOPs (default ``1e6`` on a CPU; on a GPU every family stacks, a choice
@@ -135,8 +136,9 @@ class AutoBackend:
             another run's choices; :meth:`state_dict` holds it).
         timings: family -> ``(stacked_s, one_by_one_s)`` as measured (``"timing"``; seconds
             of arithmetic).
-        sizes: family -> ``(flops, operations)`` of one client's work as counted
-            (``"size"``; :func:`operation_size`).
+        sizes: work -> ``(flops, operations)`` of one client's work as counted
+            (``"size"``; :func:`operation_size`), once per work whatever the group size
+            (:meth:`work_kind`: the family's name without its group size).
         min_group: groups smaller than this always run one client at a time (default 2).
         clock: the timer (``time.perf_counter``; a test passes its own).
     """
@@ -174,11 +176,18 @@ class AutoBackend:
             )
 
     @staticmethod
-    def family(work: ClientWork, key: Hashable, size: int) -> str:
-        """The name of the family of a group of ``size`` tasks sharing ``key``."""
+    def work_kind(work: ClientWork, key: Hashable) -> str:
+        """The name of the work of a group of tasks sharing ``key``, whatever its size: the
+        key of :attr:`sizes` (one client's operations do not depend on the group size)."""
         run = work.run
         name = getattr(run, "__qualname__", None) or type(run).__qualname__
-        return f"{name} {key!r} x{_bucket(size)}"
+        return f"{name} {key!r}"
+
+    @classmethod
+    def family(cls, work: ClientWork, key: Hashable, size: int) -> str:
+        """The name of the family of a group of ``size`` tasks sharing ``key``: the key of
+        :attr:`plan` and :attr:`timings` (a timing depends on the group size)."""
+        return f"{cls.work_kind(work, key)} x{_bucket(size)}"
 
     def run(
         self,
@@ -213,7 +222,8 @@ class AutoBackend:
         family = self.family(work, key, len(tasks))
         side = self.plan.get(family)
         if side is None and self.choose == "size":
-            side = self.plan[family] = self._by_size(family, work, runtime, tasks[0], prepared[0])
+            kind = self.work_kind(work, key)
+            side = self.plan[family] = self._by_size(kind, work, runtime, tasks[0], prepared[0])
         if side == "stacked":
             return work.run(runtime, Cohort.stack(tasks, prepared))
         if side == "one_by_one":
@@ -240,25 +250,30 @@ class AutoBackend:
 
     def _by_size(
         self,
-        family: str,
+        kind: str,
         work: ClientWork,
         runtime: ClientRuntime,
         task: ClientTask,
         prepared: Prepared,
     ) -> Side:
-        """The side of ``family`` from the size of ``task``'s operations (module doc)."""
+        """The side of the work ``kind`` from the size of one client's operations (module
+        doc): ``task``'s, counted the first time the work is met, whatever the group size, and
+        taken from :attr:`sizes` after (groups of other sizes, a resumed run)."""
         limit = self.max_flops_per_op
         if limit is None:
             if runtime.features.device.type != "cpu":
-                LOG.info("auto backend: %s: on %s -> stacked", family, runtime.features.device)
+                LOG.info("auto backend: %s: on %s -> stacked", kind, runtime.features.device)
                 return "stacked"
             limit = CPU_MAX_FLOPS_PER_OP
-        flops, operations = operation_size(lambda: work.run(runtime, Cohort.single(task, prepared)))
-        self.sizes[family] = (flops, operations)
+        if kind not in self.sizes:
+            self.sizes[kind] = operation_size(
+                lambda: work.run(runtime, Cohort.single(task, prepared))
+            )
+        flops, operations = self.sizes[kind]
         side: Side = "stacked" if flops <= limit * max(operations, 1) else "one_by_one"
         LOG.info(
             "auto backend: %s: %d FLOPs in %d operations per client -> %s",
-            family,
+            kind,
             flops,
             operations,
             side,
@@ -281,7 +296,10 @@ class AutoBackend:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (``ValueError`` when it is not one)."""
+        """Restore :meth:`state_dict` output (``ValueError`` when it is not one). A state
+        saved before :attr:`sizes` was kept per work (its keys are families, with the group
+        size) loads too: its plan is followed, and a work met in a new group size is counted
+        again, as that version did."""
         plan = state.get("plan") if isinstance(state, Mapping) else None
         timings = state.get("timings", {}) if isinstance(state, Mapping) else None
         sizes = state.get("sizes", {}) if isinstance(state, Mapping) else None

@@ -32,6 +32,11 @@ from tests.simulation.test_batched import (  # the fixture ``cohorts`` spies on 
 __all__ = ["cohorts"]
 
 
+def kind(family: str) -> str:
+    """The work of a family: its name without the group size (``AutoBackend.work_kind``)."""
+    return family.rsplit(" x", 1)[0]
+
+
 def ticking(stacked: float, single: float):
     """A clock under which every measured stacked run takes ``stacked`` seconds and every
     one-by-one run ``single`` (the backend reads it at start, middle and end)."""
@@ -189,7 +194,7 @@ def test_small_operations_stack_every_family_bitwise_as_the_batched_backend(coho
         assert_same_state(sa, sb)
         assert ra.ledger == rb.ledger
     assert backend.plan and set(backend.plan.values()) == {"stacked"}
-    assert backend.sizes.keys() == backend.plan.keys() and backend.timings == {}
+    assert backend.sizes.keys() == {kind(f) for f in backend.plan} and backend.timings == {}
     for flops, operations in backend.sizes.values():
         assert 0 < flops <= CPU_MAX_FLOPS_PER_OP * operations
     assert len(cohorts) == stacked_by_batched
@@ -216,13 +221,37 @@ def test_the_limit_is_inclusive_and_the_choice_is_the_same_every_run():
     again = AutoBackend()
     trajectory(FULL, again)
     assert again.plan == first.plan and again.sizes == first.sizes
-    family, (flops, operations) = next(iter(first.sizes.items()))
+    work, (flops, operations) = next(iter(first.sizes.items()))
+    family = next(f for f in first.plan if kind(f) == work)
     at = AutoBackend(max_flops_per_op=flops / operations)
     trajectory(FULL, at)
     assert at.plan[family] == "stacked"
     below = AutoBackend(max_flops_per_op=(flops - 1) / operations)
     trajectory(FULL, below)
     assert below.plan[family] == "one_by_one"
+
+
+def test_a_work_is_counted_once_whatever_its_group_sizes(monkeypatch):
+    """The small config meets the full model's inner and outer work in groups of two sizes
+    (two families each): one client's operations are counted once per work, and every family
+    of it takes its side from that count."""
+    import radbo.simulation.auto as auto
+
+    counted: list[int] = []
+
+    def spy(run):
+        counted.append(1)
+        return operation_size(run)
+
+    monkeypatch.setattr(auto, "operation_size", spy)
+    backend = AutoBackend()
+    trajectory(dict(rounds=3), backend)
+    assert len(counted) == len(backend.sizes)
+    assert {kind(f) for f in backend.plan} == backend.sizes.keys()
+    assert len(backend.plan) > len(backend.sizes)  # some work met at two group sizes
+    for family, side in backend.plan.items():
+        flops, operations = backend.sizes[kind(family)]
+        assert side == ("stacked" if flops <= CPU_MAX_FLOPS_PER_OP * operations else "one_by_one")
 
 
 def test_on_a_gpu_every_family_stacks_without_counting(monkeypatch):
@@ -241,9 +270,8 @@ def test_on_a_gpu_every_family_stacks_without_counting(monkeypatch):
 
 
 def test_family_names_bucket_the_group_size():
-    work = trajectory  # any callable with a qualname stands in for ClientWork.run here
-    names = {
-        AutoBackend.family(type("W", (), {"run": work})(), ("k",), n)  # type: ignore[arg-type]
-        for n in (8, 9, 15)
-    }
+    work = type("W", (), {"run": trajectory})()  # any callable with a qualname stands in
+    names = {AutoBackend.family(work, ("k",), n) for n in (8, 9, 15)}  # type: ignore[arg-type]
     assert names == {"trajectory ('k',) x8"}
+    assert AutoBackend.work_kind(work, ("k",)) == "trajectory ('k',)"  # type: ignore[arg-type]
+    assert kind("trajectory ('k',) x8") == "trajectory ('k',)"
