@@ -17,9 +17,10 @@
 # step cannot starve the rest; a step's output goes to $OUT/session.log and to the terminal,
 # tables and figures to $OUT. STEPS (a comma list) picks the steps; the default,
 # test_cuda,compile,gpu,profile, has limits summing to 590 s (compile has not run on a GPU
-# yet); scatter, graphs (300 s), graphs_steps (120 s), vs_pfl, fd_batch and fewshot
-# (measured already: BENCHMARKS.md) run when named. A command runs at most 600 s on a lent
-# machine: STEPS=test_cuda,graphs first, then graphs_steps,vs_pfl where time is left.
+# yet); scatter, graphs (300 s), graphs_steps (120 s), vs_pfl, workers (180 s), fd_batch and
+# fewshot (measured already: BENCHMARKS.md) run when named. A command runs at most 600 s on a
+# lent machine: STEPS=test_cuda,graphs first, then graphs_steps,vs_pfl,workers where time is
+# left.
 set -u
 OUT=${OUT:-runs/device}
 SCALE=${STEP_SCALE:-1}
@@ -95,6 +96,12 @@ if $PY -c "import pfl" 2>/dev/null; then
         --backends sequential,batched,batched:cuda_graphs --venv /tmp/pflv --data /tmp/vs_pfl_data \
         --out "$OUT/vs_pfl.md"
 fi
+
+# item 1: the process backend where the CPUs do not bound it (this machine's 2 cores allow
+# about 1.6x; BENCHMARKS.md, "Parallel clients"): a 1M-parameter MLP on 2 workers against 1
+# (target 1.7x), and what two busy processes give a client-sized workload at all
+step workers 90 env OMP_NUM_THREADS=1 $PY benchmarks/cpu_scaling.py
+step workers 90 env OMP_NUM_THREADS=1 $PY benchmarks/workers.py --hidden 1000 1000 --rounds 9
 
 # issue 31: the paper-size few-shot run, a few rounds of each row (seconds per run)
 if [ -d .data/omniglot-small ]; then

@@ -178,7 +178,12 @@ def test_the_device_script_parses_and_names_scripts_that_exist():
     limits: dict[str, int] = {}
     for name, limit in re.findall(r"^\s*step (\w+) (\d+) ", path.read_text(), re.MULTILINE):
         limits[name] = limits.get(name, 0) + int(limit)
-    for combination in ("test_cuda,compile,gpu,profile", "test_cuda,graphs", "graphs_steps,vs_pfl"):
+    combinations = (
+        "test_cuda,compile,gpu,profile",
+        "test_cuda,graphs",
+        "graphs_steps,vs_pfl,workers",
+    )
+    for combination in combinations:
         assert sum(limits[name] for name in combination.split(",")) <= 590, (combination, limits)
 
 
