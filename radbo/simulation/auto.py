@@ -38,6 +38,18 @@ timings in :attr:`timings`) and in the engine's checkpoint state (:meth:`state_d
 resumed run makes the same choices as the uninterrupted one, and a plan can be given
 (``AutoBackend(plan=...)``) to repeat another run's choices exactly.
 
+**A stack that does not fit.** On a GPU every family stacks, and a large model's cohort can
+need more device memory than one client's work. Where stacking a group raises
+``torch.OutOfMemoryError``, the group runs in consecutive chunks of half that many clients,
+halved again until a chunk fits (a chunk of one client runs alone, as one by one does; one
+client that does not fit raises as it would on any backend). The largest chunk that fitted is
+the family's limit from then on (:attr:`AutoBackend.limits`, in checkpoints too), so later
+groups of the family are chunked without failing first, and a resumed run chunks as the
+uninterrupted one did. Client work is pure given its draws (made before, from each task's
+generator), so a failed attempt changes nothing: the chunked results are what
+``BatchedBackend(max_group=limit)`` computes. Where the memory runs out depends on the
+device, so a smaller GPU may chunk, and round float32, differently from a larger one.
+
 **Results.** One by one is the sequential backend exactly; stacked equals it to the rounding of
 the stacked kernels (:mod:`radbo.simulation.batched`): float64 runs agree to 1e-12 relative,
 float32 runs in the last bits; counts, bytes, FLOPs and the ledger are always the sequential
@@ -139,6 +151,8 @@ class AutoBackend:
         sizes: work -> ``(flops, operations)`` of one client's work as counted
             (``"size"``; :func:`operation_size`), once per work whatever the group size
             (:meth:`work_kind`: the family's name without its group size).
+        limits: family -> the most clients stacked at once, set where a larger stack ran out
+            of device memory (module doc; ``torch.OutOfMemoryError``).
         min_group: groups smaller than this always run one client at a time (default 2).
         clock: the timer (``time.perf_counter``; a test passes its own).
     """
@@ -148,6 +162,7 @@ class AutoBackend:
     plan: dict[str, Side] = field(default_factory=dict)
     timings: dict[str, tuple[float, float]] = field(default_factory=dict)
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)
     min_group: int = 2
     clock: Callable[[], float] = time.perf_counter
     _seen: set[str] = field(default_factory=set, init=False, repr=False)
@@ -165,6 +180,7 @@ class AutoBackend:
         if limit is not None and not limit >= 0:
             raise ValueError(f"AutoBackend.max_flops_per_op must be >= 0, got {limit}")
         self._check_plan(self.plan)
+        self.limits = _checked_limits(self.limits)
 
     @staticmethod
     def _check_plan(plan: Mapping[str, Any]) -> None:
@@ -225,14 +241,14 @@ class AutoBackend:
             kind = self.work_kind(work, key)
             side = self.plan[family] = self._by_size(kind, work, runtime, tasks[0], prepared[0])
         if side == "stacked":
-            return work.run(runtime, Cohort.stack(tasks, prepared))
+            return self._stacked(work, runtime, family, tasks, prepared)
         if side == "one_by_one":
             return _one_by_one(work, runtime, tasks, prepared)
         if family not in self._seen:  # warm-up: kernels, caches, the meter's first count
             self._seen.add(family)
             return _one_by_one(work, runtime, tasks, prepared)
         start = self._now()
-        work.run(runtime, Cohort.stack(tasks, prepared))
+        self._stacked(work, runtime, family, tasks, prepared)
         middle = self._now()
         results = _one_by_one(work, runtime, tasks, prepared)
         end = self._now()
@@ -246,6 +262,38 @@ class AutoBackend:
             single,
             self.plan[family],
         )
+        return results
+
+    def _stacked(
+        self,
+        work: ClientWork,
+        runtime: ClientRuntime,
+        family: str,
+        tasks: Sequence[ClientTask],
+        prepared: Sequence[Prepared],
+    ) -> list[ClientResult]:
+        """The group stacked, in consecutive chunks of at most the family's limit, the limit
+        halved where a chunk runs out of device memory (module doc)."""
+        results: list[ClientResult] = []
+        while len(results) < len(tasks):
+            start = len(results)
+            end = start + self.limits.get(family, len(tasks))
+            group, draws = tasks[start:end], prepared[start:end]
+            if len(group) < self.min_group:
+                results += _one_by_one(work, runtime, group, draws)
+                continue
+            ran = _fitting(work, runtime, group, draws)
+            if ran is None:  # the attempt's tensors are freed once _fitting has returned
+                self.limits[family] = len(group) // 2
+                LOG.warning(
+                    "auto backend: %s: %d clients stacked ran out of device memory; stacking "
+                    "at most %d from now on",
+                    family,
+                    len(group),
+                    self.limits[family],
+                )
+                continue
+            results += ran
         return results
 
     def _by_size(
@@ -293,22 +341,27 @@ class AutoBackend:
             "plan": dict(self.plan),
             "timings": {k: list(v) for k, v in self.timings.items()},
             "sizes": {k: list(v) for k, v in self.sizes.items()},
+            "limits": dict(self.limits),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (``ValueError`` when it is not one). A state
         saved before :attr:`sizes` was kept per work (its keys are families, with the group
         size) loads too: its plan is followed, and a work met in a new group size is counted
-        again, as that version did."""
+        again, as that version did; a state saved before :attr:`limits` existed has none."""
         plan = state.get("plan") if isinstance(state, Mapping) else None
         timings = state.get("timings", {}) if isinstance(state, Mapping) else None
         sizes = state.get("sizes", {}) if isinstance(state, Mapping) else None
+        limits = state.get("limits", {}) if isinstance(state, Mapping) else None
         if (
             not isinstance(plan, Mapping)
             or not isinstance(timings, Mapping)
             or not isinstance(sizes, Mapping)
+            or not isinstance(limits, Mapping)
         ):
-            raise ValueError("an auto backend state holds a 'plan', 'timings' and 'sizes' mapping")
+            raise ValueError(
+                "an auto backend state holds a 'plan', 'timings', 'sizes' and 'limits' mapping"
+            )
         self._check_plan(plan)
         try:
             times = {str(k): (float(v[0]), float(v[1])) for k, v in timings.items()}
@@ -320,9 +373,35 @@ class AutoBackend:
             if not (isinstance(v, list | tuple) and len(v) == 2 and all(map(is_count, v))):
                 raise ValueError(f"an auto backend state's sizes are pairs of counts: {short(v)}")
             counts[str(k)] = (v[0], v[1])
+        largest = _checked_limits(limits)
         self.plan = dict(plan)
         self.timings = times
         self.sizes = counts
+        self.limits = largest
+
+
+def _checked_limits(limits: Mapping[Any, Any]) -> dict[str, int]:
+    """``limits`` as a dict, each a count of at least 1 (``ValueError`` otherwise)."""
+    bad = [v for v in limits.values() if not (is_count(v) and v >= 1)]
+    if bad:
+        raise ValueError(f"an auto backend's limits are counts of at least 1: {short(bad[0])}")
+    return {str(k): int(v) for k, v in limits.items()}
+
+
+def _fitting(
+    work: ClientWork,
+    runtime: ClientRuntime,
+    tasks: Sequence[ClientTask],
+    prepared: Sequence[Prepared],
+) -> list[ClientResult] | None:
+    """The tasks' results as one stacked cohort, or ``None`` where it ran out of device memory
+    (``torch.OutOfMemoryError``: CUDA's and other accelerators'; a CPU allocation that fails
+    raises another error). The attempt's tensors are released when this returns, with the
+    exception's frames."""
+    try:
+        return work.run(runtime, Cohort.stack(tasks, prepared))
+    except torch.OutOfMemoryError:
+        return None
 
 
 def _one_by_one(

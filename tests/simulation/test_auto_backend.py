@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from radbo.client import Cohort
 from radbo.config import RuntimeConfig
 from radbo.experiment import build
 from radbo.simulation import AutoBackend, BatchedBackend
@@ -127,11 +128,14 @@ def test_the_plan_is_in_the_engine_state_and_restored(choose):
     "state, message",
     [
         ({"plan": {"f": "sideways"}, "timings": {}}, "'stacked' or 'one_by_one'"),
-        ({"plan": [], "timings": {}}, "a 'plan', 'timings' and 'sizes' mapping"),
+        ({"plan": [], "timings": {}}, "a 'plan', 'timings', 'sizes' and 'limits' mapping"),
         ({"plan": {}, "timings": {"f": [1.0]}}, "pairs of seconds"),
         ({"plan": {}, "sizes": {"f": [1.5, 2]}}, "pairs of counts"),
         ({"plan": {}, "sizes": {"f": [True, 2]}}, "pairs of counts"),
-        ({"plan": {}, "sizes": []}, "'sizes' mapping"),
+        ({"plan": {}, "sizes": []}, "'sizes' and 'limits' mapping"),
+        ({"plan": {}, "limits": []}, "'sizes' and 'limits' mapping"),
+        ({"plan": {}, "limits": {"f": 0}}, "counts of at least 1"),
+        ({"plan": {}, "limits": {"f": 2.0}}, "counts of at least 1"),
     ],
 )
 def test_a_bad_saved_state_is_refused_and_leaves_the_engine_as_it_was(state, message):
@@ -152,6 +156,8 @@ def test_settings_are_checked():
         AutoBackend(max_flops_per_op=float("nan"))
     with pytest.raises(ValueError, match="'stacked' or 'one_by_one'"):
         AutoBackend(plan={"f": "both"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="counts of at least 1"):
+        AutoBackend(limits={"f": 0})
 
 
 def test_auto_backend_from_the_config():
@@ -275,3 +281,93 @@ def test_family_names_bucket_the_group_size():
     assert names == {"trajectory ('k',) x8"}
     assert AutoBackend.work_kind(work, ("k",)) == "trajectory ('k',)"  # type: ignore[arg-type]
     assert kind("trajectory ('k',) x8") == "trajectory ('k',)"
+
+
+# -- a stack that does not fit in the device's memory -----------------------------------------
+
+
+@pytest.fixture
+def device_fits(monkeypatch):
+    """``device_fits(n)``: stacking more than ``n`` clients raises ``torch.OutOfMemoryError``,
+    as a GPU whose memory holds ``n`` clients' work would; the returned list records the
+    sizes of the stacks that failed."""
+    failed: list[int] = []
+
+    def fits(n: int) -> list[int]:
+        original = Cohort.stack.__func__  # type: ignore[attr-defined]
+
+        def stack(cls, tasks, prepared):
+            if len(tasks) > n:
+                failed.append(len(tasks))
+                raise torch.OutOfMemoryError(f"{len(tasks)} clients do not fit")
+            return original(cls, tasks, prepared)
+
+        monkeypatch.setattr(Cohort, "stack", classmethod(stack))
+        return failed
+
+    return fits
+
+
+def test_a_stack_that_runs_out_of_memory_is_halved_until_it_fits(device_fits, caplog):
+    """The full-model fleet's groups of 10, 8 and 9 clients are one family per phase. On a
+    device that holds 4 clients the first group fails at 10 and at 5, and runs in chunks of 2;
+    the later groups are chunked from the start. So the run is the batched backend's with
+    ``max_group = 2`` bit for bit, and it failed twice per family."""
+    failed = device_fits(4)
+    backend = AutoBackend()
+    with caplog.at_level("WARNING", logger="radbo.simulation.auto"):
+        auto = trajectory(FULL, backend)
+    assert failed == [10, 5, 10, 5]
+    assert set(backend.plan.values()) == {"stacked"} and len(backend.plan) == 2
+    assert backend.limits == dict.fromkeys(backend.plan, 2)
+    assert sum("ran out of device memory" in r.getMessage() for r in caplog.records) == 4
+    chunked = trajectory(FULL, BatchedBackend(max_group=2))
+    for (sa, ra), (sb, rb) in zip(chunked, auto, strict=True):
+        assert_same_state(sa, sb)
+        assert ra.ledger == rb.ledger and ra.metrics == rb.metrics
+
+
+def test_where_no_two_clients_fit_every_client_runs_alone_as_sequential(device_fits):
+    """float32, the masked demo fleet: every stack fails until the limit is 1, and each client
+    then runs alone, the sequential backend bit for bit."""
+    failed = device_fits(1)
+    backend = AutoBackend()
+    auto = trajectory(dict(rounds=3), backend)
+    assert failed and set(backend.limits.values()) == {1}
+    assert backend.limits.keys() == backend.plan.keys()
+    for (sa, ra), (sb, rb) in zip(trajectory(dict(rounds=3)), auto, strict=True):
+        assert_same_state(sa, sb)
+        assert ra.ledger == rb.ledger
+
+
+def test_one_client_that_does_not_fit_raises(monkeypatch):
+    def single(cls, task, prepared):
+        raise torch.OutOfMemoryError("one client does not fit")
+
+    monkeypatch.setattr(Cohort, "single", classmethod(single))
+    with pytest.raises(torch.OutOfMemoryError, match="one client"):
+        trajectory(FULL, AutoBackend(limits={}, plan={}, min_group=1000))
+
+
+def test_the_limits_are_in_the_engine_state_and_a_resumed_run_chunks_as_before(device_fits):
+    """Saved after round 1 and restored into a fresh engine, the limits chunk the later
+    groups without another failure; the resumed run is the uninterrupted one bitwise."""
+    failed = device_fits(4)
+    exp = build(small_config(**FULL))
+    exp.simulation.backend = AutoBackend()
+    whole = list(exp.simulation.iterate(exp.initial_state, 3))
+    assert failed == [10, 5, 10, 5]
+    first = build(small_config(**FULL))
+    first.simulation.backend = AutoBackend()
+    state, record = first.simulation.step(first.initial_state, 0)
+    tensors, data = first.simulation.state_dict()
+    assert data["backend"]["limits"] == first.simulation.backend.limits != {}
+    fresh = build(small_config(**FULL))
+    fresh.simulation.backend = AutoBackend()
+    fresh.simulation.load_state_dict(tensors, data)
+    failed.clear()
+    resumed = list(fresh.simulation.iterate(state, 2, start_round=1, clock_s=record.clock_s))
+    assert failed == []
+    for (sa, ra), (sb, rb) in zip(whole[1:], resumed, strict=True):
+        assert_same_state(sa, sb)
+        assert ra.ledger == rb.ledger
