@@ -17,13 +17,15 @@ CPU kernels are no measure of it: PyTorch's seeded ``uniform_`` and ``randn`` di
 last float32 bit between the default and AVX2 kernels, so such runs start 7e-9 apart.) These
 tests skip without a GPU (CI has none) and carry the ``float_sensitive`` marker for machines
 that have one. Last run on a GPU on 2026-11-28, a lent H200 (torch 2.11.0+cu130): 25 passed,
-1 skipped (the no-GPU check) in 55 s (BENCHMARKS.md, section GPU), before the test of
-``[runtime] cuda_graphs`` (the last test here) was written: that one has not run on a GPU.
+1 skipped (the no-GPU check) in 55 s (BENCHMARKS.md, section GPU), before the tests of
+``[runtime] cuda_graphs`` and of ``auto`` running out of memory (the last two here) were
+written: those have not run on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -348,3 +350,45 @@ def test_cuda_graphs_replay_rabos_phases_like_the_eager_run(monkeypatch, estimat
             assert float((t - other).abs().max()) <= tol, f"{block}/{name}"
     for key in ("flops", "bytes_up", "bytes_down", "sim_time_s"):
         assert eager.totals[key] == graphed.totals[key], key
+
+
+@pytest.mark.float_sensitive
+@needs_cuda
+def test_auto_chunks_a_stack_that_runs_out_of_gpu_memory():
+    """``auto`` (which stacks every family on a GPU) under a memory cap halfway between a
+    round's peak one client at a time and its peak with every group stacked: the stacks that
+    do not fit raise ``torch.OutOfMemoryError``, are halved until they fit (``limits``), and
+    the round equals the CPU's sequential round up to rounding, as every GPU run here does.
+    The cap is ``torch.cuda.set_per_process_memory_fraction`` on the reserved memory; a wide
+    MLP (2048 x 2048 hidden, 4.3 M numbers per client, float64) makes the two peaks hundreds
+    of MB apart. Written without a GPU to run it on (2026-12-07)."""
+    from radbo.experiment import build
+    from radbo.simulation import AutoBackend, BatchedBackend
+
+    wide = {"model": {"name": "mlp", "hidden": [2048, 2048]}, "rounds": 1, **FULL}
+
+    def round_on(device: str, backend: Any) -> tuple[Any, int]:
+        """The state after round 0 with ``backend``, and the peak reserved GPU memory."""
+        gc.collect()  # the previous round's engine, held in reference cycles
+        torch.cuda.empty_cache()
+        exp = build(_config(device, **wide))
+        exp.simulation.backend = backend
+        torch.cuda.reset_peak_memory_stats()
+        state, _ = exp.simulation.step(exp.initial_state, 0)
+        return state, torch.cuda.max_memory_reserved()
+
+    _, one = round_on("cuda", BatchedBackend(max_group=1))
+    _, stacked = round_on("cuda", BatchedBackend())
+    if stacked - one < 256 << 20:
+        pytest.skip(f"the stacked round needs only {(stacked - one) >> 20} MB more to cap")
+    total = torch.cuda.get_device_properties(0).total_memory
+    backend = AutoBackend()
+    try:
+        torch.cuda.set_per_process_memory_fraction((one + (stacked - one) // 2) / total)
+        chunked, _ = round_on("cuda", backend)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert backend.limits and set(backend.plan.values()) == {"stacked"}
+    reference = run(_config("cpu", **wide), progress=False, save=False)
+    _states_close(reference.state, chunked)
