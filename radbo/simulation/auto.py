@@ -349,10 +349,11 @@ class AutoBackend:
         saved before :attr:`sizes` was kept per work (its keys are families, with the group
         size) loads too: its plan is followed, and a work met in a new group size is counted
         again, as that version did; a state saved before :attr:`limits` existed has none."""
-        plan = state.get("plan") if isinstance(state, Mapping) else None
-        timings = state.get("timings", {}) if isinstance(state, Mapping) else None
-        sizes = state.get("sizes", {}) if isinstance(state, Mapping) else None
-        limits = state.get("limits", {}) if isinstance(state, Mapping) else None
+        state = state if isinstance(state, Mapping) else {}  # no plan: refused below
+        plan = state.get("plan")
+        timings = state.get("timings", {})
+        sizes = state.get("sizes", {})
+        limits = state.get("limits", {})
         if (
             not isinstance(plan, Mapping)
             or not isinstance(timings, Mapping)

@@ -40,6 +40,7 @@ from radbo.masks import LeadingPolicy, StructurePlan
 from radbo.masks.assigner import SubmodelAssigner
 from radbo.simulation import AutoBackend, BatchedBackend
 from tests.helpers import Recorder, assert_same_state, state_tensors, unclocked_rows
+from tests.simulation.test_auto_backend import kind
 
 BASE: dict[str, Any] = {
     "seed": 3,
@@ -424,7 +425,7 @@ def test_the_default_auto_backend_stacks_small_work_as_the_batched_backend(case:
     assert_bitwise(trajectory(cfg, backend=BatchedBackend()), auto)
     assert set(backend.plan.values()) == {"stacked"}, backend.plan
     # one count per client work, whatever its group sizes (a family's name adds the size)
-    assert backend.sizes.keys() == {family.rsplit(" x", 1)[0] for family in backend.plan}
+    assert backend.sizes.keys() == {kind(family) for family in backend.plan}
 
 
 @pytest.mark.parametrize("case", CASES)
