@@ -223,3 +223,13 @@ def test_the_operation_diff_lists_both_backends_side_by_side():
     for _, seq, bat, diff in rows:
         # three numbers each rounded to 0.1 ms: at most 3 x 0.05 apart
         assert abs(float(bat) - float(seq) - float(diff)) <= 0.15 + 1e-9
+
+
+def test_the_auto_first_rounds_benchmark_counts_each_work_once():
+    """``benchmarks/auto_first_rounds.py --rounds 2``: the demo on ``auto`` plans more
+    families than it counts client works (a work met in two group sizes is counted once)."""
+    out = run_script("benchmarks/auto_first_rounds.py", "--rounds", "2")
+    found = re.search(r"families planned: (\d+); client works counted: (\d+)", out)
+    assert found, out
+    families, works = map(int, found.groups())
+    assert 0 < works < families, out
