@@ -61,18 +61,26 @@ radbo's ratio by about 1 %.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py --rounds 6 --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py --device cuda
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py --quick --skip-pfl
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_pfl.py --rounds 4 --profile 25 \\
+        --backends sequential:channels_last
 
 ``--quick`` is a tiny size (40 clients, 4 per round, 3 rounds, 1 repetition) for a smoke test;
 ``--skip-pfl`` runs the radbo side only (no virtual environment is made). Writes the table and
-the command to ``--out`` (default ``runs/bench/vs_pfl.md``).
+the command to ``--out`` (default ``runs/bench/vs_pfl.md``). ``--profile TOP`` compares
+nothing: it runs each radbo side in this process, the last round under ``cProfile`` (this
+process's functions only: the ``processes`` backend's workers are not seen), and prints the
+``TOP`` functions by own time beside the floor of a round (:func:`profile_sides`).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import shlex
 import statistics
 import subprocess
@@ -282,7 +290,7 @@ def radbo_config(
     }
 
 
-def radbo_side(
+def build_side(
     data: Path,
     backend: str,
     *,
@@ -293,12 +301,10 @@ def radbo_side(
     workers: int = 2,
     memory_format: str = "contiguous",
     cuda_graphs: bool = False,
-) -> dict[str, Any]:
-    """Build radbo's FedAvg run for ``backend`` (``[runtime] memory_format``:
-    ``memory_format``, ``[runtime] cuda_graphs``: ``cuda_graphs``) in this process, run
-    ``rounds`` rounds of :meth:`Simulation.step` and return the seconds of each and the median
-    of rounds 1.. Freed memory is kept for reuse first
-    (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default."""
+) -> tuple[Any, Any]:
+    """radbo's FedAvg run for ``backend`` built in this process (one intra-op thread, freed
+    memory kept for reuse first, :func:`radbo.allocator.retain_freed_memory`, as ``radbo
+    run`` does by default): its :class:`~radbo.simulation.Simulation` and initial state."""
     from radbo.allocator import retain_freed_memory
     from radbo.config import parse_config
     from radbo.experiment import build
@@ -313,15 +319,53 @@ def radbo_side(
     if config.runtime.allocator == "retain":  # as radbo.run does (the default)
         retain_freed_memory()
     exp = build(config)
-    sim, state = exp.simulation, exp.initial_state
+    return exp.simulation, exp.initial_state
+
+
+def radbo_side(
+    data: Path,
+    backend: str,
+    *,
+    clients: int,
+    per_round: int,
+    rounds: int,
+    device: str = "cpu",
+    workers: int = 2,
+    memory_format: str = "contiguous",
+    cuda_graphs: bool = False,
+    profile_top: int = 0,
+) -> dict[str, Any]:
+    """Build radbo's FedAvg run for ``backend`` (``[runtime] memory_format``:
+    ``memory_format``, ``[runtime] cuda_graphs``: ``cuda_graphs``; :func:`build_side`), run
+    ``rounds`` rounds of :meth:`Simulation.step` and return the seconds of each and the median
+    of rounds 1.. With ``profile_top`` > 0 the last round runs under ``cProfile`` (its time
+    is then left out of the median) and ``"profile"`` holds the ``profile_top`` functions with
+    the most own time: where the round's time goes beyond the floor's arithmetic."""
+    sim, state = build_side(
+        data,
+        backend,
+        clients=clients,
+        per_round=per_round,
+        rounds=rounds,
+        device=device,
+        workers=workers,
+        memory_format=memory_format,
+        cuda_graphs=cuda_graphs,
+    )
     cuda = device.startswith("cuda")
     seconds = []
+    profiler = cProfile.Profile() if profile_top > 0 else None
     try:
         for q in range(rounds):
+            profiled = profiler is not None and q == rounds - 1
             start = time.perf_counter()
+            if profiled:
+                profiler.enable()
             state, record = sim.step(state, q)
             if cuda:
                 torch.cuda.synchronize()
+            if profiled:
+                profiler.disable()
             seconds.append(time.perf_counter() - start)
             if len(record.clients) != per_round:
                 raise RuntimeError(f"round {q} ran {len(record.clients)} clients, not {per_round}")
@@ -329,8 +373,9 @@ def radbo_side(
         close = getattr(sim.backend, "close", None)
         if callable(close):
             close()
-    steady = seconds[1:] or seconds
-    return {
+    timed = seconds[:-1] if profiler is not None and rounds > 1 else seconds
+    steady = timed[1:] or timed
+    result = {
         "side": "radbo",
         "backend": backend,
         "memory_format": memory_format,
@@ -340,6 +385,11 @@ def radbo_side(
         "round_s": seconds,
         "s_per_round": statistics.median(steady),
     }
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(profile_top)
+        result["profile"] = out.getvalue()
+    return result
 
 
 # ------------------------------------------------------------------------- the floor
@@ -478,6 +528,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--floor-compiled", action="store_true", help="also the floor with torch.compile"
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="instead of the comparison: each radbo side in this process, its last round "
+        "under cProfile, the TOP functions by own time beside the floor",
+    )
     parser.add_argument("--side", choices=["radbo"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:  # the tiny size, where a flag does not say otherwise
@@ -488,6 +546,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for key, value in FULL_SIZE.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.profile < 0:
+        parser.error("--profile must be >= 0")
     if min(args.clients, args.per_round, args.rounds, args.repeats, args.workers) < 1:
         parser.error("--clients, --per-round, --rounds, --repeats and --workers must be >= 1")
     if args.per_round > args.clients:
@@ -517,6 +577,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def profile_sides(data: Path, args: argparse.Namespace) -> str:
+    """``--profile TOP``: for each side of ``--backends``, the plain-PyTorch floor of a round
+    (in the side's image layout) before and after the side, built in this process
+    (:func:`radbo_side`) with its last round under ``cProfile``; the round times and the
+    ``TOP`` functions by own time, as text. One process, no alternation and no pfl: a map of
+    where radbo's round spends its time beyond the floor, not a comparison."""
+    parts = []
+    floor_seconds(args.per_round, args.device)  # warm-up: a fresh process's first is slower
+    for side in args.backends:
+        backend, memory_format, graphs = side_parts(side)
+        layout = torch.channels_last if memory_format == "channels_last" else None
+        fmt = layout or torch.contiguous_format
+        floor = [floor_seconds(args.per_round, args.device, memory_format=fmt)]
+        result = radbo_side(
+            data,
+            backend,
+            clients=args.clients,
+            per_round=args.per_round,
+            rounds=args.rounds,
+            device=args.device,
+            workers=args.workers,
+            memory_format=memory_format,
+            cuda_graphs=graphs,
+            profile_top=args.profile,
+        )
+        floor.append(floor_seconds(args.per_round, args.device, memory_format=fmt))
+        rounds = ", ".join(f"{s:.2f}" for s in result["round_s"])
+        parts.append(
+            f"## radbo {side}: {result['s_per_round']:.3f} s per steady round (rounds: "
+            f"{rounds}; the last profiled), floor {floor[0]:.3f} s per round before it and "
+            f"{floor[1]:.3f} s after"
+            f"{' (channels-last)' if layout is not None else ''}, {device_name(args.device)}\n"
+            f"{result['profile']}"
+        )
+    return "\n".join(parts)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     data = Path(args.data)
@@ -535,6 +632,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 cuda_graphs=graphs,
             )
             print(json.dumps(result), flush=True)
+        return
+    if args.profile:
+        write_data(data, args.clients, args.seed)
+        print(profile_sides(data, args))
         return
     python = None if args.skip_pfl else ensure_pfl_venv(Path(args.venv))
     write_data(data, args.clients, args.seed)

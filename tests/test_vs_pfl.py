@@ -159,3 +159,32 @@ def test_the_floor_may_be_measured_with_the_model_compiled():
     assert "channels-last" not in text
     without_pfl = vs_pfl.table([], {"sequential": [1.5]}, [1.0], "cpu", 2)
     assert "| radbo sequential | 1.50 | | 1.50x |" in without_pfl
+
+
+def test_profile_maps_a_sides_round_beside_the_floor(tmp_path, capsys):
+    """``--profile TOP`` compares nothing: each side's last round under cProfile, its TOP
+    functions by own time, with the floor measured before and after the side."""
+    vs_pfl = load_script()
+    args = vs_pfl.parse_args(
+        ["--clients", "4", "--per-round", "2", "--rounds", "2", "--profile", "5"]
+        + ["--backends", "sequential:channels_last", "--data", str(tmp_path / "data")]
+    )
+    vs_pfl.write_data(Path(args.data), args.clients)
+    text = vs_pfl.profile_sides(Path(args.data), args)
+    head = text.splitlines()[0]
+    assert head.startswith("## radbo sequential:channels_last: ")
+    assert "the last profiled), floor " in head and "(channels-last)" in head
+    assert "Ordered by: internal time" in text and "due to restriction <5>" in text
+    result = vs_pfl.radbo_side(
+        Path(args.data), "sequential", clients=4, per_round=2, rounds=3, profile_top=3
+    )
+    assert len(result["round_s"]) == 3
+    # the profiled last round is left out of the median of the steady rounds
+    assert result["s_per_round"] == result["round_s"][1]
+    assert "restriction <3>" in result["profile"]
+    assert "profile" not in vs_pfl.radbo_side(
+        Path(args.data), "sequential", clients=4, per_round=2, rounds=2
+    )
+    with pytest.raises(SystemExit):
+        vs_pfl.parse_args(["--profile", "-1"])
+    assert "--profile must be >= 0" in capsys.readouterr().err
