@@ -290,38 +290,6 @@ def radbo_config(
     }
 
 
-def build_side(
-    data: Path,
-    backend: str,
-    *,
-    clients: int,
-    per_round: int,
-    rounds: int,
-    device: str = "cpu",
-    workers: int = 2,
-    memory_format: str = "contiguous",
-    cuda_graphs: bool = False,
-) -> tuple[Any, Any]:
-    """radbo's FedAvg run for ``backend`` built in this process (one intra-op thread, freed
-    memory kept for reuse first, :func:`radbo.allocator.retain_freed_memory`, as ``radbo
-    run`` does by default): its :class:`~radbo.simulation.Simulation` and initial state."""
-    from radbo.allocator import retain_freed_memory
-    from radbo.config import parse_config
-    from radbo.experiment import build
-
-    torch.set_num_threads(1)
-    register_model()
-    config = parse_config(
-        radbo_config(
-            data, backend, clients, per_round, rounds, device, workers, memory_format, cuda_graphs
-        )
-    )
-    if config.runtime.allocator == "retain":  # as radbo.run does (the default)
-        retain_freed_memory()
-    exp = build(config)
-    return exp.simulation, exp.initial_state
-
-
 def radbo_side(
     data: Path,
     backend: str,
@@ -336,22 +304,28 @@ def radbo_side(
     profile_top: int = 0,
 ) -> dict[str, Any]:
     """Build radbo's FedAvg run for ``backend`` (``[runtime] memory_format``:
-    ``memory_format``, ``[runtime] cuda_graphs``: ``cuda_graphs``; :func:`build_side`), run
+    ``memory_format``, ``[runtime] cuda_graphs``: ``cuda_graphs``) in this process, run
     ``rounds`` rounds of :meth:`Simulation.step` and return the seconds of each and the median
-    of rounds 1.. With ``profile_top`` > 0 the last round runs under ``cProfile`` (its time
-    is then left out of the median) and ``"profile"`` holds the ``profile_top`` functions with
-    the most own time: where the round's time goes beyond the floor's arithmetic."""
-    sim, state = build_side(
-        data,
-        backend,
-        clients=clients,
-        per_round=per_round,
-        rounds=rounds,
-        device=device,
-        workers=workers,
-        memory_format=memory_format,
-        cuda_graphs=cuda_graphs,
+    of rounds 1.. Freed memory is kept for reuse first
+    (:func:`radbo.allocator.retain_freed_memory`), as ``radbo run`` does by default. With
+    ``profile_top`` > 0 the last round runs under ``cProfile`` (its time is then left out of
+    the median) and ``"profile"`` holds the ``profile_top`` functions with the most own time:
+    where the round's time goes beyond the floor's arithmetic."""
+    from radbo.allocator import retain_freed_memory
+    from radbo.config import parse_config
+    from radbo.experiment import build
+
+    torch.set_num_threads(1)
+    register_model()
+    config = parse_config(
+        radbo_config(
+            data, backend, clients, per_round, rounds, device, workers, memory_format, cuda_graphs
+        )
     )
+    if config.runtime.allocator == "retain":  # as radbo.run does (the default)
+        retain_freed_memory()
+    exp = build(config)
+    sim, state = exp.simulation, exp.initial_state
     cuda = device.startswith("cuda")
     seconds = []
     profiler = cProfile.Profile() if profile_top > 0 else None
@@ -577,6 +551,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def side_result(
+    data: Path, args: argparse.Namespace, side: str, profile_top: int = 0
+) -> dict[str, Any]:
+    """:func:`radbo_side` for ``side`` (``backend[:format][:cuda_graphs]``, :func:`side_parts`)
+    at the size, device and workers of ``args``."""
+    backend, memory_format, graphs = side_parts(side)
+    return radbo_side(
+        data,
+        backend,
+        clients=args.clients,
+        per_round=args.per_round,
+        rounds=args.rounds,
+        device=args.device,
+        workers=args.workers,
+        memory_format=memory_format,
+        cuda_graphs=graphs,
+        profile_top=profile_top,
+    )
+
+
 def profile_sides(data: Path, args: argparse.Namespace) -> str:
     """``--profile TOP``: for each side of ``--backends``, the plain-PyTorch floor of a round
     (in the side's image layout) before and after the side, built in this process
@@ -586,29 +580,17 @@ def profile_sides(data: Path, args: argparse.Namespace) -> str:
     parts = []
     floor_seconds(args.per_round, args.device)  # warm-up: a fresh process's first is slower
     for side in args.backends:
-        backend, memory_format, graphs = side_parts(side)
-        layout = torch.channels_last if memory_format == "channels_last" else None
-        fmt = layout or torch.contiguous_format
+        nhwc = side_parts(side)[1] == "channels_last"
+        fmt = torch.channels_last if nhwc else torch.contiguous_format
         floor = [floor_seconds(args.per_round, args.device, memory_format=fmt)]
-        result = radbo_side(
-            data,
-            backend,
-            clients=args.clients,
-            per_round=args.per_round,
-            rounds=args.rounds,
-            device=args.device,
-            workers=args.workers,
-            memory_format=memory_format,
-            cuda_graphs=graphs,
-            profile_top=args.profile,
-        )
+        result = side_result(data, args, side, profile_top=args.profile)
         floor.append(floor_seconds(args.per_round, args.device, memory_format=fmt))
         rounds = ", ".join(f"{s:.2f}" for s in result["round_s"])
         parts.append(
             f"## radbo {side}: {result['s_per_round']:.3f} s per steady round (rounds: "
             f"{rounds}; the last profiled), floor {floor[0]:.3f} s per round before it and "
             f"{floor[1]:.3f} s after"
-            f"{' (channels-last)' if layout is not None else ''}, {device_name(args.device)}\n"
+            f"{' (channels-last)' if nhwc else ''}, {device_name(args.device)}\n"
             f"{result['profile']}"
         )
     return "\n".join(parts)
@@ -619,19 +601,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     data = Path(args.data)
     if args.side == "radbo":  # a child: every backend asked for, one JSON line each
         for side in args.backends:
-            backend, memory_format, graphs = side_parts(side)
-            result = radbo_side(
-                data,
-                backend,
-                clients=args.clients,
-                per_round=args.per_round,
-                rounds=args.rounds,
-                device=args.device,
-                workers=args.workers,
-                memory_format=memory_format,
-                cuda_graphs=graphs,
-            )
-            print(json.dumps(result), flush=True)
+            print(json.dumps(side_result(data, args, side)), flush=True)
         return
     if args.profile:
         write_data(data, args.clients, args.seed)
